@@ -1,0 +1,18 @@
+"""Drafters, one file per method, all registered by name (see :func:`create`)."""
+from .base import REGISTRY, Draft, DraftContext, Drafter, StepResult, create, register
+from .draft_model import DraftModel, DraftModelSettings
+from .prompt_lookup import PromptLookup, PromptLookupSettings
+
+__all__ = [
+    "REGISTRY",
+    "Draft",
+    "DraftContext",
+    "Drafter",
+    "DraftModel",
+    "DraftModelSettings",
+    "PromptLookup",
+    "PromptLookupSettings",
+    "StepResult",
+    "create",
+    "register",
+]

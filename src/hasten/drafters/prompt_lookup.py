@@ -1,0 +1,83 @@
+"""Input-guided drafting (IAD, prompt lookup): copy what followed the latest earlier
+occurrence of the current suffix.
+
+Ge et al.'s Aggressive Decoding drafts from the input for tasks whose output restates
+it (grammar correction, editing, retrieval-augmented answers); prompt lookup decoding
+applies the same idea to any prompt. For an encoder-decoder target the encoder input
+(the text being corrected) is searched too.
+
+The n-gram tables are updated incrementally as tokens are committed, so a lookup costs
+O(max_ngram) whatever the context length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register, settings_from
+
+
+@dataclass(frozen=True)
+class PromptLookupSettings:
+    max_ngram: int = 3  # longest suffix tried first
+    min_ngram: int = 1  # shortest suffix accepted as a match
+    num_tokens: int = 10  # tokens copied after the match
+
+    def __post_init__(self) -> None:
+        if self.min_ngram < 1:
+            raise ValueError(f"min_ngram must be >= 1, got {self.min_ngram}")
+        if self.max_ngram < self.min_ngram:
+            raise ValueError(f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})")
+        if self.num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
+
+
+class NgramIndex:
+    """For each n, the latest end position of every n-gram that has a continuation."""
+
+    def __init__(self, sizes: range):
+        self.sizes = sizes
+        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
+        self.indexed = 0  # n-grams ending before this position are in the tables
+
+    def extend(self, tokens: list[int]) -> None:
+        # An n-gram ending at position e is usable only once tokens[e + 1] exists.
+        for end in range(self.indexed, len(tokens) - 1):
+            for n in self.sizes:
+                if end + 1 >= n:
+                    self.tables[n][tuple(tokens[end + 1 - n : end + 1])] = end
+        self.indexed = max(self.indexed, len(tokens) - 1)
+
+    def find(self, suffix: tuple[int, ...]) -> int | None:
+        return self.tables[len(suffix)].get(suffix)
+
+
+@register
+class PromptLookup(Drafter):
+    name = "prompt_lookup"
+    Settings = PromptLookupSettings
+
+    def __init__(self, settings: PromptLookupSettings | None = None, **kwargs):
+        self.settings = settings_from(PromptLookupSettings, settings, kwargs)
+        self._sizes = range(self.settings.max_ngram, self.settings.min_ngram - 1, -1)  # longest first
+
+    def begin(self, ctx: DraftContext) -> None:
+        self._history = NgramIndex(self._sizes)
+        self._source = NgramIndex(self._sizes)
+        self._source_tokens = list(ctx.source or [])
+        self._source.extend(self._source_tokens)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        tokens = ctx.tokens
+        self._history.extend(tokens)
+        count = min(self.settings.num_tokens, ctx.max_depth)
+        if count < 1:
+            return EMPTY_DRAFT
+        for n in self._sizes:
+            if n > len(tokens):
+                continue
+            suffix = tuple(tokens[-n:])
+            for index, text in ((self._history, tokens), (self._source, self._source_tokens)):
+                end = index.find(suffix)
+                if end is not None:
+                    return Draft.chain(text[end + 1 : end + 1 + count])
+        return EMPTY_DRAFT

@@ -1,0 +1,1 @@
+"""The decode engine: one loop, one verifier, one cache interface."""

@@ -1,0 +1,59 @@
+"""DecodeStats: what a generation cost, and how well the drafts did."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    steps: int = 0  # target forwards that produced tokens (prefill not counted)
+    new_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # draft tokens accepted, bonus excluded
+    drafted_at_depth: list[int] = field(default_factory=list)  # steps with a draft node at depth d + 1
+    accepted_at_depth: list[int] = field(default_factory=list)  # steps whose accepted path reached depth d + 1
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0  # target forward + acceptance + cache commit
+
+    def record(self, max_depth: int, drafted: int, accepted: int, committed: int) -> None:
+        self.steps += 1
+        self.new_tokens += committed
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        for counts, depth in ((self.drafted_at_depth, max_depth), (self.accepted_at_depth, accepted)):
+            counts.extend([0] * (depth - len(counts)))
+            for d in range(depth):
+                counts[d] += 1
+
+    @property
+    def mean_accepted(self) -> float:
+        """tau: new tokens per target forward, bonus included (1.0 for plain decoding)."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Fraction of steps that drafted position d + 1 and had it accepted."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_at_depth + [0] * len(self.drafted_at_depth), self.drafted_at_depth)]
+
+    @property
+    def total_seconds(self) -> float:
+        return self.prefill_seconds + self.draft_seconds + self.verify_seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.total_seconds if self.total_seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "new_tokens": self.new_tokens,
+            "mean_accepted": round(self.mean_accepted, 4),
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "prefill_seconds": round(self.prefill_seconds, 6),
+            "draft_seconds": round(self.draft_seconds, 6),
+            "verify_seconds": round(self.verify_seconds, 6),
+            "tokens_per_second": round(self.tokens_per_second, 3),
+        }

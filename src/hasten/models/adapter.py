@@ -1,0 +1,130 @@
+"""Adapters: one small interface over Hugging Face causal and encoder-decoder LMs.
+
+The decode loop only ever asks a model three things: start on a prompt, run a block of
+tokens (a chain or a tree) after the cached ones, and forget or compact cache entries.
+Everything model-specific (encoders, position ids, the 4D tree mask, which cache class)
+lives here, never in the loop.
+
+Cache invariant kept by the loop: the cache holds every committed token except the
+newest one, the *root*, which is fed at the start of the next block.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedModel
+
+from ..engine import cache as kv
+from ..engine.tree import TokenTree
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor  # [block, vocab] float32
+    hidden: torch.Tensor | None  # [block, hidden] last layer, when asked for
+
+
+def vocab_size(model: PreTrainedModel) -> int:
+    head = model.get_output_embeddings()
+    return int(head.weight.shape[0]) if head is not None else int(model.config.get_text_config().vocab_size)
+
+
+def model_name(model: PreTrainedModel) -> str:
+    return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+
+def decoder_start_token(model: PreTrainedModel) -> int:
+    start = model.generation_config.decoder_start_token_id
+    if start is None:
+        start = model.config.decoder_start_token_id
+    if start is None:
+        raise ValueError(f"model {model_name(model)!r} has no decoder_start_token_id")
+    return int(start)
+
+
+class ModelAdapter:
+    """Drives one model through one generation. Create a fresh adapter per generation."""
+
+    def __init__(self, model: PreTrainedModel):
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+        if getattr(model, "_is_stateful", False):
+            raise kv.CacheRollbackError(
+                f"model {model_name(model)!r} keeps recurrent state that cannot be rolled back; "
+                "speculative decoding would change its output"
+            )
+        self.model = model
+        self.encoder_decoder = bool(model.config.is_encoder_decoder)
+        self.vocab_size = vocab_size(model)
+        self.device = model.device
+        self.cache = kv.new_cache(self.encoder_decoder)
+        self._encoder_kwargs: dict = {}
+        self._checked = False
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    @torch.no_grad()
+    def start(self, input_ids: torch.Tensor) -> list[int]:
+        """Encode / prefill the prompt ([1, T]); return the committed tokens the decoder
+        side starts from (the prompt for a causal LM, the start token for seq2seq)."""
+        input_ids = input_ids.to(self.device)
+        if self.encoder_decoder:
+            encoder = self.model.get_encoder()
+            mask = torch.ones_like(input_ids)
+            self._encoder_kwargs = {"encoder_outputs": encoder(input_ids=input_ids, attention_mask=mask), "attention_mask": mask}
+            return [decoder_start_token(self.model)]
+        tokens = input_ids[0].tolist()
+        if len(tokens) > 1:
+            self.forward(tokens[:-1], tree=None)
+        return tokens
+
+    @torch.no_grad()
+    def forward(self, block: list[int], tree: TokenTree | None, hidden: bool = False) -> ForwardOutput:
+        """Run ``block`` after the cached tokens. ``tree`` describes block[1:] hanging off
+        block[0]; ``None`` or a chain means plain causal order."""
+        past = kv.length(self.cache)
+        ids = torch.tensor([block], dtype=torch.long, device=self.device)  # [1, block]
+        kwargs = dict(self._encoder_kwargs)
+        if tree is not None and not tree.is_chain:
+            if self.encoder_decoder:
+                raise ValueError("tree drafts are not supported on encoder-decoder models yet; use a chain drafter")
+            kwargs["attention_mask"] = self._tree_mask(tree, past)
+            kwargs["position_ids"] = (tree.block_positions + past).to(self.device)[None]  # [1, block]
+        elif not self.encoder_decoder:
+            kwargs["position_ids"] = torch.arange(past, past + len(block), device=self.device)[None]
+        ids_key = "decoder_input_ids" if self.encoder_decoder else "input_ids"
+        out = self.model(
+            **{ids_key: ids}, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden, **kwargs
+        )
+        if not self._checked:
+            kv.check_rollback(self.cache, model_name(self.model))
+            self._checked = True
+        states = None
+        if hidden:
+            states = (out.decoder_hidden_states if self.encoder_decoder else out.hidden_states)[-1][0]
+        return ForwardOutput(out.logits[0].float(), states)
+
+    def _tree_mask(self, tree: TokenTree, past: int) -> torch.Tensor:
+        """[1, 1, block, past + block] additive float mask: cached tokens are visible to
+        every node, block tokens only to their ancestors."""
+        dtype = self.model.dtype
+        allowed = torch.cat([torch.ones(len(tree) + 1, past, dtype=torch.bool), tree.block_mask], dim=1)
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+        return mask[None, None].to(self.device)
+
+    # ---- cache -------------------------------------------------------------------------
+    @property
+    def cache_length(self) -> int:
+        return kv.length(self.cache)
+
+    def crop(self, new_length: int) -> None:
+        kv.crop(self.cache, new_length)
+
+    def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None:
+        """After verifying block ``[root] + nodes`` cached from ``start``: keep the root and
+        the accepted path, drop every other node."""
+        if tree.is_chain or list(accepted) == list(range(len(accepted))):
+            kv.crop(self.cache, start + 1 + len(accepted))
+        else:
+            offsets = torch.tensor([0] + [node + 1 for node in accepted], device=self.device)
+            kv.keep(self.cache, start, offsets)

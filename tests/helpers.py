@@ -1,0 +1,103 @@
+"""Tiny randomly initialised models of several architectures, and scripted drafters."""
+from __future__ import annotations
+
+import torch
+import transformers as tf
+
+from hasten.drafters.base import Draft, DraftContext, Drafter
+
+VOCAB = 96
+
+_COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+CAUSAL_CONFIGS = {
+    "llama": lambda: tf.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **_COMMON),
+    "qwen2": lambda: tf.Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **_COMMON),
+    "mistral": lambda: tf.MistralConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, sliding_window=16, **_COMMON),
+    "gpt2": lambda: tf.GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=512, **_COMMON),
+    "gpt_neox": lambda: tf.GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=512, **_COMMON),
+    "phi3": lambda: tf.Phi3Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, **_COMMON),
+}
+
+SEQ2SEQ_CONFIGS = {
+    "t5": lambda: tf.T5Config(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, decoder_start_token_id=0, **_COMMON),
+    "bart": lambda: tf.BartConfig(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=512, decoder_start_token_id=2, forced_bos_token_id=None, forced_eos_token_id=None, **_COMMON),
+}
+
+
+def tiny_model(arch: str, seed: int = 0, **overrides) -> tf.PreTrainedModel:
+    torch.manual_seed(seed)
+    if arch in CAUSAL_CONFIGS:
+        config = CAUSAL_CONFIGS[arch]()
+        auto = tf.AutoModelForCausalLM
+    else:
+        config = SEQ2SEQ_CONFIGS[arch]()
+        auto = tf.AutoModelForSeq2SeqLM
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = auto.from_config(config)
+    return model.eval()
+
+
+def repetitive_prompt(length: int = 24, seed: int = 0) -> torch.Tensor:
+    """A prompt that repeats itself, so that input-guided drafters find matches."""
+    g = torch.Generator().manual_seed(seed)
+    half = torch.randint(3, VOCAB, (length // 2,), generator=g)
+    return torch.cat([half, half])[None]  # [1, length]
+
+
+def hf_greedy(model, input_ids, max_new_tokens, **kwargs) -> torch.Tensor:
+    return model.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, **kwargs)
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the reference continuation, optionally with a planted error.
+
+    mode: "oracle" (always right), "adversarial" (always wrong) or an int j (the draft
+    token at position j is wrong, the ones before it right). Checks the cache invariant
+    at every step: the target caches every committed token but the root.
+    """
+
+    name = "scripted"
+
+    def __init__(self, reference: list[int], num_tokens: int, mode="oracle"):
+        self.reference, self.num_tokens, self.mode = reference, num_tokens, mode
+        self.calls = 0
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        assert ctx.target.cache_length == len(ctx.tokens) - 1, "cache must hold all committed tokens but the root"
+        assert ctx.tokens == self.reference[: len(ctx.tokens)], "committed tokens left the reference"
+        self.calls += 1
+        start = len(ctx.tokens)
+        right = self.reference[start : start + min(self.num_tokens, ctx.max_depth)]
+        vocab = ctx.target.vocab_size
+        wrong = lambda t: (t + 1) % vocab  # noqa: E731
+        if self.mode == "oracle":
+            tokens = right
+        elif self.mode == "adversarial":
+            tokens = [wrong(t) for t in right]
+        else:
+            tokens = [wrong(t) if i == self.mode else t for i, t in enumerate(right)]
+        return Draft.chain(tokens)
+
+
+def tiny_tokenizer():
+    """A byte-level BPE tokenizer of VOCAB tokens trained on a few lines of code."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60]
+    )
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def save_checkpoint(path, arch="llama", seed=0) -> str:
+    tiny_model(arch, seed=seed).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return str(path)

@@ -1,0 +1,61 @@
+"""Cache crop/keep, and tree attention equal to per-branch plain attention."""
+import pytest
+import torch
+
+from hasten.engine import cache as kv
+from hasten.engine.tree import TokenTree
+from hasten.models.adapter import ModelAdapter
+from helpers import CAUSAL_CONFIGS, repetitive_prompt, tiny_model
+
+TREE = TokenTree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (2,)])
+TOKENS = [11, 12, 13, 14, 15, 16, 17]
+
+
+@pytest.mark.parametrize("arch", sorted(CAUSAL_CONFIGS))
+def test_tree_attention_equals_each_branch_run_alone(arch):
+    model = tiny_model(arch)
+    prompt = repetitive_prompt(12)[0].tolist()
+    tree_run = ModelAdapter(model)
+    tree_run.start(torch.tensor([prompt]))
+    logits = tree_run.forward([prompt[-1], *TOKENS], TREE).logits  # [1 + nodes, vocab]
+    for path in TREE.leaf_paths:
+        plain = model(torch.tensor([prompt + [TOKENS[n] for n in path]])).logits[0]  # [T + depth, vocab]
+        block = [0] + [n + 1 for n in path]
+        torch.testing.assert_close(logits[block], plain[len(prompt) - 1 :], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
+def test_commit_keeps_the_accepted_branch_only(arch):
+    model = tiny_model(arch)
+    prompt = repetitive_prompt(12)[0].tolist()
+    adapter = ModelAdapter(model)
+    adapter.start(torch.tensor([prompt]))
+    start = adapter.cache_length
+    adapter.forward([prompt[-1], *TOKENS], TREE)
+    path = (1, 5)  # root -> node 1 -> node 5: not a prefix of the block
+    assert TREE.ancestors(5) == list(path)
+    adapter.commit(start, TREE, path)
+    assert adapter.cache_length == len(prompt) + len(path)
+    # the compacted cache continues exactly like a fresh run over the accepted tokens
+    nxt = adapter.forward([99 % model.config.vocab_size], None).logits[-1]
+    fresh = model(torch.tensor([prompt + [TOKENS[1], TOKENS[5], 99 % model.config.vocab_size]])).logits[0, -1]
+    torch.testing.assert_close(nxt, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_crop_and_keep_on_a_dynamic_cache():
+    cache = kv.new_cache(encoder_decoder=False)
+    keys = torch.arange(10.0).view(1, 1, 10, 1)  # [batch, heads, seq, head_dim]
+    cache.update(keys, keys.clone(), 0)
+    kv.crop(cache, 7)
+    assert kv.length(cache) == 7
+    kv.keep(cache, 3, torch.tensor([0, 2, 3]))
+    assert cache.layers[0].keys.flatten().tolist() == [0, 1, 2, 3, 5, 6]
+
+
+def test_encoder_decoder_cache_crops_only_self_attention():
+    cache = kv.new_cache(encoder_decoder=True)
+    x = torch.zeros(1, 1, 5, 2)
+    cache.self_attention_cache.update(x, x, 0)
+    cache.cross_attention_cache.update(x, x, 0)
+    kv.crop(cache, 2)
+    assert kv.length(cache) == 2 and cache.cross_attention_cache.get_seq_length() == 5
