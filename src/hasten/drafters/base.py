@@ -7,7 +7,7 @@ drafter it holds: methods differ only in what they propose.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
@@ -59,7 +59,9 @@ class DraftContext:
     generator: torch.Generator | None
     target: ModelAdapter
     source: list[int] | None = None  # encoder input, for encoder-decoder targets
-    extras: dict[str, Any] = field(default_factory=dict)  # e.g. the target's last hidden state
+    # [new, hidden_size] the target's last-layer hidden states of the tokens it cached since
+    # the previous proposal (the prefilled prompt at first); only for drafters with needs_hidden
+    hidden: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -74,6 +76,7 @@ class Drafter:
 
     name: ClassVar[str]
     Settings: ClassVar[type]
+    needs_hidden: ClassVar[bool] = False  # ask the target for hidden states (feature-level drafters)
     settings: Any
 
     def begin(self, ctx: DraftContext) -> None:

@@ -54,7 +54,7 @@ class DraftModel(Drafter):
         self.length = self.settings.num_tokens
         self._draft = ModelAdapter(self.model)
         prompt = torch.tensor([ctx.source if target.encoder_decoder else ctx.tokens], dtype=torch.long)
-        self._cached = self._draft.start(prompt)[:-1]  # tokens whose KV the draft cache holds
+        self._cached = self._draft.start(prompt)[0][:-1]  # tokens whose KV the draft cache holds
 
     def propose(self, ctx: DraftContext) -> Draft:
         count = min(self.length, ctx.max_depth)

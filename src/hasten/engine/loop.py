@@ -39,9 +39,10 @@ def decode(
     """Yield each step's committed tokens. Inputs are assumed validated (see generate)."""
     target = ModelAdapter(model)
     clock = time.perf_counter()
-    tokens = target.start(input_ids)
+    want_hidden = drafter is not None and drafter.needs_hidden
+    tokens, hidden = target.start(input_ids, hidden=want_hidden)
     source = input_ids[0].tolist() if target.encoder_decoder else None
-    ctx = DraftContext(tokens, 0, sampling, generator, target, source)
+    ctx = DraftContext(tokens, 0, sampling, generator, target, source, hidden)
     if drafter is not None:
         drafter.begin(ctx)
     stats.prefill_seconds += time.perf_counter() - clock
@@ -57,12 +58,14 @@ def decode(
         drafted_at = time.perf_counter()
 
         start = target.cache_length  # == len(tokens) - 1
-        out = target.forward([tokens[-1], *draft.tokens], draft.tree)  # logits: [1 + nodes, vocab]
+        out = target.forward([tokens[-1], *draft.tokens], draft.tree, want_hidden)  # logits: [1 + nodes, vocab]
         if sampling.greedy:
             verdict = accept_greedy(draft.tree, list(draft.tokens), out.logits.argmax(-1).tolist())
         else:
             verdict = accept_sampling(draft.tree, list(draft.tokens), sampling.probs(out.logits), draft.probs, generator)
         target.commit(start, draft.tree, verdict.accepted)
+        if want_hidden:  # the root and the accepted nodes are what the cache gained
+            ctx.hidden = out.hidden[[0, *(node + 1 for node in verdict.accepted)]]
 
         new = [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]
         new = new[:budget]

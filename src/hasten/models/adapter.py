@@ -64,19 +64,21 @@ class ModelAdapter:
 
     # ---- lifecycle ---------------------------------------------------------------------
     @torch.no_grad()
-    def start(self, input_ids: torch.Tensor) -> list[int]:
-        """Encode / prefill the prompt ([1, T]); return the committed tokens the decoder
-        side starts from (the prompt for a causal LM, the start token for seq2seq)."""
+    def start(self, input_ids: torch.Tensor, hidden: bool = False) -> tuple[list[int], torch.Tensor | None]:
+        """Encode / prefill the prompt ([1, T]). Returns the committed tokens the decoder
+        side starts from (the prompt for a causal LM, the start token for seq2seq) and,
+        if asked, the last-layer hidden states of the prefilled tokens ([T - 1, hidden])."""
         input_ids = input_ids.to(self.device)
         if self.encoder_decoder:
             encoder = self.model.get_encoder()
             mask = torch.ones_like(input_ids)
             self._encoder_kwargs = {"encoder_outputs": encoder(input_ids=input_ids, attention_mask=mask), "attention_mask": mask}
-            return [decoder_start_token(self.model)]
+            return [decoder_start_token(self.model)], None
         tokens = input_ids[0].tolist()
+        states = None
         if len(tokens) > 1:
-            self.forward(tokens[:-1], tree=None)
-        return tokens
+            states = self.forward(tokens[:-1], tree=None, hidden=hidden).hidden
+        return tokens, states
 
     @torch.no_grad()
     def forward(self, block: list[int], tree: TokenTree | None, hidden: bool = False) -> ForwardOutput:
