@@ -101,3 +101,33 @@ def save_checkpoint(path, arch="llama", seed=0) -> str:
     tiny_model(arch, seed=seed).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return str(path)
+
+
+class TreeScriptedDrafter(ScriptedDrafter):
+    """A tree of ``width`` siblings per level along the reference path, ``depth`` deep.
+
+    The right token sits at sibling index ``right_sibling`` at every level; from depth
+    ``error_at`` on (0-based; None: never) it is replaced by a wrong one, so the accepted
+    path ends there. Wrong siblings are distinct from each other and from the right token.
+    """
+
+    def __init__(self, reference, depth=4, width=3, right_sibling=0, error_at=None):
+        super().__init__(reference, depth)
+        self.width, self.right_sibling, self.error_at = width, right_sibling, error_at
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        from hasten.engine.tree import TokenTree
+
+        right = super().propose(ctx).tokens  # checks the invariants, yields the reference
+        vocab = ctx.target.vocab_size
+        tokens, parents, parent = [], [], -1
+        for level, token in enumerate(right):
+            truth = token if self.error_at is None or level < self.error_at else None
+            wrong = [(token + 1 + w) % vocab for w in range(self.width)]
+            siblings = wrong[: self.width - 1]
+            siblings.insert(self.right_sibling, truth if truth is not None else wrong[-1])
+            first = len(tokens)
+            tokens.extend(siblings)
+            parents.extend([parent] * len(siblings))
+            parent = first + self.right_sibling  # descend along the (possibly wrong) branch
+        return Draft(tuple(tokens), TokenTree(tuple(parents)))

@@ -11,10 +11,17 @@ TREE = TokenTree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (2,)
 TOKENS = [11, 12, 13, 14, 15, 16, 17]
 
 
-@pytest.mark.parametrize("arch", sorted(CAUSAL_CONFIGS))
-def test_tree_attention_equals_each_branch_run_alone(arch):
-    model = tiny_model(arch)
-    prompt = repetitive_prompt(12)[0].tolist()
+def _model(arch):
+    if arch == "qwen2_mixed_sliding":  # one full-attention layer, one sliding-window layer
+        return tiny_model("qwen2", use_sliding_window=True, sliding_window=8, layer_types=["full_attention", "sliding_attention"])
+    return tiny_model(arch)
+
+
+@pytest.mark.parametrize("prompt_len", [12, 40])  # 40 outruns the sliding windows (16, 8)
+@pytest.mark.parametrize("arch", sorted(CAUSAL_CONFIGS) + ["qwen2_mixed_sliding"])
+def test_tree_attention_equals_each_branch_run_alone(arch, prompt_len):
+    model = _model(arch)
+    prompt = repetitive_prompt(prompt_len)[0].tolist()
     tree_run = ModelAdapter(model)
     tree_run.start(torch.tensor([prompt]))
     logits = tree_run.forward([prompt[-1], *TOKENS], TREE).logits  # [1 + nodes, vocab]

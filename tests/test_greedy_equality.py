@@ -3,8 +3,10 @@ import pytest
 import torch
 
 import hasten
-from hasten.drafters import DraftModel, PromptLookup
-from helpers import CAUSAL_CONFIGS, SEQ2SEQ_CONFIGS, ScriptedDrafter, hf_greedy, repetitive_prompt, tiny_model
+from hasten.drafters import DraftModel, Lookahead, PromptLookup
+from helpers import (
+    CAUSAL_CONFIGS, SEQ2SEQ_CONFIGS, ScriptedDrafter, TreeScriptedDrafter, hf_greedy, repetitive_prompt, tiny_model,
+)
 
 ARCHS = sorted(CAUSAL_CONFIGS) + sorted(SEQ2SEQ_CONFIGS)
 NEW = 24
@@ -48,9 +50,25 @@ def test_scripted_drafts(setup, mode):
         assert 0 < out.stats.mean_accepted <= mode + 1
 
 
-def test_prompt_lookup(setup):
+@pytest.mark.parametrize("mode", ["oracle", "adversarial", *range(DRAFT_LEN)])
+@pytest.mark.parametrize("right_sibling", [0, 2])
+def test_scripted_trees(setup, mode, right_sibling):
+    arch, model, prompt, reference = setup
+    if model.config.is_encoder_decoder:
+        pytest.skip("tree drafts are verified on causal LMs only (seq2seq adapters take chains)")
+    error_at = {"oracle": None, "adversarial": 0}.get(mode, mode)
+    drafter = TreeScriptedDrafter(reference[0].tolist(), DRAFT_LEN, 3, right_sibling, error_at)
+    out = check(model, prompt, reference, drafter)
+    if mode == "oracle":
+        assert out.stats.steps == -(-out.stats.new_tokens // (DRAFT_LEN + 1))
+    elif mode == "adversarial":
+        assert out.stats.accepted_tokens == 0
+
+
+@pytest.mark.parametrize("drafter", [PromptLookup(num_tokens=DRAFT_LEN), Lookahead(), Lookahead(draft_tokens=4, branch_length=2)], ids=["prompt_lookup", "lookahead", "lookahead_small"])
+def test_input_guided_drafters(setup, drafter):
     _, model, prompt, reference = setup
-    check(model, prompt, reference, PromptLookup(num_tokens=DRAFT_LEN))
+    check(model, prompt, reference, drafter)
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

@@ -12,7 +12,8 @@ import torch
 
 import hasten
 import hasten.engine.loop as loop
-from hasten.drafters import DraftModel, PromptLookup
+from hasten.drafters import DraftModel, Lookahead, PromptLookup
+from hasten.engine.tree import TokenTree
 from hasten.engine.sampling import Sampling
 from hasten.engine.verify import Verdict
 from helpers import ScriptedDrafter, tiny_model
@@ -65,6 +66,18 @@ class FixedDrafter(ScriptedDrafter):
         return hasten.drafters.Draft.chain(self.tokens[: ctx.max_depth])
 
 
+class FixedTreeDrafter(ScriptedDrafter):
+    """Always proposes the same tree of distinct siblings (point masses)."""
+
+    TREE = TokenTree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)])
+
+    def propose(self, ctx):
+        return hasten.drafters.Draft((3, 5, 1, 5, 6, 2), self.TREE).limit_depth(ctx.max_depth)
+
+    def __init__(self):
+        pass
+
+
 TARGET = peaky_model(0)
 CASES = {
     "plain": (lambda: None, Sampling(1.0)),
@@ -72,6 +85,8 @@ CASES = {
     "draft_model_topk_topp": (lambda: DraftModel(peaky_model(5), num_tokens=3), Sampling(0.8, top_k=5, top_p=0.9)),
     "point_mass": (lambda: FixedDrafter([3, 5]), Sampling(1.0)),
     "prompt_lookup": (lambda: PromptLookup(num_tokens=2), Sampling(1.3)),
+    "fixed_tree": (FixedTreeDrafter, Sampling(1.0)),
+    "lookahead": (lambda: Lookahead(draft_tokens=6, branch_length=2), Sampling(1.0, top_k=6)),
 }
 
 

@@ -1,6 +1,7 @@
 """Drafters, one file per method, all registered by name (see :func:`create`)."""
 from .base import REGISTRY, Draft, DraftContext, Drafter, StepResult, create, register
 from .draft_model import DraftModel, DraftModelSettings
+from .lookahead import Lookahead, LookaheadSettings
 from .prompt_lookup import PromptLookup, PromptLookupSettings
 
 __all__ = [
@@ -10,6 +11,8 @@ __all__ = [
     "Drafter",
     "DraftModel",
     "DraftModelSettings",
+    "Lookahead",
+    "LookaheadSettings",
     "PromptLookup",
     "PromptLookupSettings",
     "StepResult",

@@ -106,13 +106,27 @@ class ModelAdapter:
             states = (out.decoder_hidden_states if self.encoder_decoder else out.hidden_states)[-1][0]
         return ForwardOutput(out.logits[0].float(), states)
 
-    def _tree_mask(self, tree: TokenTree, past: int) -> torch.Tensor:
+    def _tree_mask(self, tree: TokenTree, past: int) -> torch.Tensor | dict[str, torch.Tensor]:
         """[1, 1, block, past + block] additive float mask: cached tokens are visible to
-        every node, block tokens only to their ancestors."""
-        dtype = self.model.dtype
+        every node, block tokens only to their ancestors. Sliding-window layers also hide
+        keys a window or more behind the query, measured in positions (tree depth), not
+        block indices; models mixing layer kinds get one mask per kind."""
         allowed = torch.cat([torch.ones(len(tree) + 1, past, dtype=torch.bool), tree.block_mask], dim=1)
+        window = getattr(self.model.config.get_text_config(), "sliding_window", None)
+        kinds = set(getattr(self.model.config.get_text_config(), "layer_types", None) or ["sliding_attention"])
+        if window is None or "sliding_attention" not in kinds:
+            return self._additive(allowed)
+        query_pos = tree.block_positions + past  # [block]
+        key_pos = torch.cat([torch.arange(past), query_pos])  # [past + block]
+        sliding = self._additive(allowed & (key_pos[None, :] > query_pos[:, None] - window))
+        if kinds == {"sliding_attention"}:
+            return sliding
+        return {"full_attention": self._additive(allowed), "sliding_attention": sliding}
+
+    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        dtype = self.model.dtype
         mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        return mask[None, None].to(self.device)
+        return mask[None, None].to(self.device)  # [1, 1, block, past + block]
 
     # ---- cache -------------------------------------------------------------------------
     @property

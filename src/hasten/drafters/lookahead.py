@@ -1,0 +1,159 @@
+"""Lookahead (Zhao et al. 2023, Alipay): multi-branch drafts retrieved from a trie.
+
+Every window of ``max_prefix + branch_length`` tokens of the prompt, the generated text
+and an optional corpus is inserted into a trie whose nodes count how often they were
+reached. To draft, the longest recent suffix (up to ``max_prefix`` tokens) found in the
+trie selects a subtree, and its most frequent nodes, up to ``draft_tokens`` of them and
+``branch_length`` deep, become one token tree verified in a single forward pass.
+
+Counts never grow down a path, so taking nodes best-first by count always takes a
+parent before its children.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register, settings_from
+from ..engine.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class LookaheadSettings:
+    draft_tokens: int = 12  # tree nodes verified per step
+    branch_length: int = 6  # deepest draft node
+    max_prefix: int = 3  # longest suffix used to find the subtree
+    min_prefix: int = 1
+    corpus: str | None = None  # optional text file whose n-grams seed the trie
+
+    def __post_init__(self) -> None:
+        for name in ("draft_tokens", "branch_length", "min_prefix"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prefix < self.min_prefix:
+            raise ValueError(f"max_prefix ({self.max_prefix}) must be >= min_prefix ({self.min_prefix})")
+
+
+class _Node:
+    __slots__ = ("count", "children")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.children: dict[int, _Node] = {}
+
+    def child(self, token: int) -> "_Node":
+        node = self.children.get(token)
+        if node is None:
+            node = self.children[token] = _Node()
+        node.count += 1
+        return node
+
+
+class NgramTrie:
+    """Windows of ``window`` tokens, inserted incrementally as a token stream grows."""
+
+    def __init__(self, window: int):
+        self.root = _Node()
+        self.window = window
+        self._open: list[tuple[_Node, int]] = []  # (end node, depth) of windows still growing
+
+    def feed(self, tokens: list[int]) -> None:
+        for token in tokens:
+            # every open window grows by this token, and a new window starts at it
+            grown = [(node.child(token), depth + 1) for node, depth in self._open]
+            grown.append((self.root.child(token), 1))
+            self._open = [(node, depth) for node, depth in grown if depth < self.window]
+
+    def close(self) -> None:
+        """End of a document: no window spans into what is fed next."""
+        self._open = []
+
+    def find(self, suffix: list[int]) -> _Node | None:
+        node = self.root
+        for token in suffix:
+            node = node.children.get(token)
+            if node is None:
+                return None
+        return node
+
+
+@lru_cache(maxsize=4)
+def _corpus_ids(path: str, model_dir: str) -> tuple[int, ...]:
+    from transformers import AutoTokenizer
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as err:
+        raise ValueError(f"lookahead corpus {path!r}: {err.strerror}") from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"lookahead corpus needs the target's tokenizer, none found at {model_dir!r}") from err
+    return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+@register
+class Lookahead(Drafter):
+    name = "lookahead"
+    Settings = LookaheadSettings
+
+    def __init__(self, settings: LookaheadSettings | None = None, **kwargs):
+        self.settings = settings_from(LookaheadSettings, settings, kwargs)
+
+    def begin(self, ctx: DraftContext) -> None:
+        s = self.settings
+        self._trie = NgramTrie(s.max_prefix + s.branch_length)
+        if s.corpus:
+            self._trie.feed(list(_corpus_ids(s.corpus, ctx.target.model.config._name_or_path)))
+            self._trie.close()
+        if ctx.source:
+            self._trie.feed(ctx.source)
+            self._trie.close()
+        self._fed = 0
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        s = self.settings
+        self._trie.feed(ctx.tokens[self._fed :])
+        self._fed = len(ctx.tokens)
+        depth_limit = min(s.branch_length, ctx.max_depth)
+        if depth_limit < 1:
+            return EMPTY_DRAFT
+        for length in range(min(s.max_prefix, len(ctx.tokens)), s.min_prefix - 1, -1):
+            anchor = self._trie.find(ctx.tokens[-length:])
+            if anchor is not None and anchor.children:
+                if ctx.target.encoder_decoder:  # seq2seq adapters verify chains only
+                    return _best_chain(anchor, depth_limit)
+                return _best_first(anchor, s.draft_tokens, depth_limit)
+        return EMPTY_DRAFT
+
+
+def _best_first(anchor: _Node, budget: int, depth_limit: int) -> Draft:
+    """The ``budget`` most frequent nodes under ``anchor`` (ties: first seen), as a tree."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    order = 0  # tie-breaker keeping the heap deterministic
+    heap: list[tuple[int, int, int, int, _Node, int]] = []
+    for token, node in anchor.children.items():
+        heapq.heappush(heap, (-node.count, order, -1, token, node, 1))
+        order += 1
+    while heap and len(tokens) < budget:
+        _, _, parent, token, node, depth = heapq.heappop(heap)
+        index = len(tokens)
+        tokens.append(token)
+        parents.append(parent)
+        if depth < depth_limit:
+            for child_token, child in node.children.items():
+                heapq.heappush(heap, (-child.count, order, index, child_token, child, depth + 1))
+                order += 1
+    return Draft(tuple(tokens), TokenTree(tuple(parents)))
+
+
+def _best_chain(anchor: _Node, depth_limit: int) -> Draft:
+    """The single most frequent branch under ``anchor``."""
+    tokens, node = [], anchor
+    while node.children and len(tokens) < depth_limit:
+        token, node = max(node.children.items(), key=lambda item: item[1].count)
+        tokens.append(token)
+    return Draft.chain(tokens)
