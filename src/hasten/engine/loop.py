@@ -35,6 +35,7 @@ def decode(
     eos_token_ids: frozenset[int],
     generator: torch.Generator | None,
     stats: DecodeStats,
+    lossy_acceptance=None,
 ) -> Iterator[list[int]]:
     """Yield each step's committed tokens. Inputs are assumed validated (see generate)."""
     target = ModelAdapter(model)
@@ -59,7 +60,9 @@ def decode(
 
         start = target.cache_length  # == len(tokens) - 1
         out = target.forward([tokens[-1], *draft.tokens], draft.tree, want_hidden)  # logits: [1 + nodes, vocab]
-        if sampling.greedy:
+        if lossy_acceptance is not None:
+            verdict = lossy_acceptance.accept(draft.tree, list(draft.tokens), out.logits, sampling, generator)
+        elif sampling.greedy:
             verdict = accept_greedy(draft.tree, list(draft.tokens), out.logits.argmax(-1).tolist())
         else:
             verdict = accept_sampling(draft.tree, list(draft.tokens), sampling.probs(out.logits), draft.probs, generator)
@@ -134,19 +137,25 @@ def generate(
     top_p: float | None = None,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
+    lossy_acceptance=None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
 
     Greedy (temperature 0) output is token-identical to the plain model's; sampled output
     is distributed exactly as the plain model samples with the same temperature, top-k and
-    top-p, whichever drafter is used.
+    top-p, whichever drafter is used. ``lossy_acceptance`` (e.g.
+    ``hasten.approx.TypicalAcceptance()``) replaces the exact rule and gives that up.
     """
     sampling = Sampling(temperature, top_k, top_p)
     check_inputs(model, input_ids, drafter, max_new_tokens, generator)
     stats = DecodeStats()
     eos = eos_ids(model, eos_token_id)
     new: list[int] = []
-    for piece in decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats):
+    if lossy_acceptance is not None and getattr(lossy_acceptance, "lossless", True):
+        raise TypeError("lossy_acceptance must be a lossy rule from hasten.approx, e.g. TypicalAcceptance()")
+    if lossy_acceptance is not None and sampling.greedy:
+        raise ValueError("lossy_acceptance is a sampling mode (temperature > 0); greedy decoding is already exact")
+    for piece in decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, lossy_acceptance):
         new.extend(piece)
     head = [decoder_start_token(model)] if model.config.is_encoder_decoder else input_ids[0].tolist()
     return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats)

@@ -1,0 +1,8 @@
+"""Lossy (approximate) modes, kept apart and named as such.
+
+Nothing here keeps hasten's lossless contract: output may differ from the plain model's.
+Each mode says what it trades and is off unless asked for by name.
+"""
+from .typical import TypicalAcceptance
+
+__all__ = ["TypicalAcceptance"]
