@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 from hasten.engine.tree import TokenTree
 from hasten.engine.verify import accept_greedy, accept_sampling
 
-VOCAB = 6
+VOCAB = 10  # > the most siblings a drawn tree can have, so sibling tokens can be distinct
 
 
 @st.composite
