@@ -64,25 +64,39 @@ def test_engine_errors(checkpoint):
         hasten.load(checkpoint, "telepathy")
 
 
-def cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "hasten.cli", *args], capture_output=True, text=True, timeout=120
+@pytest.fixture
+def cli(capsys):
+    """Run the command in-process (fast); returns (exit status, stdout, stderr)."""
+    from hasten.cli import main
+
+    def run(*args):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's own errors
+            code = exit.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
+
+
+def test_cli_entry_point_streams_text_and_stats(checkpoint):
+    run = subprocess.run(
+        [sys.executable, "-m", "hasten.cli", "generate", "--model", checkpoint, "--prompt", PROMPT,
+         "--max-new-tokens", "10"], capture_output=True, text=True, timeout=300,
     )
-
-
-def test_cli_generate_streams_text_and_stats(checkpoint):
-    run = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "10")
     assert run.returncode == 0, run.stderr
     assert "tau" in run.stderr and "tok/s" in run.stderr and "steps" in run.stderr
+    assert run.stdout.strip()
 
 
-def test_cli_json_matches_library(checkpoint, tmp_path):
+def test_cli_json_matches_library(checkpoint, tmp_path, cli):
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_text(PROMPT)
-    run = cli("generate", "--model", checkpoint, "--prompt-file", str(prompt_file), "--max-new-tokens", "10",
-              "--method", "prompt_lookup", "--method-arg", "num_tokens=3", "--json")
-    assert run.returncode == 0, run.stderr
-    record = json.loads(run.stdout)
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt-file", str(prompt_file), "--max-new-tokens", "10",
+                         "--method", "prompt_lookup", "--method-arg", "num_tokens=3", "--json")
+    assert code == 0, err
+    record = json.loads(out)
     expected = hasten.load(checkpoint, "autoregressive").generate(PROMPT, max_new_tokens=10)
     assert record["token_ids"] == expected.token_ids and record["text"] == expected.text
     assert record["stats"]["new_tokens"] == 10 and record["method"] == "prompt_lookup"
@@ -102,17 +116,18 @@ def test_cli_json_matches_library(checkpoint, tmp_path):
         (["--prompt", "x", "--method", "nonsense"], "invalid choice"),
     ],
 )
-def test_cli_errors_are_one_line_and_exit_2(checkpoint, args, match):
+def test_cli_errors_are_one_line_and_exit_2(checkpoint, args, match, cli):
     if "--model" not in args:
         args = ["--model", checkpoint, *args]
-    run = cli("generate", *args)
-    assert run.returncode == 2
-    assert match in run.stderr
-    assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
+    code, _, err = cli("generate", *args)
+    assert code == 2
+    assert match in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-def test_generate_help_documents_every_flag():
-    run = cli("generate", "--help")
+def test_generate_help_documents_every_flag(cli):
+    code, out, _ = cli("generate", "--help")
+    assert code == 0
     for flag in ["--model", "--method", "--draft", "--prompt", "--prompt-file", "--max-new-tokens",
                  "--temperature", "--top-k", "--top-p", "--seed", "--json", "--method-arg"]:
-        assert flag in run.stdout
+        assert flag in out
