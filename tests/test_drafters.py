@@ -69,3 +69,11 @@ def test_draft_limit_depth_prunes_a_tree():
 
 def test_registry_creates_by_name():
     assert isinstance(create("prompt_lookup", num_tokens=2), PromptLookup)
+
+
+def test_prompt_lookup_continues_a_repeating_stretch_periodically():
+    drafter = PromptLookup(max_ngram=2, num_tokens=5)
+    ctx = context([9, 1, 2, 3, 1, 2, 3])
+    drafter.begin(ctx)
+    # the latest "2 3" ends two tokens back; its continuation runs into the end, so it cycles
+    assert drafter.propose(ctx).tokens == (1, 2, 3, 1, 2)

@@ -76,8 +76,13 @@ class PromptLookup(Drafter):
             if n > len(tokens):
                 continue
             suffix = tuple(tokens[-n:])
-            for index, text in ((self._history, tokens), (self._source, self._source_tokens)):
-                end = index.find(suffix)
-                if end is not None:
-                    return Draft.chain(text[end + 1 : end + 1 + count])
+            end = self._history.find(suffix)
+            if end is not None:
+                # The latest match may overlap the suffix (a repeating stretch): the text
+                # then continues with period len(tokens) - end - 1, so copy cyclically.
+                period = len(tokens) - end - 1
+                return Draft.chain(tokens[end + 1 + i % period] for i in range(count))
+            end = self._source.find(suffix)
+            if end is not None:
+                return Draft.chain(self._source_tokens[end + 1 : end + 1 + count])
         return EMPTY_DRAFT
