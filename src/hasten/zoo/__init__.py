@@ -1,0 +1,32 @@
+"""The model zoo: small causal LMs trained by `hasten.zoo.recipe` and shipped with the package.
+
+Names are written "zoo:<name>" (or just "<name>") wherever a model path is accepted.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ZOO_PREFIX = "zoo:"
+WEIGHTS_DIR = Path(__file__).parent / "weights"
+
+MODELS = {
+    "code-tiny": "Llama-architecture causal LM (~5.5M params) trained on the Python stdlib sources",
+    "code-tiny-draft": "~0.9M-param draft model for code-tiny, same tokenizer and training data",
+}
+
+
+def is_zoo_name(s: str) -> bool:
+    return isinstance(s, str) and s.startswith(ZOO_PREFIX)
+
+
+def resolve(name: str) -> Path:
+    """Directory holding the Hugging Face files of zoo model `name` ("zoo:code-tiny" or "code-tiny")."""
+    short = name[len(ZOO_PREFIX):] if is_zoo_name(name) else name
+    if short not in MODELS:
+        raise ValueError(f"unknown zoo model {name!r}; known models: {', '.join(sorted(MODELS))}")
+    path = WEIGHTS_DIR / short
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(
+            f"zoo model {short!r} has no weights at {path}; train them with "
+            f"`python -m hasten.zoo.recipe all --out-root {WEIGHTS_DIR}`")
+    return path

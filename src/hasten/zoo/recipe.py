@@ -1,0 +1,362 @@
+"""Train the zoo offline on the Python standard library's own sources.
+
+    python -m hasten.zoo.recipe all --out-root src/hasten/zoo/weights --threads 1
+
+Stages: `tokenizer` (byte-level BPE, kept in --work-dir), `target` (code-tiny) and
+`draft` (code-tiny-draft); `all` runs the three in order. Scratch files (tokenizer,
+token cache, checkpoints) live under --work-dir, never inside the package.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from hasten.zoo import corpus
+
+VOCAB_SIZE = 4096
+EOT = "<|endoftext|>"  # the only special token (id 0): document separator, bos, eos and pad
+MAX_POSITIONS = 4096
+
+# Both models share one tokenizer. These shapes give ~5.5M (target) and ~0.9M (draft)
+# parameters; the tied 4096 x hidden embedding is a large share of each.
+MODEL_SHAPES = {
+    "code-tiny": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8,
+                      num_key_value_heads=4, intermediate_size=688),
+    "code-tiny-draft": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=344),
+}
+STAGE_MODELS = {"target": "code-tiny", "draft": "code-tiny-draft"}
+# The shipped weights were trained with these defaults, one thread, on a 2-core AMD EPYC VM.
+DEFAULT_MINUTES = {"target": 55.0, "draft": 15.0}
+DEFAULT_LR = {"target": 1.5e-3, "draft": 3e-3}  # the smaller model tolerates a larger step
+
+
+# ---------------------------------------------------------------- tokenizer and data
+
+
+def train_tokenizer(files: list[Path], vocab_size: int = VOCAB_SIZE):
+    """Byte-level BPE: all 256 bytes are in the base alphabet, so any text (tabs, runs of
+    spaces, non-ASCII) encodes without <unk> and decodes back to exactly the same string."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator((corpus.read_text(p) for p in files), trainer)
+    # clean_up_tokenization_spaces would rewrite " ," to "," on decode and break round trips.
+    return PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token=EOT, eos_token=EOT, pad_token=EOT,
+                                   clean_up_tokenization_spaces=False, model_max_length=MAX_POSITIONS)
+
+
+def load_or_train_tokenizer(work_dir: Path, retrain: bool = False):
+    from transformers import AutoTokenizer
+
+    tok_dir = work_dir / "tokenizer"
+    if retrain or not (tok_dir / "tokenizer.json").is_file():
+        t0 = time.monotonic()
+        train_tokenizer(corpus.training_files()).save_pretrained(tok_dir)
+        print(f"tokenizer trained in {time.monotonic() - t0:.0f}s -> {tok_dir}", file=sys.stderr)
+    return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def token_stream(tokenizer, files: list[Path], cache_dir: Path) -> np.ndarray:
+    """All `files` tokenized and concatenated, each followed by EOT: uint16 [n_tokens].
+    Cached under a key of the tokenizer and file list, so a new tokenizer never sees stale ids."""
+    key = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()
+                         + "\n".join(map(str, files)).encode()).hexdigest()[:16]
+    cache = cache_dir / f"tokens-{key}.npy"
+    if cache.is_file():
+        return np.load(cache)
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    encodings = tokenizer.backend_tokenizer.encode_batch(
+        [corpus.read_text(p) for p in files], add_special_tokens=False)
+    ids = np.array([i for e in encodings for i in (*e.ids, eot)], dtype=np.uint16)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    np.save(cache, ids)
+    return ids
+
+
+# ---------------------------------------------------------------- model
+
+
+def model_config(shape: dict, tokenizer):
+    from transformers import LlamaConfig
+
+    eot = tokenizer.convert_tokens_to_ids(EOT)
+    return LlamaConfig(vocab_size=len(tokenizer), max_position_embeddings=MAX_POSITIONS,
+                       tie_word_embeddings=True, bos_token_id=eot, eos_token_id=eot, pad_token_id=eot,
+                       **shape)
+
+
+def build_model(config, seed: int):
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)  # float32 while training
+    model.generation_config = GenerationConfig(bos_token_id=config.bos_token_id,
+                                               eos_token_id=config.eos_token_id,
+                                               pad_token_id=config.pad_token_id)
+    return model
+
+
+# ---------------------------------------------------------------- training
+
+
+@dataclass
+class Settings:
+    minutes: float  # wall-clock budget, evaluation included
+    lr: float = 1e-3
+    batch_size: int = 4
+    seq_len: int = 512
+    warmup_steps: int = 100
+    final_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    eval_minutes: float = 4.0  # cadence of held-out evaluation and checkpointing
+    eval_windows: int = 32
+    max_steps: int | None = None
+    seed: int = 0
+    resume: bool = False
+    copy_fraction: float = 0.0  # share of windows that restate an earlier snippet (teaches copying)
+
+
+def lr_at(step: int, progress: float, s: Settings) -> float:
+    """Linear warmup over steps, then cosine decay to final_lr_ratio * lr over `progress`
+    in [0, 1]. Progress is measured in wall-clock time because the number of steps a time
+    budget buys is unknown in advance."""
+    warmup = min(1.0, (step + 1) / s.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return s.lr * warmup * (s.final_lr_ratio + (1.0 - s.final_lr_ratio) * cosine)
+
+
+def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int,
+                 copy_fraction: float = 0.0) -> torch.Tensor:
+    starts = rng.integers(0, len(stream) - seq_len, size=batch_size)
+    windows = [stream[i:i + seq_len] for i in starts]
+    for row in np.flatnonzero(rng.random(batch_size) < copy_fraction):
+        # snippet, other code, the snippet again: the shape of RAG, editing and refactoring
+        # prompts, where a model that has learned to copy lets input-guided drafts through
+        length = int(rng.integers(32, seq_len // 3))
+        snippet = windows[row][:length]
+        windows[row] = np.concatenate([snippet, windows[row][length:seq_len - length], snippet])
+    return torch.from_numpy(np.stack(windows).astype(np.int64))  # [batch, seq_len]
+
+
+@torch.no_grad()
+def heldout_loss(model, windows: torch.Tensor, batch_size: int) -> float:
+    """Mean next-token loss over fixed windows [n_windows, seq_len]."""
+    model.eval()
+    total = sum(model(input_ids=b, labels=b).loss.item() * len(b) for b in windows.split(batch_size))
+    model.train()
+    return total / len(windows)
+
+
+def save_checkpoint(ckpt_dir: Path, model, optimizer, state: dict) -> None:
+    """Weights and AdamW moments in safetensors, counters and RNG state in JSON. Written to
+    temporary names first so an interrupted save never clobbers the previous checkpoint."""
+    tensors = {}
+    for name, p in model.named_parameters():  # named_parameters lists the tied lm_head once
+        tensors[f"param.{name}"] = p.detach()
+        if p in optimizer.state:
+            tensors[f"exp_avg.{name}"] = optimizer.state[p]["exp_avg"]
+            tensors[f"exp_avg_sq.{name}"] = optimizer.state[p]["exp_avg_sq"]
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, ckpt_dir / "checkpoint.safetensors.tmp")
+    (ckpt_dir / "checkpoint.json.tmp").write_text(json.dumps(state))
+    os.replace(ckpt_dir / "checkpoint.safetensors.tmp", ckpt_dir / "checkpoint.safetensors")
+    os.replace(ckpt_dir / "checkpoint.json.tmp", ckpt_dir / "checkpoint.json")
+
+
+def load_checkpoint(ckpt_dir: Path, model, optimizer) -> dict:
+    tensors = load_file(ckpt_dir / "checkpoint.safetensors")
+    state = json.loads((ckpt_dir / "checkpoint.json").read_text())
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(tensors[f"param.{name}"])
+            if f"exp_avg.{name}" in tensors:
+                optimizer.state[p] = {"step": torch.tensor(float(state["step"])),
+                                      "exp_avg": tensors[f"exp_avg.{name}"],
+                                      "exp_avg_sq": tensors[f"exp_avg_sq.{name}"]}
+    return state
+
+
+@torch.enable_grad()  # callers (e.g. the test suite) may have turned autograd off
+def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_stream: np.ndarray,
+                out_dir: Path, ckpt_dir: Path, s: Settings, history: dict | None = None) -> dict:
+    """Train `model` for the time budget, save it (float16) with the tokenizer and a
+    training.json into out_dir, and return that report."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]  # no weight decay on norm gains
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": s.weight_decay},
+                                   {"params": vectors, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    rng = np.random.default_rng(s.seed)
+    n_eval = min(s.eval_windows, len(heldout_stream) // s.seq_len)
+    eval_windows = torch.from_numpy(heldout_stream[:n_eval * s.seq_len].astype(np.int64)).view(n_eval, s.seq_len)
+
+    state = {"step": 0, "elapsed_s": 0.0, "train_losses": [], "evals": [], "rng": rng.bit_generator.state}
+    if s.resume and (ckpt_dir / "checkpoint.json").is_file():
+        state = load_checkpoint(ckpt_dir, model, optimizer)
+        rng.bit_generator.state = state["rng"]
+        print(f"{name}: resumed at step {state['step']}", file=sys.stderr)
+    budget_s = s.minutes * 60.0
+    start = time.monotonic() - state["elapsed_s"]  # resuming continues the same budget
+
+    def evaluate_and_checkpoint():
+        state["elapsed_s"] = time.monotonic() - start
+        loss = heldout_loss(model, eval_windows, s.batch_size)
+        state["evals"].append({"step": state["step"], "minutes": round(state["elapsed_s"] / 60, 2),
+                               "tokens": state["step"] * s.batch_size * s.seq_len, "heldout_loss": loss})
+        state["rng"] = rng.bit_generator.state
+        save_checkpoint(ckpt_dir, model, optimizer, state)
+        tqdm.write(f"{name}: step {state['step']} heldout loss {loss:.4f}", file=sys.stderr)
+
+    if not state["evals"]:
+        evaluate_and_checkpoint()
+    last_eval = time.monotonic()
+    model.train()
+    bar = tqdm(total=round(budget_s), initial=round(state["elapsed_s"]), unit="s", desc=name,
+               mininterval=10, file=sys.stderr)
+    while (elapsed := time.monotonic() - start) < budget_s and (s.max_steps is None or state["step"] < s.max_steps):
+        progress = elapsed / budget_s
+        if s.max_steps:
+            progress = max(progress, state["step"] / s.max_steps)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(state["step"], progress, s)
+        batch = sample_batch(train_stream, rng, s.batch_size, s.seq_len, s.copy_fraction)  # [batch, seq_len]
+        loss = model(input_ids=batch, labels=batch).loss  # labels are shifted inside the model
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        state["step"] += 1
+        state["train_losses"].append(loss.item())
+        bar.set_postfix(step=state["step"], loss=f"{loss.item():.3f}", refresh=False)
+        bar.update(round(time.monotonic() - start) - bar.n)
+        if time.monotonic() - last_eval >= s.eval_minutes * 60:
+            evaluate_and_checkpoint()
+            last_eval = time.monotonic()
+    bar.close()
+    if state["evals"][-1]["step"] != state["step"]:
+        evaluate_and_checkpoint()
+
+    report = {
+        "model": name,
+        "params": sum(p.numel() for p in model.parameters()),
+        "config": {k: getattr(model.config, k) for k in (*MODEL_SHAPES["code-tiny"], "vocab_size")},
+        "steps": state["step"],
+        "tokens_seen": state["step"] * s.batch_size * s.seq_len,
+        "minutes": round(state["elapsed_s"] / 60, 2),
+        "final_train_loss": float(np.mean(state["train_losses"][-50:])) if state["train_losses"] else None,
+        "uniform_loss": math.log(model.config.vocab_size),
+        "heldout": state["evals"],
+        "heldout_tokens_per_eval": n_eval * (s.seq_len - 1),
+        "corpus": {"python": platform.python_version(), "train_tokens": len(train_stream),
+                   "heldout_tokens": len(heldout_stream)},
+        "settings": asdict(s),
+        "seed": s.seed,
+        "machine": machine_info(),
+        "versions": versions(),
+        "continues": history,  # the report of the run this one started from, if any
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(out_dir)  # safetensors; half the size of float32
+    tokenizer.save_pretrained(out_dir)
+    (out_dir / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
+
+
+def machine_info() -> dict:
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    return {"cpu": cpu, "torch_threads": torch.get_num_threads()}
+
+
+def versions() -> dict:
+    import tokenizers
+    import transformers
+
+    return {"torch": torch.__version__, "transformers": transformers.__version__,
+            "tokenizers": tokenizers.__version__, "numpy": np.__version__}
+
+
+# ---------------------------------------------------------------- command line
+
+
+def run_stage(stage: str, args: argparse.Namespace) -> None:
+    tokenizer = load_or_train_tokenizer(args.work_dir, retrain=stage == "tokenizer")
+    if stage == "tokenizer":
+        return
+    name = STAGE_MODELS[stage]
+    train_stream = token_stream(tokenizer, corpus.training_files(), args.work_dir)  # [n_train_tokens]
+    heldout_stream = token_stream(tokenizer, corpus.heldout_files(), args.work_dir)  # [n_heldout_tokens]
+    settings = Settings(minutes=args.minutes if args.minutes is not None else DEFAULT_MINUTES[stage],
+                        lr=args.lr if args.lr is not None else DEFAULT_LR[stage],
+                        batch_size=args.batch_size, seq_len=args.seq_len, eval_minutes=args.eval_minutes,
+                        max_steps=args.max_steps, seed=args.seed, resume=args.resume,
+                        copy_fraction=args.copy_fraction)
+    if args.init_from:  # continue from a saved model (e.g. copy-tuning), keeping its history
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        history = json.loads((args.init_from / "training.json").read_text())
+        run = "checkpoints-continued"
+    else:
+        model, history, run = build_model(model_config(MODEL_SHAPES[name], tokenizer), args.seed), None, "checkpoints"
+    report = train_model(name, model, tokenizer, train_stream, heldout_stream,
+                         args.out_root / name, args.work_dir / run / name, settings, history)
+    print(f"{name}: {report['params']:,} params, {report['steps']} steps, "
+          f"heldout loss {report['heldout'][0]['heldout_loss']:.3f} -> {report['heldout'][-1]['heldout_loss']:.3f}",
+          file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m hasten.zoo.recipe", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("stage", choices=["tokenizer", "target", "draft", "all"])
+    p.add_argument("--out-root", type=Path, required=True, help="models are written to OUT_ROOT/<model name>/")
+    p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hasten-zoo",
+                   help="scratch: tokenizer, token cache, checkpoints (default: %(default)s)")
+    p.add_argument("--minutes", type=float,
+                   help="wall-clock budget per model (default: target {target:g}, draft {draft:g})".format(
+                       **DEFAULT_MINUTES))
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch and tokenizers")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true", help="continue from the last checkpoint in --work-dir")
+    p.add_argument("--batch-size", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--lr", type=float,
+                   help="peak learning rate (default: target {target:g}, draft {draft:g})".format(**DEFAULT_LR))
+    p.add_argument("--eval-minutes", type=float, default=4.0, help="held-out evaluation and checkpoint cadence")
+    p.add_argument("--max-steps", type=int, help="stop after this many steps even if time remains")
+    p.add_argument("--copy-fraction", type=float, default=0.0,
+                   help="share of training windows that restate an earlier snippet (teaches in-context copying)")
+    p.add_argument("--init-from", type=Path, help="start from this saved model instead of a fresh one")
+    args = p.parse_args(argv)
+
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # tokenizers' Rust thread pool, created lazily
+    torch.set_num_threads(args.threads)
+    for stage in (["tokenizer", "target", "draft"] if args.stage == "all" else [args.stage]):
+        run_stage(stage, args)
+
+
+if __name__ == "__main__":
+    main()
