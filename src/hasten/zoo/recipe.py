@@ -133,7 +133,6 @@ class Settings:
     max_steps: int | None = None
     seed: int = 0
     resume: bool = False
-    copy_fraction: float = 0.0  # share of windows that restate an earlier snippet (teaches copying)
 
 
 def lr_at(step: int, progress: float, s: Settings) -> float:
@@ -145,17 +144,10 @@ def lr_at(step: int, progress: float, s: Settings) -> float:
     return s.lr * warmup * (s.final_lr_ratio + (1.0 - s.final_lr_ratio) * cosine)
 
 
-def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int,
-                 copy_fraction: float = 0.0) -> torch.Tensor:
+def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int) -> torch.Tensor:
     starts = rng.integers(0, len(stream) - seq_len, size=batch_size)
-    windows = [stream[i:i + seq_len] for i in starts]
-    for row in np.flatnonzero(rng.random(batch_size) < copy_fraction):
-        # snippet, other code, the snippet again: the shape of RAG, editing and refactoring
-        # prompts, where a model that has learned to copy lets input-guided drafts through
-        length = int(rng.integers(32, seq_len // 3))
-        snippet = windows[row][:length]
-        windows[row] = np.concatenate([snippet, windows[row][length:seq_len - length], snippet])
-    return torch.from_numpy(np.stack(windows).astype(np.int64))  # [batch, seq_len]
+    windows = np.stack([stream[i:i + seq_len] for i in starts]).astype(np.int64)
+    return torch.from_numpy(windows)  # [batch, seq_len]
 
 
 @torch.no_grad()
@@ -198,7 +190,7 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer) -> dict:
 
 @torch.enable_grad()  # callers (e.g. the test suite) may have turned autograd off
 def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_stream: np.ndarray,
-                out_dir: Path, ckpt_dir: Path, s: Settings, history: dict | None = None) -> dict:
+                out_dir: Path, ckpt_dir: Path, s: Settings) -> dict:
     """Train `model` for the time budget, save it (float16) with the tokenizer and a
     training.json into out_dir, and return that report."""
     matrices = [p for p in model.parameters() if p.dim() >= 2]  # no weight decay on norm gains
@@ -238,7 +230,7 @@ def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_s
             progress = max(progress, state["step"] / s.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr_at(state["step"], progress, s)
-        batch = sample_batch(train_stream, rng, s.batch_size, s.seq_len, s.copy_fraction)  # [batch, seq_len]
+        batch = sample_batch(train_stream, rng, s.batch_size, s.seq_len)  # [batch, seq_len]
         loss = model(input_ids=batch, labels=batch).loss  # labels are shifted inside the model
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -272,7 +264,6 @@ def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_s
         "seed": s.seed,
         "machine": machine_info(),
         "versions": versions(),
-        "continues": history,  # the report of the run this one started from, if any
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     model.to(torch.float16).save_pretrained(out_dir)  # safetensors; half the size of float32
@@ -311,18 +302,10 @@ def run_stage(stage: str, args: argparse.Namespace) -> None:
     settings = Settings(minutes=args.minutes if args.minutes is not None else DEFAULT_MINUTES[stage],
                         lr=args.lr if args.lr is not None else DEFAULT_LR[stage],
                         batch_size=args.batch_size, seq_len=args.seq_len, eval_minutes=args.eval_minutes,
-                        max_steps=args.max_steps, seed=args.seed, resume=args.resume,
-                        copy_fraction=args.copy_fraction)
-    if args.init_from:  # continue from a saved model (e.g. copy-tuning), keeping its history
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
-        history = json.loads((args.init_from / "training.json").read_text())
-        run = "checkpoints-continued"
-    else:
-        model, history, run = build_model(model_config(MODEL_SHAPES[name], tokenizer), args.seed), None, "checkpoints"
+                        max_steps=args.max_steps, seed=args.seed, resume=args.resume)
+    model = build_model(model_config(MODEL_SHAPES[name], tokenizer), args.seed)
     report = train_model(name, model, tokenizer, train_stream, heldout_stream,
-                         args.out_root / name, args.work_dir / run / name, settings, history)
+                         args.out_root / name, args.work_dir / "checkpoints" / name, settings)
     print(f"{name}: {report['params']:,} params, {report['steps']} steps, "
           f"heldout loss {report['heldout'][0]['heldout_loss']:.3f} -> {report['heldout'][-1]['heldout_loss']:.3f}",
           file=sys.stderr)
@@ -347,9 +330,6 @@ def main(argv: list[str] | None = None) -> None:
                    help="peak learning rate (default: target {target:g}, draft {draft:g})".format(**DEFAULT_LR))
     p.add_argument("--eval-minutes", type=float, default=4.0, help="held-out evaluation and checkpoint cadence")
     p.add_argument("--max-steps", type=int, help="stop after this many steps even if time remains")
-    p.add_argument("--copy-fraction", type=float, default=0.0,
-                   help="share of training windows that restate an earlier snippet (teaches in-context copying)")
-    p.add_argument("--init-from", type=Path, help="start from this saved model instead of a fresh one")
     args = p.parse_args(argv)
 
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # tokenizers' Rust thread pool, created lazily
