@@ -25,7 +25,8 @@ def demo_prompt(min_chars: int = 300) -> str:
             body = "def " + chunk.split("\n\n\n")[0].split("\nclass ")[0]
             if len(body) >= min_chars:
                 head = "\n".join(body.splitlines()[:2])
-                return f"# {path.name}\n{body}\n\n\n# The same function, restated:\n{head}\n"
+                # no trailing newline: BPE merges a newline with the indent after it
+                return f"# {path.name}\n{body}\n\n\n# The same function, restated:\n{head}"
     raise RuntimeError("no held-out function found")
 
 
