@@ -2,6 +2,7 @@
 from .base import REGISTRY, Draft, DraftContext, Drafter, StepResult, create, register
 from .draft_model import DraftModel, DraftModelSettings
 from .lookahead import Lookahead, LookaheadSettings
+from .medusa import Medusa, MedusaHeads, MedusaSettings
 from .prompt_lookup import PromptLookup, PromptLookupSettings
 
 __all__ = [
@@ -13,6 +14,9 @@ __all__ = [
     "DraftModelSettings",
     "Lookahead",
     "LookaheadSettings",
+    "Medusa",
+    "MedusaHeads",
+    "MedusaSettings",
     "PromptLookup",
     "PromptLookupSettings",
     "StepResult",

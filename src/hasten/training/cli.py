@@ -1,0 +1,132 @@
+"""``hasten train NAME``: self-distil data from a target, train a drafter's module on it, save it.
+
+Every registered drafter whose class has a ``Training`` attribute (a
+:class:`~hasten.training.trainer.Trainable`) gets a subcommand. Its flags come from three
+settings dataclasses (the drafter's ``Options``, :class:`DistillSettings`,
+:class:`TrainSettings`), so defaults and validation live there only; a field name shared
+by two of them (``seed``) is one flag setting both.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import sys
+import time
+import typing
+from pathlib import Path
+
+import torch
+
+from ..cli import UserError
+from .distill import DistillSettings, distill, read_documents, zoo_documents
+from .trainer import Trainable, TrainSettings, train
+
+
+def trainable_drafters() -> dict[str, type[Trainable]]:
+    from ..drafters import REGISTRY  # importing the package registers the built-in drafters
+
+    return {name: cls.Training for name, cls in sorted(REGISTRY.items()) if getattr(cls, "Training", None)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    subs = parser.add_subparsers(dest="drafter", required=True, metavar="NAME")
+    for name, training in trainable_drafters().items():
+        summary = f"train {name} for a target on its own greedy outputs"
+        sub = subs.add_parser(name, help=summary, description=summary)
+        sub.add_argument("--model", required=True, help="target: zoo name (zoo:code-tiny), local directory or hub id")
+        sub.add_argument("--out", required=True, type=Path, help="directory the trained drafter is written to")
+        source = sub.add_mutually_exclusive_group(required=True)
+        source.add_argument("--data", type=Path, help="text to cut prompts from: .txt (one document) or .jsonl "
+                            '(one JSON string or {"text": ...} object per line)')
+        source.add_argument("--zoo-corpus", action="store_true", help="cut prompts from the zoo's training corpus")
+        added: set[str] = set()
+        for title, settings_cls in ((f"{name} options", training.Options), ("distillation", DistillSettings),
+                                    ("training", TrainSettings)):
+            add_dataclass_flags(sub.add_argument_group(title), settings_cls, added)
+        runtime = sub.add_argument_group("run")
+        runtime.add_argument("--work-dir", type=Path, help="distilled data and checkpoints (default: OUT/work)")
+        runtime.add_argument("--resume", action="store_true",
+                         help="reuse the distilled data and continue from the last checkpoint in the work dir")
+        runtime.add_argument("--threads", type=int, help="CPU threads for torch (default: torch's choice)")
+        runtime.add_argument("--device", default="cpu", help="device for the target and the module (default cpu)")
+
+
+def add_dataclass_flags(group, settings_cls: type, added: set[str]) -> None:
+    """One flag per field: ``batch_size`` -> ``--batch-size``; booleans get ``--no-...``.
+    Defaults are SUPPRESSed so that only given flags reach the dataclass."""
+    hints = typing.get_type_hints(settings_cls)
+    for field in dataclasses.fields(settings_cls):
+        if field.name in added:
+            continue
+        added.add(field.name)
+        kind = next((a for a in typing.get_args(hints[field.name]) if a is not type(None)), hints[field.name])
+        default = "unset" if field.default is None else field.default
+        text = f"{field.metadata.get('help', '')} (default: {default})".replace("%", "%%")
+        flag = "--" + field.name.replace("_", "-")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
+        else:
+            metavar = field.name.upper() if kind is str else kind.__name__.upper()
+            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=metavar, help=text)
+
+
+def settings_from_args(settings_cls: type, args: argparse.Namespace):
+    return settings_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(settings_cls) if hasattr(args, f.name)})
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..api import load_model, resolve_path
+
+    # Validate what is cheap before loading anything.
+    training = trainable_drafters()[args.drafter]
+    options = settings_from_args(training.Options, args)
+    distill_settings = settings_from_args(DistillSettings, args)
+    train_settings = settings_from_args(TrainSettings, args)
+    if args.out.exists() and not args.out.is_dir():
+        raise UserError(f"--out {args.out} exists and is not a directory")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise UserError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+        os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # the tokenizers' thread pool
+    documents = read_documents(args.data) if args.data else zoo_documents()
+    source = str(args.data.resolve()) if args.data else "zoo-corpus"
+
+    from transformers import AutoTokenizer
+
+    model = load_model(args.model, device=args.device)
+    if model.config.is_encoder_decoder:
+        raise UserError(f"hasten train supports causal LMs; {args.model!r} is an encoder-decoder")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
+    work_dir = args.work_dir or args.out / "work"
+
+    started = time.monotonic()
+    data = distill(model, tokenizer, documents, distill_settings, work_dir, source=source, resume=args.resume)
+    distilled_s = time.monotonic() - started
+    trainable = training(model, options)
+    result = train(trainable, data, train_settings, work_dir, resume=args.resume, device=args.device)
+
+    report = {
+        "drafter": args.drafter,
+        "target": args.model,
+        **result.report,
+        "options": dataclasses.asdict(options),
+        "distill": {**dataclasses.asdict(distill_settings), "source": source, "sequences": len(data),
+                    "generated_tokens": int((data.lengths - data.prompt_lengths).sum()),
+                    "seconds": round(distilled_s, 1)},
+        "machine": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
+                    "device": args.device},
+        "versions": {"torch": torch.__version__, "python": platform.python_version()},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    trainable.save(result.module, args.out, report)
+    (args.out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"{args.drafter}: {report['steps']} steps in {report['minutes']} min, held-out loss "
+          f"{report['eval'].get('loss', float('nan')):.3f} -> {args.out}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = [("train", "train a drafter's module (e.g. Medusa heads) on a target's own outputs", add_arguments, run)]
