@@ -77,13 +77,16 @@ class ModelAdapter:
         tokens = input_ids[0].tolist()
         states = None
         if len(tokens) > 1:
-            states = self.forward(tokens[:-1], tree=None, hidden=hidden).hidden
+            states = self.forward(tokens[:-1], tree=None, hidden=hidden, logits_to_keep=1).hidden
         return tokens, states
 
     @torch.no_grad()
-    def forward(self, block: list[int], tree: TokenTree | None, hidden: bool = False) -> ForwardOutput:
+    def forward(
+        self, block: list[int], tree: TokenTree | None, hidden: bool = False, logits_to_keep: int = 0
+    ) -> ForwardOutput:
         """Run ``block`` after the cached tokens. ``tree`` describes block[1:] hanging off
-        block[0]; ``None`` or a chain means plain causal order."""
+        block[0]; ``None`` or a chain means plain causal order. ``logits_to_keep=k`` keeps
+        only the last k positions' logits (a prefill needs none of them)."""
         past = kv.length(self.cache)
         ids = torch.tensor([block], dtype=torch.long, device=self.device)  # [1, block]
         kwargs = dict(self._encoder_kwargs)
@@ -94,6 +97,8 @@ class ModelAdapter:
             kwargs["position_ids"] = (tree.block_positions + past).to(self.device)[None]  # [1, block]
         elif not self.encoder_decoder:
             kwargs["position_ids"] = torch.arange(past, past + len(block), device=self.device)[None]
+        if logits_to_keep:
+            kwargs["logits_to_keep"] = logits_to_keep
         ids_key = "decoder_input_ids" if self.encoder_decoder else "input_ids"
         out = self.model(
             **{ids_key: ids}, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden, **kwargs

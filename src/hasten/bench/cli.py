@@ -1,0 +1,182 @@
+"""``hasten bench``: time hasten's methods against Hugging Face generate on the same model."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import warnings
+from datetime import datetime, timezone
+
+import torch
+
+from ..api import AUTOREGRESSIVE
+from ..cli import UserError, add_model_arguments, parse_method_args
+from ..drafters.base import REGISTRY
+from .runner import (
+    HF_BASELINES, OVERALL, LosslessnessError, check_lengths, hasten_method, hasten_method_names, hf_method, run_bench,
+)
+from .tasks import CATEGORIES, builtin_tasks, read_prompts
+
+AUTO = "auto"
+
+
+def _csv(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)  # --model, --draft, --method-arg KEY=VALUE (or METHOD.KEY=VALUE)
+    parser.add_argument(
+        "--methods", default=AUTO,
+        help="comma-separated hasten methods; autoregressive, the reference, is always added (default auto: "
+        f"every registered method that runs with the given models; known: {', '.join(hasten_method_names())}). "
+        "Settings: --method-arg KEY=VALUE sets every method that has KEY, METHOD.KEY=VALUE one method",
+    )
+    parser.add_argument(
+        "--baselines", default=AUTO,
+        help=f"comma-separated Hugging Face baselines, or none (default: all of {', '.join(HF_BASELINES)} "
+        "that the given models allow)",
+    )
+    parser.add_argument("--tasks", default=",".join(CATEGORIES), help="built-in task categories (default: all)")
+    parser.add_argument("--prompts", help="JSONL file of your own prompts ({prompt, category} or Spec-Bench turns)")
+    parser.add_argument("--per-task", type=int, default=2, help="prompts per category (default 2)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method and prompt (default 3)")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens every method generates (default 128)")
+    # One thread by default: small models gain nothing from more, and on a CPU shared with other
+    # work, extra threads thrash (zoo:code-tiny, 2 cores, other jobs running: 128 tokens took
+    # 1.1-3.4 s on 1 thread and 5.6-69 s on 2). Give 0 for all cores on a large model.
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = all cores)")
+    parser.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _known_settings(method: str) -> set[str]:
+    settings_cls = getattr(REGISTRY.get(method), "Settings", None)
+    return {f.name for f in dataclasses.fields(settings_cls)} if settings_cls else set()
+
+
+def _settings_for(method: str, pairs: list[str]) -> dict:
+    """--method-arg METHOD.KEY=VALUE sets one method; KEY=VALUE every method that has KEY."""
+    mine = []
+    for pair in pairs:
+        key = pair.partition("=")[0]
+        target, dot, _ = key.partition(".")
+        if dot and target == method:
+            mine.append(pair[len(target) + 1 :])
+        elif not dot and key in _known_settings(method):
+            mine.append(pair)
+    return parse_method_args(method, mine)
+
+
+def _check_method_args(pairs: list[str], names: list[str]) -> None:
+    """A setting that no listed method takes is a typo, not something to ignore."""
+    for pair in pairs:
+        key = pair.partition("=")[0]
+        target, dot, field = key.partition(".")
+        takers, wanted = ([target], field) if dot else (names, key)
+        if not any(n in names and wanted in _known_settings(n) for n in takers):
+            raise UserError(f"--method-arg {pair!r}: none of the methods {names} has that setting")
+
+
+def _chosen(args) -> tuple[list[str], list[str]]:
+    """The hasten methods and baselines asked for, checked before any model is loaded."""
+    names = hasten_method_names() if args.methods == AUTO else _csv(args.methods)
+    unknown = [n for n in names if n not in hasten_method_names()]
+    if unknown:
+        raise UserError(f"--methods: unknown {unknown}; known: {', '.join(hasten_method_names())}")
+    if AUTOREGRESSIVE not in names:  # always timed: it is the reference output and the speed baseline
+        names.insert(0, AUTOREGRESSIVE)
+    _check_method_args(args.method_arg, names)
+    presets = {AUTO: list(HF_BASELINES), "none": []}
+    baselines = presets[args.baselines] if args.baselines in presets else _csv(args.baselines)
+    unknown = [n for n in baselines if n not in HF_BASELINES]
+    if unknown:
+        raise UserError(f"--baselines: unknown {unknown}; known: {', '.join(HF_BASELINES)}, none")
+    unknown = [c for c in _csv(args.tasks) if c not in CATEGORIES]
+    if unknown:
+        raise UserError(f"--tasks: unknown {unknown}; known: {', '.join(CATEGORIES)}")
+    return names, baselines
+
+
+def _build_methods(args, names, baselines, model, draft, probe_ids) -> tuple[list, dict[str, str]]:
+    """The methods to time, and why any default one was left out."""
+    methods, skipped = [], {}
+    for name in names:
+        try:
+            method = hasten_method(name, model, draft, **_settings_for(name, args.method_arg))
+            if args.methods == AUTO:  # a registered method may not fit these models: try it on 2 tokens
+                with warnings.catch_warnings(record=True) as caught:
+                    warnings.simplefilter("always")
+                    method.run(probe_ids, 2)
+                if caught:  # e.g. "no trained heads found": its numbers would mislead; ask for it by name
+                    raise ValueError(str(caught[0].message))
+        except (ValueError, TypeError, OSError) as err:
+            if args.methods != AUTO:
+                raise
+            skipped[name] = str(err).splitlines()[0]
+            continue
+        methods.append(method)
+    for name in baselines:
+        try:
+            methods.append(hf_method(name, model, draft))
+        except ValueError as err:
+            if args.baselines != AUTO:
+                raise
+            skipped[name] = str(err)
+    return methods, skipped
+
+
+def run(args: argparse.Namespace) -> int:
+    from transformers import AutoTokenizer
+
+    from ..api import load_model, resolve_path
+    from .report import command_line, machine_info, write_report
+
+    for flag, low in (("per_task", 1), ("repeats", 1), ("max_new_tokens", 1), ("threads", 0)):
+        if getattr(args, flag) < low:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
+    names, baselines = _chosen(args)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
+    model = load_model(args.model)
+    draft = load_model(args.draft) if args.draft else None
+    tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
+    if args.prompts:
+        tasks = read_prompts(args.prompts, tokenizer, args.per_task)
+    else:
+        tasks = builtin_tasks(tokenizer, _csv(args.tasks), args.per_task)
+    input_ids = [tokenizer(t.prompt, return_tensors="pt").input_ids for t in tasks]
+    check_lengths(model, tasks, input_ids, args.max_new_tokens)
+    methods, skipped = _build_methods(args, names, baselines, model, draft, input_ids[0])
+    print(
+        f"hasten bench: {len(methods)} methods x {len(tasks)} prompts x {args.repeats} repeats, "
+        f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads",
+        file=sys.stderr,
+    )
+    machine = machine_info()  # before the run, so the load average shows only other work
+    try:
+        measured = run_bench(methods, tasks, input_ids, args.max_new_tokens, args.repeats, not args.no_progress)
+    except LosslessnessError as err:
+        print(f"hasten bench: LOSSLESSNESS FAILURE: {err}", file=sys.stderr)
+        return 1
+    results = {
+        "command": command_line(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine,
+        "settings": {
+            "model": args.model, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
+            "repeats": args.repeats, "per_task": args.per_task, "prompts": args.prompts,
+        },
+        "tasks": [dataclasses.asdict(t) for t in tasks],
+        "skipped": skipped,
+        **measured,
+    }
+    paths = write_report(results, args.out)
+    overall = results["by_category"][OVERALL]
+    for row in overall:
+        print(f"{row['method']:>20}  {row['tokens_per_second']:8.1f} tok/s  {row['speedup_vs_ar'] or 0:.2f}x vs AR")
+    print(f"hasten bench: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    return 0
+
+
+COMMANDS = [("bench", "time hasten's methods against Hugging Face generate, checking outputs match", add_arguments, run)]

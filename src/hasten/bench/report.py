@@ -1,0 +1,184 @@
+"""Write a benchmark's results: results.json, results.md and two PNG charts.
+
+Every number is written next to the machine and versions it was measured on.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+from .runner import AUTOREGRESSIVE, OVERALL
+
+SPEEDUP_PNG, ACCEPTANCE_PNG = "speedup.png", "acceptance.png"
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info() -> dict:
+    import transformers
+
+    from .. import __version__
+
+    return {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # other work on the machine slows every method; > 0.5 per core means a shared CPU
+        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "hasten": __version__,
+    }
+
+
+def _x(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _note(row: dict, kinds: dict[str, str]) -> str:
+    """Say so wherever a hasten method is slower than a Hugging Face path."""
+    if kinds.get(row["method"]) != "hasten":
+        return ""
+    slower = []
+    for key, other in (("speedup_vs_hf_generate", "hf_generate"), ("speedup_vs_hf_match", row["hf_match"])):
+        if row[key] is not None and row[key] < 1 and other not in slower:
+            slower.append(other)
+    return "; ".join(f"**slower than {name}**" for name in slower)
+
+
+def markdown(results: dict) -> str:
+    kinds = {m["name"]: m["kind"] for m in results["methods"]}
+    m, s = results["machine"], results["settings"]
+    lines = [
+        "# hasten bench",
+        "",
+        f"- command: `{results['command']}`",
+        f"- date: {results['date']}",
+        f"- machine: {m['cpu']}, {m['cores']} cores, {m['torch_threads']} torch threads"
+        + (f", GPU {m['gpu']}" if m["gpu"] else ", no GPU")
+        + (f"; load average {m['load_average'][0]} (1 min) as the run began" if m.get("load_average") else ""),
+        f"- versions: python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, hasten {m['hasten']}",
+        f"- model: {s['model']}, draft: {s['draft'] or '-'}; {s['max_new_tokens']} new tokens a prompt, greedy, "
+        f"EOS ignored; median of {s['repeats']} interleaved repeats",
+        "- every method's tokens were checked equal to hasten autoregressive's",
+        "",
+        "Speedups are ratios of the summed per-prompt median times, so a category's speedup is what "
+        "running all its prompts would see. tau = new tokens per target forward (for Hugging Face, "
+        "counted from the target model's forward calls); efficiency = speedup vs AR / tau (1.0 would "
+        "mean drafting and verifying cost nothing).",
+    ]
+    if results.get("skipped"):
+        lines += ["", "Methods left out: " + "; ".join(f"{k} ({v})" for k, v in results["skipped"].items())]
+    header = "| method | tok/s | vs AR | vs HF greedy | vs HF same path | tau | efficiency | note |"
+    for category, rows in results["by_category"].items():
+        count = sum(1 for t in results["tasks"] if category in (OVERALL, t["category"]))
+        lines += ["", f"## {category} ({count} prompts)", "", header, "|---" * 8 + "|"]
+        for r in rows:
+            match = f"{_x(r['speedup_vs_hf_match'])} ({r['hf_match']})" if r["hf_match"] else "-"
+            lines.append(
+                f"| {r['method']} | {r['tokens_per_second']:.1f} | {_x(r['speedup_vs_ar'])} | "
+                f"{_x(r['speedup_vs_hf_generate'])} | {match} | {_num(r['tau'])} | {_num(r['efficiency'])} | "
+                f"{_note(r, kinds)} |"
+            )
+    lines += ["", "## Where hasten's time goes (all prompts, summed per-prompt medians)", "",
+              "| method | total s | prefill s | draft s | verify s | target forwards | tau |", "|---" * 7 + "|"]
+    lines += [
+        f"| {r['method']} | {r['seconds']:.2f} | {r['median_prefill_seconds']:.2f} | {r['median_draft_seconds']:.2f} | "
+        f"{r['median_verify_seconds']:.2f} | {r['steps']} | {r['tau']:.2f} |"
+        for r in results["by_category"][OVERALL] if "median_verify_seconds" in r
+    ]
+    lines += ["", "## Prompts", "", "| task | category | prompt tokens | source |", "|---|---|---|---|"]
+    lines += [f"| {t['name']} | {t['category']} | {t['prompt_tokens']} | {t['source']} |" for t in results["tasks"]]
+    return "\n".join(lines) + "\n"
+
+
+def _speedup_chart(results: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    categories = list(results["by_category"])
+    methods = [m for m in results["methods"] if m["name"] != AUTOREGRESSIVE]
+    fig, ax = plt.subplots(figsize=(min(13, max(7, 0.25 * len(categories) * len(methods) + 2)), 4))
+    width = 0.8 / max(1, len(methods))
+    for i, method in enumerate(methods):
+        values = [
+            next(r["speedup_vs_ar"] or 0 for r in results["by_category"][c] if r["method"] == method["name"])
+            for c in categories
+        ]
+        offsets = [x + (i - (len(methods) - 1) / 2) * width for x in range(len(categories))]
+        hatch = "//" if method["kind"] == "hf" else None  # Hugging Face baselines hatched
+        ax.bar(offsets, values, width, label=method["name"], hatch=hatch, edgecolor="white")
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(categories)), categories)
+    ax.set_ylabel("speedup vs hasten autoregressive")
+    m = results["machine"]
+    ax.set_title(f"{results['settings']['model']} on {m['cpu']}, threads: {m['torch_threads']} (hatched: Hugging Face)", fontsize=9)
+    if methods:
+        ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars, never on them
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _acceptance_chart(results: dict, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    drawn = 0
+    for row in results["by_category"][OVERALL]:
+        curve = row["acceptance_by_position"]
+        if curve:  # hasten methods that drafted something
+            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=row["method"])
+            drawn += 1
+    if drawn:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no method drafted tokens", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("fraction accepted (steps that drafted it)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("acceptance per draft position, all prompts", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(results: dict, out_dir: str | Path) -> list[Path]:
+    """results.json, results.md, speedup.png and acceptance.png under ``out_dir``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "results.json", out / "results.md", out / SPEEDUP_PNG, out / ACCEPTANCE_PNG]
+    paths[0].write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
+    paths[1].write_text(markdown(results), encoding="utf-8")
+    _speedup_chart(results, paths[2])
+    _acceptance_chart(results, paths[3])
+    return paths
+
+
+def command_line() -> str:
+    import shlex
+
+    return shlex.join([os.path.basename(sys.argv[0]), *sys.argv[1:]])

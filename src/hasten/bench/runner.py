@@ -1,0 +1,256 @@
+"""Run methods on tasks, interleaved, check every output, and summarise with medians.
+
+Honest timing (see DESIGN.md, "Measuring speed honestly"): all methods run in one process
+on one machine, interleaved A, B, C, A, B, C, ... with the order rotated every repeat so
+that drift (thermal, other load) falls on all of them alike; each method gets one untimed
+warm-up; the reported time is the median over repeats. Every method must produce exactly
+hasten's plain autoregressive tokens, or the benchmark stops with a LosslessnessError.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from ..api import AUTOREGRESSIVE, make_drafter
+from ..drafters.base import REGISTRY
+from ..engine.loop import generate
+from ..engine.stats import DecodeStats
+from .tasks import Task
+
+HF_GENERATE = "hf_generate"
+OVERALL = "overall"  # the by_category key of all tasks together
+# Hugging Face generate() settings of each baseline; "assistant_model" is filled with the draft.
+HF_BASELINES = {
+    HF_GENERATE: {},
+    "hf_prompt_lookup": {"prompt_lookup_num_tokens": 10},
+    "hf_assisted": {"assistant_model": None},
+}
+# The Hugging Face path a user would otherwise run for the same idea.
+HF_COUNTERPART = {AUTOREGRESSIVE: HF_GENERATE, "prompt_lookup": "hf_prompt_lookup", "draft_model": "hf_assisted"}
+
+
+class LosslessnessError(RuntimeError):
+    """A method's output differs from plain autoregressive decoding: a bug, never noise."""
+
+
+# (input_ids [1, T], new tokens) -> (the new tokens, decode stats, seconds of the generate call)
+RunFn = Callable[[torch.Tensor, int], tuple[list[int], DecodeStats, float]]
+
+
+@dataclass
+class Method:
+    name: str
+    kind: str  # "hasten" or "hf"
+    run: RunFn
+    settings: dict = field(default_factory=dict)  # recorded in results.json
+
+
+def hasten_method(name: str, model, draft=None, **settings) -> Method:
+    """A registered drafter (or "autoregressive"), a fresh drafter per run, EOS ignored."""
+    make_drafter(name, draft, **settings)  # fail now, not in the middle of the benchmark
+
+    def run(input_ids, max_new_tokens):
+        drafter = make_drafter(name, draft, **settings)  # built outside the timed call
+        clock = time.perf_counter()
+        out = generate(model, input_ids, drafter=drafter, max_new_tokens=max_new_tokens, eos_token_id=[])
+        seconds = time.perf_counter() - clock
+        return out.sequences[0, input_ids.shape[1] :].tolist(), out.stats, seconds
+
+    return Method(name, "hasten", run, settings)
+
+
+def hf_method(name: str, model, draft=None) -> Method:
+    """``model.generate`` greedy with the baseline's settings and no EOS stopping."""
+    if name not in HF_BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; known: {', '.join(HF_BASELINES)}")
+    kwargs = dict(HF_BASELINES[name])
+    if "assistant_model" in kwargs:
+        if draft is None:
+            raise ValueError(f"baseline {name!r} needs a draft model: pass --draft")
+        kwargs["assistant_model"] = draft
+    pad = model.generation_config.pad_token_id
+    pad = model.generation_config.eos_token_id if pad is None else pad  # only silences a warning
+
+    def run(input_ids, max_new_tokens):
+        forwards = []  # target forward calls, for tau; the assistant's are not counted
+        hook = model.register_forward_hook(lambda *_: forwards.append(1))
+        try:
+            clock = time.perf_counter()
+            # eos_token_id=None: no stopping, as eos_token_id=[] for hasten. (min_new_tokens would
+            # instead mask EOS out of the logits and change the greedy output.)
+            out = model.generate(
+                input_ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=pad, **kwargs
+            )
+            seconds = time.perf_counter() - clock
+        finally:
+            hook.remove()
+        new = out[0, input_ids.shape[1] :].tolist()
+        if len(new) != max_new_tokens:
+            raise LosslessnessError(f"{name} produced {len(new)} tokens, expected {max_new_tokens}")
+        # Hugging Face's first forward is the prefill and yields the first token: every
+        # forward is a step. Only steps and tokens are known; times stay zero.
+        return new, DecodeStats(steps=len(forwards), new_tokens=len(new)), seconds
+
+    settings = {k: ("draft" if k == "assistant_model" else v) for k, v in kwargs.items()}
+    return Method(name, "hf", run, settings)
+
+
+def sum_stats(parts: list[DecodeStats]) -> DecodeStats:
+    """Counts and seconds added up, so tau and acceptance aggregate weighted by steps."""
+    total = DecodeStats()
+    for s in parts:
+        total.steps += s.steps
+        total.new_tokens += s.new_tokens
+        total.drafted_tokens += s.drafted_tokens
+        total.accepted_tokens += s.accepted_tokens
+        for mine, theirs in ((total.drafted_at_depth, s.drafted_at_depth), (total.accepted_at_depth, s.accepted_at_depth)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for d, n in enumerate(theirs):
+                mine[d] += n
+        total.prefill_seconds += s.prefill_seconds
+        total.draft_seconds += s.draft_seconds
+        total.verify_seconds += s.verify_seconds
+    return total
+
+
+@dataclass
+class Cell:
+    """One method on one task: each timed run's wall seconds and decode stats."""
+
+    seconds: list[float] = field(default_factory=list)
+    runs: list[DecodeStats] = field(default_factory=list)
+
+
+def _ratio(num: float | None, den: float | None) -> float | None:
+    return round(num / den, 4) if num and den else None
+
+
+def compare(cells: dict[str, list[Cell]]) -> list[dict]:
+    """One row per method over a set of tasks; times are per-task medians, summed.
+
+    Speedups are ratios of those summed medians: the time-weighted aggregate, so a
+    category's speedup is what a user running all its prompts would see.
+    """
+    seconds = {m: sum(statistics.median(c.seconds) for c in cs) for m, cs in cells.items()}
+    rows = []
+    for method, cs in cells.items():
+        # Greedy decoding is deterministic: every repeat has the same counts, only times vary.
+        stats = sum_stats([c.runs[0] for c in cs])
+        tokens = stats.new_tokens
+        speedup = _ratio(seconds.get(AUTOREGRESSIVE), seconds[method])
+        tau = round(stats.mean_accepted, 4)
+        match = HF_COUNTERPART.get(method)
+        row = {
+            "method": method,
+            "tokens": tokens,
+            "seconds": round(seconds[method], 6),
+            "tokens_per_second": round(tokens / seconds[method], 3),
+            "speedup_vs_ar": speedup,
+            "speedup_vs_hf_generate": _ratio(seconds.get(HF_GENERATE), seconds[method]),
+            "hf_match": match if match in cells else None,
+            "speedup_vs_hf_match": _ratio(seconds.get(match), seconds[method]) if match in cells else None,
+            "tau": tau,
+            "efficiency": _ratio(speedup, tau),
+            "steps": stats.steps,
+            # only hasten knows which draft positions were accepted
+            "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position] or None,
+        }
+        if stats.verify_seconds > 0:  # hasten methods: where the time goes, summed per-task medians
+            for part in ("prefill_seconds", "draft_seconds", "verify_seconds"):
+                medians = (statistics.median(getattr(run, part) for run in c.runs) for c in cs)
+                row[f"median_{part}"] = round(sum(medians), 6)
+        rows.append(row)
+    return rows
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _check(method: str, task: Task, output: list[int], reference: list[int]) -> None:
+    if output != reference:
+        at = _first_difference(output, reference)
+        got = output[at] if at < len(output) else "nothing"
+        want = reference[at] if at < len(reference) else "nothing"
+        raise LosslessnessError(
+            f"{method} differs from hasten autoregressive on task {task.name!r} at new token {at}: "
+            f"got {got}, expected {want}"
+        )
+
+
+def check_lengths(model, tasks: list[Task], input_ids: list[torch.Tensor], max_new_tokens: int) -> None:
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for task, ids in zip(tasks, input_ids):
+        if limit and ids.shape[1] + max_new_tokens > limit:
+            raise ValueError(
+                f"task {task.name!r}: {ids.shape[1]} prompt + {max_new_tokens} new tokens exceed the model's "
+                f"{limit} positions; use fewer --max-new-tokens or leave out that task"
+            )
+
+
+def run_bench(
+    methods: list[Method],
+    tasks: list[Task],
+    input_ids: list[torch.Tensor],
+    max_new_tokens: int,
+    repeats: int = 3,
+    progress: bool = True,
+) -> dict:
+    """Time every method on every task; returns per-task, per-category and overall rows."""
+    names = [m.name for m in methods]
+    if AUTOREGRESSIVE not in names:
+        raise ValueError(f"the methods must include {AUTOREGRESSIVE!r}: it is the reference output")
+    if len(set(names)) != len(names):
+        raise ValueError(f"a method is listed twice: {names}")
+    if repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {repeats}")
+    bar = tqdm(total=len(methods) * (1 + repeats * len(tasks)), desc="bench", unit="run", disable=not progress)
+    for method in methods:  # warm-up: first calls pay for allocation and lazy initialisation
+        bar.set_postfix_str(f"warm-up {method.name}")
+        method.run(input_ids[0], max_new_tokens)
+        bar.update()
+
+    cells: dict[str, dict[str, Cell]] = {t.name: {} for t in tasks}
+    outputs: dict[str, dict[str, list[int]]] = {t.name: {} for t in tasks}
+    for task, ids in zip(tasks, input_ids):
+        for r in range(repeats):
+            shift = r % len(methods)
+            for method in methods[shift:] + methods[:shift]:
+                bar.set_postfix_str(f"{task.name} {method.name}")
+                tokens, stats, seconds = method.run(ids, max_new_tokens)
+                cell = cells[task.name].setdefault(method.name, Cell())
+                cell.seconds.append(seconds)
+                cell.runs.append(stats)
+                if outputs[task.name].setdefault(method.name, tokens) != tokens:
+                    _check(f"{method.name} (repeat {r + 1})", task, tokens, outputs[task.name][method.name])
+                bar.update()
+        reference = outputs[task.name][AUTOREGRESSIVE]
+        for method in methods:  # checked once the task's reference exists, before moving on
+            _check(method.name, task, outputs[task.name][method.name], reference)
+    bar.close()
+
+    by_task = [
+        {"task": t.name, "category": t.category, "rows": compare({m: [c] for m, c in cells[t.name].items()})} for t in tasks
+    ]
+    groups: dict[str, list[Task]] = {}
+    for t in tasks:
+        groups.setdefault(t.category, []).append(t)
+    groups[OVERALL] = list(tasks)
+    by_category = {
+        category: compare({m: [cells[t.name][m] for t in group] for m in names}) for category, group in groups.items()
+    }
+    return {
+        "methods": [{"name": m.name, "kind": m.kind, "settings": m.settings} for m in methods],
+        "by_task": by_task,
+        "by_category": by_category,
+    }
+
+
+def hasten_method_names() -> list[str]:
+    """Every method hasten can run: the plain loop and each registered drafter."""
+    return [AUTOREGRESSIVE, *sorted(REGISTRY)]
