@@ -1,12 +1,24 @@
 """Drafters, one file per method, all registered by name (see :func:`create`)."""
 from .base import REGISTRY, Draft, DraftContext, Drafter, StepResult, create, register
+from .chimera import Chimera, ChimeraSettings
 from .draft_model import DraftModel, DraftModelSettings
+from .eagle import Eagle, EagleSettings
+from .gad import GAD, GADSettings
+from .hidden_transfer import HiddenTransfer, HiddenTransferSettings
 from .lookahead import Lookahead, LookaheadSettings
 from .medusa import Medusa, MedusaHeads, MedusaSettings
 from .prompt_lookup import PromptLookup, PromptLookupSettings
 
 __all__ = [
     "REGISTRY",
+    "Chimera",
+    "ChimeraSettings",
+    "Eagle",
+    "EagleSettings",
+    "GAD",
+    "GADSettings",
+    "HiddenTransfer",
+    "HiddenTransferSettings",
     "Draft",
     "DraftContext",
     "Drafter",

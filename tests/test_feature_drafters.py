@@ -1,0 +1,398 @@
+"""Feature-level drafters (EAGLE, Chimera, hidden transfer, GAD): greedy output is
+token-identical to Hugging Face greedy generate, untrained or trained, on every tiny
+causal architecture; sampled output keeps the target's law; the shared tree builders,
+the upper-layer runner and the settings are checked on their own."""
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import hasten
+from hasten.drafters.candidates import CombinationTree, GrowingTree, TreeSettings, dynamic_tree, sparse_tree
+from hasten.drafters.chimera import Chimera, ChimeraModel, ChimeraTraining, ChimeraTrainOptions
+from hasten.drafters.eagle import Eagle, EagleLayer, EagleSettings, EagleTraining, EagleTrainOptions
+from hasten.drafters.feature_base import FeatureRecord, WEIGHTS_FILE
+from hasten.drafters.gad import GAD, GADModel, GADTraining, GADTrainOptions
+from hasten.drafters.hidden_transfer import (
+    HiddenTransfer, HiddenTransferTraining, HiddenTransferTrainOptions, Transfer,
+)
+from hasten.engine import cache as kv
+from hasten.engine.sampling import Sampling
+from hasten.models.layers import UnsupportedArchitecture, decoder_layers, placeholder_logits, placeholder_logits_batch
+from hasten.training.distill import DistillSettings, distill
+from hasten.training.trainer import TrainSettings, train
+from helpers import (
+    CAUSAL_CONFIGS, SEQ2SEQ_CONFIGS, hf_greedy, repetitive_prompt, save_checkpoint, tiny_model, tiny_tokenizer,
+)
+from test_sampling_distribution import BOUND, TARGET, empirical_tv
+
+ARCHS = sorted(CAUSAL_CONFIGS)
+NEW = 24
+TOKENIZER = tiny_tokenizer()
+TEXT = ["def add(a, b):\n    return a + b\n" * 4, "for i in range(10):\n    print(i)\n" * 4]
+
+# name -> (drafter class, training recipe, small training options, settings variants to try when trained)
+DRAFTERS = {
+    "eagle": (Eagle, EagleTraining, EagleTrainOptions(), [dict(), dict(depth=2, top_k=2, total_tokens=3)]),
+    "chimera": (Chimera, ChimeraTraining, ChimeraTrainOptions(num_heads=3),
+                [dict(), dict(tree="[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]")]),
+    "hidden_transfer": (HiddenTransfer, HiddenTransferTraining, HiddenTransferTrainOptions(num_tokens=2, anchors=4),
+                        [dict(), dict(top_k=1, tree_size=2)]),
+    "gad": (GAD, GADTraining, GADTrainOptions(block=3, window=4, anchors=4), [dict(), dict(top_k=2, tree_size=6)]),
+}
+
+
+def train_drafter(name, model, data, out_dir, steps=3):
+    """The drafter's module trained for a few steps on the model's own continuations."""
+    _, training, options, _ = DRAFTERS[name]
+    trainable = training(model, options)
+    result = train(trainable, data, TrainSettings(steps=steps, lr=3e-2, warmup_steps=1, batch_size=4),
+                   out_dir / "work", progress=False)
+    trainable.save(result.module, out_dir, {"target": "test", **result.report})
+    return out_dir
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def setup(request, tmp_path_factory):
+    model = tiny_model(request.param)
+    prompt = repetitive_prompt(20, seed=1)
+    root = tmp_path_factory.mktemp(request.param)
+    data = distill(model, TOKENIZER, TEXT, DistillSettings(samples=6, prompt_tokens=8, gen_tokens=12), root / "work",
+                   source="test", progress=False)
+    trained = {name: train_drafter(name, model, data, root / name) for name in DRAFTERS}
+    return model, prompt, hf_greedy(model, prompt, NEW), trained
+
+
+def check(model, prompt, reference, drafter):
+    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW)
+    assert out.sequences.tolist() == reference.tolist()
+    return out.stats
+
+
+# ---- greedy equality ----------------------------------------------------------------------------
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_untrained(setup, name):
+    model, prompt, reference, _ = setup
+    with pytest.warns(UserWarning, match=f"untrained {name}"):
+        stats = check(model, prompt, reference, DRAFTERS[name][0]())
+    assert stats.drafted_tokens > 0
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_trained(setup, name):
+    model, prompt, reference, trained = setup
+    drafter_cls, _, _, variants = DRAFTERS[name]
+    module = drafter_cls.Module.load(trained[name])
+    assert module.config.target == "test"
+    for settings in variants:
+        check(model, prompt, reference, drafter_cls(weights=str(trained[name]), **settings))
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_one_token_prompt(name):
+    model = tiny_model("gpt2")
+    prompt = torch.tensor([[5]])
+    with pytest.warns(UserWarning):
+        check(model, prompt, hf_greedy(model, prompt, NEW), DRAFTERS[name][0]())
+
+
+@pytest.mark.parametrize("arch", sorted(SEQ2SEQ_CONFIGS))
+def test_gad_drafts_chains_for_encoder_decoders(arch):
+    model = tiny_model(arch)
+    prompt = repetitive_prompt(20, seed=1)
+    with pytest.warns(UserWarning):
+        check(model, prompt, hf_greedy(model, prompt, NEW), GAD(top_k=3))  # a tree setting still drafts chains
+
+
+@pytest.mark.parametrize("name", ["eagle", "chimera", "hidden_transfer"])
+def test_tree_drafters_refuse_encoder_decoders(name):
+    with pytest.raises(ValueError, match="encoder-decoder"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hasten.generate(tiny_model("t5"), repetitive_prompt(8), drafter=DRAFTERS[name][0](), max_new_tokens=4)
+
+
+def test_reused_across_generations_and_prompts():
+    model = tiny_model("mistral")
+    drafters = [cls() for cls, *_ in DRAFTERS.values()]
+    with pytest.warns(UserWarning) as record:
+        for seed in range(3):
+            prompt = repetitive_prompt(12 + 2 * seed, seed=seed)
+            reference = hf_greedy(model, prompt, 16)
+            for drafter in drafters:
+                out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=16)
+                assert out.sequences.tolist() == reference.tolist()
+    assert len(record) == len(drafters)  # one "untrained" warning per drafter and target
+
+
+def test_feature_record_follows_the_committed_tokens():
+    """After a generation, EAGLE's record holds the target's own features of every
+    committed token but the last root, whatever was accepted on the way."""
+    model = tiny_model("llama")
+    drafter = Eagle(depth=3, top_k=2, total_tokens=5)
+    with pytest.warns(UserWarning):
+        out = hasten.generate(model, repetitive_prompt(12), drafter=drafter, max_new_tokens=20)
+    tokens = out.sequences
+    hidden = model(tokens, output_hidden_states=True).hidden_states[-1][0]  # [T, H]
+    record = drafter.record.features
+    assert len(record) >= tokens.shape[1] - 2
+    assert torch.allclose(record, hidden[: len(record)], atol=1e-4)
+
+
+def test_weights_beside_the_model_are_found(tmp_path):
+    checkpoint = save_checkpoint(tmp_path / "model", arch="llama")
+    model = hasten.api.load_model(checkpoint)
+    data = distill(model, TOKENIZER, TEXT, DistillSettings(samples=4, prompt_tokens=8, gen_tokens=8), tmp_path / "work",
+                   source="test", progress=False)
+    train_drafter("eagle", model, data, tmp_path / "model" / "eagle", steps=1)
+    files = {p.name for p in (tmp_path / "model" / "eagle").iterdir()}
+    assert {"eagle.json", WEIGHTS_FILE} <= files
+    prompt = "def add(a, b):\n    return a + b\n\ndef add("
+    plain = hasten.load(checkpoint, "autoregressive").generate(prompt, max_new_tokens=16).token_ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "untrained" warning
+        engine = hasten.load(checkpoint, "eagle", depth=3)
+        assert engine.generate(prompt, max_new_tokens=16).token_ids == plain
+    assert engine.drafter.module.config.target == "test"
+
+
+# ---- sampling ---------------------------------------------------------------------------------------
+def opinionated(module, seed):
+    """Random weights large enough that drafts are sometimes right, sometimes not."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            if parameter.ndim == 2:
+                torch.nn.init.normal_(parameter, std=1.0 / math.sqrt(parameter.shape[1]))
+    return module
+
+
+@pytest.mark.parametrize("name, sampling", [
+    ("eagle", Sampling(1.0)),
+    ("chimera", Sampling(0.8, top_k=5, top_p=0.9)),
+])
+def test_sampled_continuations_follow_the_target(tmp_path, name, sampling):
+    drafter_cls = DRAFTERS[name][0]
+    opinionated(drafter_cls.Module.for_target(TARGET), seed=3).save(tmp_path)
+    settings = dict(depth=2, top_k=3, total_tokens=6) if name == "eagle" else dict(tree_size=6)
+    drafter = drafter_cls(weights=str(tmp_path), **settings)
+    assert empirical_tv(TARGET, drafter, sampling) < BOUND
+
+
+# ---- the shared tree builders ----------------------------------------------------------------------
+def scripted_expand(vocab, seed):
+    """An 'autoregressive drafter' whose next-token law depends on the whole path."""
+    def expand(nodes, grown: GrowingTree):
+        rows = []
+        for node in nodes:
+            path, at = [], node
+            while at >= 0:
+                path.append(grown.tokens[at])
+                at = grown.parents[at]
+            g = torch.Generator().manual_seed(seed + hash(tuple(path)) % 10_000)
+            rows.append((torch.randn(vocab, generator=g) * 3).log_softmax(-1))
+        return torch.stack(rows)
+    return expand
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_dynamic_tree_keeps_the_most_probable_nodes(seed):
+    vocab, depth, top_k, total = 12, 4, 3, 10
+    first = (torch.randn(vocab, generator=torch.Generator().manual_seed(seed)) * 3).log_softmax(-1)
+    expand = scripted_expand(vocab, seed)
+    seen: dict[tuple, float] = {}  # every candidate the builder created: path -> cumulative log-prob
+
+    def recording(nodes, grown):
+        out = expand(nodes, grown)
+        for node in range(len(grown.tokens)):
+            path, at = [], node
+            while at >= 0:
+                path.append(grown.tokens[at])
+                at = grown.parents[at]
+            seen[tuple(reversed(path))] = grown.scores[node]
+        return out
+
+    tokens, tree = dynamic_tree(first, recording, depth, top_k, total)
+    assert len(tokens) == total
+    for i, parent in enumerate(tree.parents):  # parents before children
+        assert parent < i
+    for kids in tree.children:  # siblings distinct
+        assert len({tokens[k] for k in kids}) == len(kids)
+    paths = [tuple(tokens[n] for n in tree.ancestors(i)) for i in range(len(tokens))]
+    # scores recomputed from the laws: each node's cumulative log-prob along its path
+    score = {}
+    for path in paths:
+        total_logp, prefix = 0.0, ()
+        for token in path:
+            if not prefix:
+                logp = first
+            else:
+                grown = GrowingTree()
+                parent = -1
+                for t in prefix:
+                    parent = grown.add(t, parent, 0.0)
+                logp = expand([parent], grown)[0]
+            total_logp += float(logp[token])
+            prefix += (token,)
+        score[path] = total_logp
+    kept = sorted(score.values(), reverse=True)
+    # nothing left out scores higher than the worst node kept (ties aside)
+    left_out = [s for p, s in seen.items() if p not in score]
+    assert not left_out or max(left_out) <= min(kept) + 1e-5
+    # the first level holds the top-k tokens of the first law, best first
+    assert [tokens[k] for k in tree.children[0]][:1] == [int(first.argmax())]
+    assert max(tree.depths) <= depth
+
+
+def test_dynamic_tree_expands_only_the_most_confident_frontier():
+    vocab = 6
+    first = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.03, 0.02]).log()
+    calls = []
+
+    def expand(nodes, grown):
+        calls.append([grown.tokens[n] for n in nodes])
+        return torch.tensor([0.7, 0.2, 0.05, 0.03, 0.01, 0.01]).log().expand(len(nodes), vocab)
+
+    tokens, tree = dynamic_tree(first, expand, depth=3, top_k=2, total_tokens=5)
+    assert calls[0] == [0, 1]  # the two most probable first-level nodes
+    assert calls[1] == [0, 0]  # level 2: paths (0, 0) and (1, 0) (0.35, 0.21) beat (0, 1) (0.10)
+    # best five: (0) .5, (1) .3, (0,0) .35, (1,0) .21, (0,0,0) .245
+    paths = sorted(tuple(tokens[n] for n in tree.ancestors(i)) for i in range(len(tokens)))
+    assert paths == [(0,), (0, 0), (0, 0, 0), (1,), (1, 0)]
+
+
+def test_combination_tree():
+    tree = CombinationTree(((0,), (1,), (0, 0), (0, 1)))
+    assert tree.width == 2 and tree.depth == 2
+    assert tree.tokens([[7, 8], [3, 4]]) == (7, 8, 3, 4)
+    assert tree.tree.parents == (-1, -1, 0, 0)
+    chosen = CombinationTree.choose(TreeSettings(top_k=2, tree_size=3), [[0.9, 0.05], [0.8, 0.1]], levels=2)
+    assert chosen.paths == ((0,), (0, 0), (0, 1))
+    assert sparse_tree([[1.0], [0.5, 0.4]], 10) == ((0,), (0, 0), (0, 1))  # a one-rank level: one node
+    assert len(sparse_tree([[0.0, 0.0], [0.0, 0.0]], 3)) == 3  # unmeasured (all-zero) accuracies still give a tree
+    with pytest.raises(ValueError, match="only 1 levels"):
+        CombinationTree.choose(TreeSettings(tree="[(0,), (0, 0)]"), None, levels=1)
+
+
+# ---- the upper-layer runner ------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ARCHS)
+def test_upper_layer_runner(arch):
+    model = tiny_model(arch)
+    ids = repetitive_prompt(24, seed=2)
+    plain = model(ids, output_hidden_states=True)
+    layer = 1
+    # replacing nothing is the plain forward, bit for bit
+    cache = kv.new_cache(False)
+    assert torch.equal(placeholder_logits(model, cache, ids[0].tolist(), 0, layer, None), plain.logits[0])
+    assert kv.length(cache) == 0  # left as found
+    # placeholders given the hidden states the real tokens have there reproduce their logits
+    cache = kv.new_cache(False)
+    model(ids[:, :16], past_key_values=cache, use_cache=True)
+    truth = plain.hidden_states[layer][0]  # [T, H]
+    logits = placeholder_logits(model, cache, [int(ids[0, 16])], 4, layer, lambda h: truth[17:21])
+    assert torch.allclose(logits, plain.logits[0, 16:21], atol=1e-5)
+    assert kv.length(cache) == 16
+    # the training form: many anchors in one forward, with a block mask
+    anchors = torch.tensor([[3, 10, 19]])
+    pseudo = lambda h: torch.stack([truth[a + 1 : a + 4] for a in anchors[0].tolist()])[None]  # noqa: E731
+    batch = placeholder_logits_batch(model, ids, anchors, 3, layer, pseudo)
+    expected = torch.stack([plain.logits[0, a + 1 : a + 4] for a in anchors[0].tolist()])[None]
+    assert torch.allclose(batch, expected, atol=1e-5)
+
+
+def test_upper_layer_runner_refuses_what_it_cannot_handle():
+    with pytest.raises(UnsupportedArchitecture, match="encoder-decoder"):
+        decoder_layers(tiny_model("t5"))
+    model = tiny_model("llama")
+    model.model.extra = torch.nn.ModuleList(torch.nn.Identity() for _ in range(2))  # two candidate lists
+    with pytest.raises(UnsupportedArchitecture, match="cannot find the decoder layers"):
+        decoder_layers(model)
+    with pytest.raises(ValueError, match="layer must be in"):
+        placeholder_logits(tiny_model("llama"), kv.new_cache(False), [5], 2, 2, None)
+
+
+# ---- settings, files ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls, bad, match", [
+    (Eagle, dict(depth=0), "depth"), (Eagle, dict(top_k=-1), "top_k"), (Eagle, dict(total_tokens="x"), "total_tokens"),
+    (Eagle, dict(weights=3), "weights"), (Eagle, dict(nonsense=1), None),
+    (Chimera, dict(tree="[(0, 1)]"), "parent"), (Chimera, dict(tree="nonsense"), "tree"),
+    (Chimera, dict(num_heads=0), "num_heads"), (Chimera, dict(tree_size=0), "tree_size"),
+    (HiddenTransfer, dict(num_tokens=0), "num_tokens"), (HiddenTransfer, dict(layer=-2), "layer"),
+    (GAD, dict(block=0), "block"), (GAD, dict(top_k=0), "top_k"),
+])
+def test_settings_are_validated(cls, bad, match):
+    if match is None:
+        with pytest.raises(TypeError, match="no setting"):
+            cls(**bad)
+    else:
+        with pytest.raises(ValueError, match=match):
+            cls(**bad)
+
+
+def test_settings_from_the_command_line():
+    assert EagleSettings(depth="3").depth == 3  # --method-arg values arrive as strings
+    assert HiddenTransfer(layer="1").settings.layer == 1
+    assert Chimera(tree="[(0,), (0, 1), (0, 0)]").settings.tree == ((0,), (0, 1), (0, 0))
+    bad_options = [(EagleTrainOptions, dict(mlp_ratio=0), "mlp_ratio"), (GADTrainOptions, dict(window=0), "window"),
+                   (HiddenTransferTrainOptions, dict(layer=-3), "layer"), (ChimeraTrainOptions, dict(decay=0), "decay")]
+    for options, bad, match in bad_options:
+        with pytest.raises(ValueError, match=match):
+            options(**bad)
+
+
+def test_save_load_and_shape_checks(tmp_path):
+    model = tiny_model("llama")
+    for module_cls in (EagleLayer, ChimeraModel, Transfer, GADModel):
+        module = opinionated(module_cls.for_target(model), seed=1)
+        module.save(tmp_path / module.name)
+        loaded = module_cls.load(tmp_path / module.name)
+        assert loaded.config == module.config
+        for (name, a), (_, b) in zip(module.state_dict().items(), loaded.state_dict().items()):
+            assert torch.allclose(a.half().float(), b), name  # stored as float16
+    with pytest.raises(FileNotFoundError, match="no eagle weights"):
+        Eagle(weights=str(tmp_path / "nowhere"))
+    EagleLayer.for_target(tiny_model("llama", hidden_size=16, num_attention_heads=2)).save(tmp_path / "small")
+    with pytest.raises(ValueError, match="do not fit"):
+        hasten.generate(model, repetitive_prompt(8), drafter=Eagle(weights=str(tmp_path / "small")))
+    with pytest.raises(ValueError, match="layer must be in"), pytest.warns(UserWarning):
+        hasten.generate(model, repetitive_prompt(8), drafter=HiddenTransfer(layer=5))
+
+
+def test_record_refuses_to_fall_out_of_step():
+    record = FeatureRecord()
+
+    class Ctx:
+        tokens = [1, 2, 3, 4]
+        hidden = torch.zeros(2, 8)  # one feature short
+
+    with pytest.raises(RuntimeError, match="out of step"):
+        record.sync(Ctx())
+
+
+ZOO = Path(hasten.__file__).parent / "zoo" / "weights" / "code-tiny"
+
+
+@pytest.fixture(scope="module")
+def zoo_model():
+    if not (ZOO / "config.json").is_file():
+        pytest.skip("no zoo weights")
+    model = hasten.api.load_model("zoo:code-tiny")
+    prompt = torch.tensor([list(range(200, 264))])
+    return model, prompt, hasten.generate(model, prompt, max_new_tokens=12).sequences
+
+
+@pytest.mark.parametrize("name", sorted(DRAFTERS))
+def test_shipped_weights(zoo_model, name):
+    """Small (< 2 MB, no work files), found beside the zoo model, lossless."""
+    directory = ZOO / name
+    if not (directory / f"{name}.json").is_file():
+        pytest.skip(f"no shipped {name} weights")
+    assert sum(p.stat().st_size for p in directory.iterdir() if p.is_file()) < 2_000_000
+    assert not (directory / "work").exists()
+    model, prompt, reference = zoo_model
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "untrained" warning: the weights beside the model are found
+        out = hasten.generate(model, prompt, drafter=DRAFTERS[name][0](), max_new_tokens=12)
+    assert torch.equal(out.sequences, reference)
+    assert out.stats.accepted_tokens > 0
