@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import hasten
+from hasten.drafters.candidates import sparse_tree
 from hasten.drafters.medusa import (
-    Medusa, MedusaHeads, MedusaSettings, MedusaTraining, MedusaTrainOptions, sparse_tree,
+    Medusa, MedusaHeads, MedusaSettings, MedusaTraining, MedusaTrainOptions,
 )
 from hasten.engine.sampling import Sampling
 from hasten.training.distill import DistillSettings, distill
@@ -119,7 +120,7 @@ def test_settings_and_shapes_are_checked(tmp_path):
     with pytest.raises(FileNotFoundError, match="no Medusa heads"):
         Medusa(heads=str(tmp_path))
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="only 2 Medusa heads"), pytest.warns(UserWarning):
+    with pytest.raises(ValueError, match="deep but the drafter guesses only 2 levels"), pytest.warns(UserWarning):
         hasten.generate(model, repetitive_prompt(8), drafter=Medusa(num_heads=2, tree=[(0,), (0, 0), (0, 0, 0)]))
     MedusaHeads.for_target(tiny_model("llama", hidden_size=16, num_attention_heads=2), 2).save(tmp_path / "small")
     with pytest.raises(ValueError, match="do not fit"):
@@ -194,5 +195,5 @@ def test_sampled_continuations_follow_the_target(tmp_path, tree, sampling):
     heads.save(tmp_path)
     drafter = Medusa(heads=str(tmp_path), tree=tree, tree_size=6)
     hasten.generate(target, PROMPT, drafter=drafter, max_new_tokens=2)
-    assert len(drafter._tree) == 6
+    assert len(drafter._candidates.tree) == 6
     assert empirical_tv(target, drafter, sampling) < BOUND

@@ -5,7 +5,6 @@ compare the empirical law of hasten's samples with a total-variation bound. With
 outcomes and N samples the expected TV of a correct sampler is about 0.4 * sqrt(64 / N);
 the control test shows the bound catches a sampler that trusts its drafts.
 """
-import itertools
 
 import pytest
 import torch

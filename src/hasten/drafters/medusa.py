@@ -13,13 +13,10 @@ On disk a set of heads is a directory with ``heads.safetensors`` and ``medusa.js
 """
 from __future__ import annotations
 
-import ast
-import heapq
 import json
 import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +24,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..engine.tree import TokenTree
 from ..models.adapter import model_name
 from ..training.trainer import Batch, Trainable, option
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register, settings_from
+from .candidates import CombinationTree, TreeSettings
 
 CONFIG_FILE, WEIGHTS_FILE = "medusa.json", "heads.safetensors"
 DEFAULT_DIR = "medusa"  # heads found beside a target: <model dir>/medusa/
@@ -119,38 +116,6 @@ class MedusaHeads(nn.Module):
         return heads.eval()
 
 
-# ---- the candidate tree -----------------------------------------------------------------
-Paths = tuple[tuple[int, ...], ...]
-
-
-def sparse_tree(accuracy: Sequence[Sequence[float]], size: int) -> Paths:
-    """Medusa's sparse tree: the ``size`` paths with the highest expected acceptance, a
-    path's acceptance being the product of its heads' rank accuracies (treated as
-    independent). A child never scores above its parent, so best-first search returns a
-    prefix-closed set."""
-    frontier = [(-accuracy[0][rank], (rank,)) for rank in range(len(accuracy[0]))]
-    heapq.heapify(frontier)
-    chosen = []
-    while frontier and len(chosen) < size:
-        negative_score, path = heapq.heappop(frontier)
-        chosen.append(path)
-        if len(path) < len(accuracy):
-            for rank, acc in enumerate(accuracy[len(path)]):
-                heapq.heappush(frontier, (negative_score * acc, path + (rank,)))
-    return tuple(chosen)
-
-
-def guessed_accuracy(num_heads: int, ranks: int) -> list[list[float]]:
-    """A prior for heads without measurements: deeper heads and lower ranks are right less
-    often (the shape of the tables in the Medusa paper)."""
-    return [[0.6 ** (k + 1) * 0.4**rank for rank in range(ranks)] for k in range(num_heads)]
-
-
-def _ordered(paths: Paths) -> Paths:
-    # The node order of TokenTree.from_paths, so tokens can be listed to match its nodes.
-    return tuple(sorted(set(paths), key=lambda p: (len(p), p)))
-
-
 # ---- training (``hasten train medusa``) ------------------------------------------------------
 @dataclass(frozen=True)
 class MedusaTrainOptions:
@@ -203,33 +168,14 @@ class MedusaTraining(Trainable):
 
 # ---- the drafter ---------------------------------------------------------------------------
 @dataclass(frozen=True)
-class MedusaSettings:
+class MedusaSettings(TreeSettings):  # tree, top_k, tree_size: the shared candidate-tree knobs
     heads: str | None = None  # heads directory; None: <target model dir>/medusa/, else untrained heads
     num_heads: int = 4  # for untrained heads only (trained heads bring their own count)
-    # Medusa paths, e.g. ((0,), (0, 0), (1,)) or the same as a string; None: a sparse tree
-    # of tree_size nodes chosen from the heads' measured accuracy (a prior when untrained)
-    tree: tuple[tuple[int, ...], ...] | None = None
-    top_k: int = 3  # ranks per head the default tree may use
-    tree_size: int = 16  # nodes of the default tree: wider trees accept more but cost more per verify
 
     def __post_init__(self) -> None:
-        if isinstance(self.tree, str):  # from the command line: "[(0,), (0, 0), (1,)]"
-            try:
-                object.__setattr__(self, "tree", ast.literal_eval(self.tree))
-            except (ValueError, SyntaxError):
-                raise ValueError(f"tree must be a list of paths like [(0,), (0, 0), (1,)], got {self.tree!r}") from None
-        if self.tree is not None:
-            try:
-                tree = tuple(tuple(int(i) for i in path) for path in self.tree)
-            except TypeError:
-                raise ValueError(f"tree must be a list of paths like [(0,), (0, 0), (1,)], got {self.tree!r}") from None
-            if not tree or any(i < 0 for path in tree for i in path):
-                raise ValueError(f"tree needs at least one path of ranks >= 0, got {self.tree!r}")
-            TokenTree.from_paths(tree)  # every prefix of a path must be a path
-            object.__setattr__(self, "tree", tree)
-        for name in ("num_heads", "top_k", "tree_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        super().__post_init__()
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
 
 
 @register
@@ -263,15 +209,7 @@ class Medusa(Drafter):
                 f"fit {model_name(model)!r} (hidden {hidden}, vocab {vocab})"
             )
         heads.to(self._lm_head.weight.device)
-        paths = self.settings.tree
-        if paths is None:
-            accuracy = config.accuracy or guessed_accuracy(config.num_heads, RANKS)
-            paths = sparse_tree([row[: self.settings.top_k] for row in accuracy], self.settings.tree_size)
-        if max(map(len, paths)) > config.num_heads:
-            raise ValueError(f"tree is {max(map(len, paths))} deep but there are only {config.num_heads} Medusa heads")
-        self._paths = _ordered(paths)
-        self._tree = TokenTree.from_paths(self._paths)
-        self._width = 1 + max(i for path in self._paths for i in path)
+        self._candidates = CombinationTree.choose(self.settings, config.accuracy, config.num_heads)
         self._target = model
 
     def _find_heads(self, model: PreTrainedModel) -> MedusaHeads:
@@ -291,7 +229,5 @@ class Medusa(Drafter):
         if ctx.hidden is None or len(ctx.hidden) == 0:  # nothing cached yet (one-token prompt)
             return EMPTY_DRAFT
         logits = self._heads(ctx.hidden[-1], self._lm_head)  # [K, V]
-        ranked = logits.topk(self._width, dim=-1).indices.tolist()  # [K, width]
-        tokens = tuple(ranked[len(path) - 1][path[-1]] for path in self._paths)
-        return Draft(tokens, self._tree)
+        return Draft(self._candidates.tokens(self._candidates.ranked(logits)), self._candidates.tree)
 

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel
 
-from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult
+from ..drafters.base import EMPTY_DRAFT, DraftContext, Drafter, StepResult
 from ..models.adapter import ModelAdapter, decoder_start_token, vocab_size
 from .sampling import Sampling
 from .stats import DecodeStats
