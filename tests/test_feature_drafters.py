@@ -171,11 +171,13 @@ def opinionated(module, seed):
 @pytest.mark.parametrize("name, sampling", [
     ("eagle", Sampling(1.0)),
     ("chimera", Sampling(0.8, top_k=5, top_p=0.9)),
+    ("hidden_transfer", Sampling(1.0)),
+    ("gad", Sampling(1.0, top_k=6)),
 ])
 def test_sampled_continuations_follow_the_target(tmp_path, name, sampling):
     drafter_cls = DRAFTERS[name][0]
     opinionated(drafter_cls.Module.for_target(TARGET), seed=3).save(tmp_path)
-    settings = dict(depth=2, top_k=3, total_tokens=6) if name == "eagle" else dict(tree_size=6)
+    settings = {"eagle": dict(depth=2, top_k=3, total_tokens=6), "gad": dict(top_k=2, tree_size=6)}.get(name, dict(tree_size=6))
     drafter = drafter_cls(weights=str(tmp_path), **settings)
     assert empirical_tv(TARGET, drafter, sampling) < BOUND
 
