@@ -139,7 +139,7 @@ COMMANDS: list[Command] = [("generate", "generate text with an acceleration meth
 def _extra_commands() -> list[Command]:
     """Subcommands defined beside the code they drive."""
     found = []
-    for module in ("hasten.bench.cli", "hasten.training.cli"):
+    for module in ("hasten.bench.cli", "hasten.training.cli", "hasten.diffusion.cli"):
         try:
             found.extend(__import__(module, fromlist=["COMMANDS"]).COMMANDS)
         except ModuleNotFoundError as err:
