@@ -12,20 +12,10 @@ from pathlib import Path
 
 import torch
 
+from ..machine import cpu_model
 from .runner import AUTOREGRESSIVE, OVERALL
 
 SPEEDUP_PNG, ACCEPTANCE_PNG = "speedup.png", "acceptance.png"
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def machine_info() -> dict:

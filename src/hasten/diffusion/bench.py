@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import statistics
 import time
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Callable
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from ..machine import cpu_model
+
 
 def _add(parser: argparse.ArgumentParser) -> None:
     subs = parser.add_subparsers(dest="diffusion_command", required=True, parser_class=type(parser))
@@ -28,17 +30,6 @@ def _add(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--no-progress", action="store_true")
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _run(args: argparse.Namespace) -> int:
     from . import bench
     from .models import dit as dit_model
@@ -50,7 +41,7 @@ def _run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads)
     args.out.mkdir(parents=True, exist_ok=True)
     common = dict(steps=args.steps, repeats=args.repeats, seed=args.seed, progress=not args.no_progress)
-    report = {"machine": _cpu_name(), "cpus": os.cpu_count(), "threads": args.threads,
+    report = {"machine": cpu_model(), "cpus": os.cpu_count(), "threads": args.threads,
               "torch": torch.__version__, "python": platform.python_version()}
     try:
         import diffusers

@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from hasten.machine import cpu_model
 from hasten.zoo import corpus
 
 VOCAB_SIZE = 4096
@@ -273,12 +274,7 @@ def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_s
 
 
 def machine_info() -> dict:
-    try:
-        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.processor() or platform.machine()
-    return {"cpu": cpu, "torch_threads": torch.get_num_threads()}
+    return {"cpu": cpu_model(), "torch_threads": torch.get_num_threads()}
 
 
 def versions() -> dict:
