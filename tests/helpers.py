@@ -131,3 +131,25 @@ class TreeScriptedDrafter(ScriptedDrafter):
             parents.extend([parent] * len(siblings))
             parent = first + self.right_sibling  # descend along the (possibly wrong) branch
         return Draft(tuple(tokens), TokenTree(tuple(parents)))
+
+
+# ---- trained drafters in tests: a few steps on a model's own continuations ----------------------
+TRAIN_TEXT = ["def add(a, b):\n    return a + b\n" * 4, "for i in range(10):\n    print(i)\n" * 4]
+
+
+def distill_tiny(model, work_dir):
+    """Six short self-distilled sequences: enough data to train a drafter for a few steps."""
+    from hasten.training.distill import DistillSettings, distill
+
+    settings = DistillSettings(samples=6, prompt_tokens=8, gen_tokens=12)
+    return distill(model, tiny_tokenizer(), TRAIN_TEXT, settings, work_dir, source="test", progress=False)
+
+
+def train_briefly(trainable, data, out_dir, steps):
+    """Train ``trainable`` for ``steps`` steps and save it where its drafter loads it from."""
+    from hasten.training.trainer import TrainSettings, train
+
+    result = train(trainable, data, TrainSettings(steps=steps, lr=3e-2, warmup_steps=1, batch_size=4),
+                   out_dir / "work", progress=False)
+    trainable.save(result.module, out_dir, {"target": "test", **result.report})
+    return out_dir

@@ -6,7 +6,6 @@ import json
 import warnings
 
 import pytest
-import torch
 
 from hasten.api import AUTOREGRESSIVE
 from hasten.bench.report import write_report

@@ -22,16 +22,14 @@ from hasten.engine import cache as kv
 from hasten.engine.sampling import Sampling
 from hasten.models.layers import UnsupportedArchitecture, decoder_layers, placeholder_logits, placeholder_logits_batch
 from hasten.training.distill import DistillSettings, distill
-from hasten.training.trainer import TrainSettings, train
 from helpers import (
-    CAUSAL_CONFIGS, SEQ2SEQ_CONFIGS, hf_greedy, repetitive_prompt, save_checkpoint, tiny_model, tiny_tokenizer,
+    CAUSAL_CONFIGS, SEQ2SEQ_CONFIGS, TRAIN_TEXT, distill_tiny, hf_greedy, train_briefly, repetitive_prompt, save_checkpoint, tiny_model, tiny_tokenizer,
 )
 from test_sampling_distribution import BOUND, TARGET, empirical_tv
 
 ARCHS = sorted(CAUSAL_CONFIGS)
 NEW = 24
 TOKENIZER = tiny_tokenizer()
-TEXT = ["def add(a, b):\n    return a + b\n" * 4, "for i in range(10):\n    print(i)\n" * 4]
 
 # name -> (drafter class, training recipe, small training options, settings variants to try when trained)
 DRAFTERS = {
@@ -47,11 +45,7 @@ DRAFTERS = {
 def train_drafter(name, model, data, out_dir, steps=3):
     """The drafter's module trained for a few steps on the model's own continuations."""
     _, training, options, _ = DRAFTERS[name]
-    trainable = training(model, options)
-    result = train(trainable, data, TrainSettings(steps=steps, lr=3e-2, warmup_steps=1, batch_size=4),
-                   out_dir / "work", progress=False)
-    trainable.save(result.module, out_dir, {"target": "test", **result.report})
-    return out_dir
+    return train_briefly(training(model, options), data, out_dir, steps)
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -59,8 +53,7 @@ def setup(request, tmp_path_factory):
     model = tiny_model(request.param)
     prompt = repetitive_prompt(20, seed=1)
     root = tmp_path_factory.mktemp(request.param)
-    data = distill(model, TOKENIZER, TEXT, DistillSettings(samples=6, prompt_tokens=8, gen_tokens=12), root / "work",
-                   source="test", progress=False)
+    data = distill_tiny(model, root / "work")
     trained = {name: train_drafter(name, model, data, root / name) for name in DRAFTERS}
     return model, prompt, hf_greedy(model, prompt, NEW), trained
 
@@ -143,7 +136,7 @@ def test_feature_record_follows_the_committed_tokens():
 def test_weights_beside_the_model_are_found(tmp_path):
     checkpoint = save_checkpoint(tmp_path / "model", arch="llama")
     model = hasten.api.load_model(checkpoint)
-    data = distill(model, TOKENIZER, TEXT, DistillSettings(samples=4, prompt_tokens=8, gen_tokens=8), tmp_path / "work",
+    data = distill(model, TOKENIZER, TRAIN_TEXT, DistillSettings(samples=4, prompt_tokens=8, gen_tokens=8), tmp_path / "work",
                    source="test", progress=False)
     train_drafter("eagle", model, data, tmp_path / "model" / "eagle", steps=1)
     files = {p.name for p in (tmp_path / "model" / "eagle").iterdir()}

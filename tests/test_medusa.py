@@ -12,26 +12,19 @@ from hasten.drafters.medusa import (
     Medusa, MedusaHeads, MedusaSettings, MedusaTraining, MedusaTrainOptions,
 )
 from hasten.engine.sampling import Sampling
-from hasten.training.distill import DistillSettings, distill
-from hasten.training.trainer import TrainSettings, train
-from helpers import CAUSAL_CONFIGS, ScriptedDrafter, hf_greedy, repetitive_prompt, save_checkpoint, tiny_model, tiny_tokenizer
+from helpers import (
+    CAUSAL_CONFIGS, ScriptedDrafter, distill_tiny, hf_greedy, repetitive_prompt, save_checkpoint, tiny_model, train_briefly,
+)
 from test_sampling_distribution import BOUND, PROMPT, empirical_tv, peaky_model
 
 ARCHS = sorted(CAUSAL_CONFIGS)
 NEW = 24
-TOKENIZER = tiny_tokenizer()
-TEXT = ["def add(a, b):\n    return a + b\n" * 4, "for i in range(10):\n    print(i)\n" * 4]
 
 
 def train_heads(model, out_dir, steps=5, **options):
     """Heads trained for a few steps on the model's own continuations, saved to out_dir."""
-    data = distill(model, TOKENIZER, TEXT, DistillSettings(samples=6, prompt_tokens=8, gen_tokens=12),
-                   out_dir / "work", source="test", progress=False)
     trainable = MedusaTraining(model, MedusaTrainOptions(**{"num_heads": 3, **options}))
-    result = train(trainable, data, TrainSettings(steps=steps, lr=3e-2, warmup_steps=1, batch_size=4),
-                   out_dir / "work", progress=False)
-    trainable.save(result.module, out_dir, {"target": "test", **result.report})
-    return out_dir
+    return train_briefly(trainable, distill_tiny(model, out_dir / "work"), out_dir, steps)
 
 
 @pytest.fixture(scope="module", params=ARCHS)

@@ -16,10 +16,9 @@ from hasten.drafters.medusa import Medusa, MedusaTraining, MedusaTrainOptions
 from hasten.training.cli import trainable_drafters
 from hasten.training.distill import DistillSettings, distill, read_documents
 from hasten.training.trainer import CHECKPOINT, Trainable, TrainSettings, lr_at, option, train
-from helpers import save_checkpoint, tiny_model, tiny_tokenizer
+from helpers import TRAIN_TEXT as TEXT, save_checkpoint, tiny_model, tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
-TEXT = ["def add(a, b):\n    return a + b\n" * 4, "for i in range(10):\n    print(i)\n" * 4]
 SMALL = DistillSettings(samples=6, prompt_tokens=8, gen_tokens=12)
 MODEL = tiny_model("llama")
 

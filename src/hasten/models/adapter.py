@@ -43,6 +43,28 @@ def decoder_start_token(model: PreTrainedModel) -> int:
     return int(start)
 
 
+def attention_mask(model: PreTrainedModel, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
+    """[B, Q, K] bool (query may see key), [B, Q] and [B, K] positions -> the 4D additive
+    mask(s) Hugging Face models take. Sliding-window layers also hide keys a window or more
+    behind the query, measured in positions (tree depth), not block indices; models mixing
+    layer kinds get one mask per kind."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+
+    def additive(mask: torch.Tensor) -> torch.Tensor:  # [B, 1, Q, K]
+        low = torch.finfo(model.dtype).min
+        return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, low)[:, None]
+
+    if window is None or "sliding_attention" not in kinds:
+        return additive(allowed)
+    near = key_pos[:, None, :].to(allowed.device) > query_pos[:, :, None].to(allowed.device) - window
+    sliding = additive(allowed & near)
+    if kinds == {"sliding_attention"}:
+        return sliding
+    return {"full_attention": additive(allowed), "sliding_attention": sliding}
+
+
 class ModelAdapter:
     """Drives one model through one generation. Create a fresh adapter per generation."""
 
@@ -112,26 +134,11 @@ class ModelAdapter:
         return ForwardOutput(out.logits[0].float(), states)
 
     def _tree_mask(self, tree: TokenTree, past: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """[1, 1, block, past + block] additive float mask: cached tokens are visible to
-        every node, block tokens only to their ancestors. Sliding-window layers also hide
-        keys a window or more behind the query, measured in positions (tree depth), not
-        block indices; models mixing layer kinds get one mask per kind."""
+        """Cached tokens are visible to every node, block tokens only to their ancestors."""
         allowed = torch.cat([torch.ones(len(tree) + 1, past, dtype=torch.bool), tree.block_mask], dim=1)
-        window = getattr(self.model.config.get_text_config(), "sliding_window", None)
-        kinds = set(getattr(self.model.config.get_text_config(), "layer_types", None) or ["sliding_attention"])
-        if window is None or "sliding_attention" not in kinds:
-            return self._additive(allowed)
         query_pos = tree.block_positions + past  # [block]
         key_pos = torch.cat([torch.arange(past), query_pos])  # [past + block]
-        sliding = self._additive(allowed & (key_pos[None, :] > query_pos[:, None] - window))
-        if kinds == {"sliding_attention"}:
-            return sliding
-        return {"full_attention": self._additive(allowed), "sliding_attention": sliding}
-
-    def _additive(self, allowed: torch.Tensor) -> torch.Tensor:
-        dtype = self.model.dtype
-        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
-        return mask[None, None].to(self.device)  # [1, 1, block, past + block]
+        return attention_mask(self.model, allowed[None].to(self.device), query_pos[None], key_pos[None])
 
     # ---- cache -------------------------------------------------------------------------
     @property

@@ -21,7 +21,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..engine import cache as kv
-from .adapter import model_name
+from .adapter import attention_mask, model_name
 
 
 class UnsupportedArchitecture(ValueError):
@@ -133,26 +133,5 @@ def placeholder_logits_batch(model: PreTrainedModel, ids: torch.Tensor, anchors:
 
     with replaced_hidden(model, layer, replace):
         out = model(input_ids=torch.cat([ids, filler], 1), position_ids=query_pos,
-                    attention_mask=block_attention_mask(model, allowed, query_pos), use_cache=False)
+                    attention_mask=attention_mask(model, allowed, query_pos, query_pos), use_cache=False)
     return out.logits[:, length:].reshape(batch, count, k, -1)
-
-
-def block_attention_mask(model: PreTrainedModel, allowed: torch.Tensor, positions: torch.Tensor):
-    """[B, Q, Q] bool (query may see key, both in block order) and [B, Q] positions ->
-    the 4D additive mask(s) Hugging Face models take. Sliding-window layers also hide keys
-    a window or more behind the query in positions; models mixing layer kinds get one
-    mask per kind."""
-    config = model.config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-
-    def additive(mask: torch.Tensor) -> torch.Tensor:
-        low = torch.finfo(model.dtype).min
-        return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, low)[:, None]
-
-    if window is None or "sliding_attention" not in kinds:
-        return additive(allowed)
-    sliding = additive(allowed & (positions[:, None, :] > positions[:, :, None] - window))
-    if kinds == {"sliding_attention"}:
-        return sliding
-    return {"full_attention": additive(allowed), "sliding_attention": sliding}
