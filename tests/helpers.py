@@ -91,7 +91,7 @@ def tiny_tokenizer():
     tok.decoder = decoders.ByteLevel()
     text = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n"] * 20
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()[:60]
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=sorted(pre_tokenizers.ByteLevel.alphabet())[:60]
     )
     tok.train_from_iterator(text, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
@@ -116,7 +116,7 @@ class TreeScriptedDrafter(ScriptedDrafter):
         self.width, self.right_sibling, self.error_at = width, right_sibling, error_at
 
     def propose(self, ctx: DraftContext) -> Draft:
-        from hasten.engine.tree import TokenTree
+        from hasten.core.tree import TokenTree
 
         right = super().propose(ctx).tokens  # checks the invariants, yields the reference
         vocab = ctx.target.vocab_size

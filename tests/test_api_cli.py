@@ -2,11 +2,13 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 import hasten
-from helpers import save_checkpoint
+from hasten.version import __version__
+from helpers import VOCAB, save_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -15,8 +17,13 @@ def checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def draft_checkpoint(tmp_path_factory):
-    return save_checkpoint(tmp_path_factory.mktemp("draft"), seed=4)
+def draft_checkpoint(tmp_path_factory, checkpoint):
+    from transformers import AutoTokenizer
+
+    path = save_checkpoint(tmp_path_factory.mktemp("draft"), seed=4)
+    # the target's own tokenizer (two trainings of the test tokenizer may number tokens differently)
+    AutoTokenizer.from_pretrained(checkpoint).save_pretrained(path)
+    return path
 
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add("
@@ -60,8 +67,48 @@ def test_engine_errors(checkpoint):
         engine.generate("")
     with pytest.raises(ValueError, match="needs a draft model"):
         hasten.load(checkpoint, "draft_model")
-    with pytest.raises(ValueError, match="unknown drafter"):
+    with pytest.raises(ValueError, match="unknown method 'telepathy'; known: autoregressive, "):
         hasten.load(checkpoint, "telepathy")
+    for bad_seed in ("3", True, 1.5):
+        with pytest.raises(TypeError, match="seed must be an int"):
+            engine.generate(PROMPT, max_new_tokens=2, seed=bad_seed)
+
+
+def test_a_draft_model_for_a_method_without_one_is_refused_before_loading(draft_checkpoint):
+    for method in ("prompt_lookup", "autoregressive"):
+        with pytest.raises(ValueError, match=f"method '{method}' takes no draft model .*draft_model"):
+            hasten.load("/no/such/model", method, draft=draft_checkpoint)  # the model is never loaded
+    with pytest.raises(ValueError, match="needs a draft model: pass draft=PATH"):
+        hasten.load("/no/such/model", "draft_model")
+    with pytest.raises(ValueError, match="takes no draft model"):
+        hasten.api.make_drafter("prompt_lookup", hasten.load(draft_checkpoint, "autoregressive").model)
+
+
+def other_tokenizer():
+    """Same vocabulary size as the test tokenizer, other tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0")
+
+
+@pytest.fixture(scope="module")
+def foreign_draft(tmp_path_factory):
+    path = save_checkpoint(tmp_path_factory.mktemp("foreign"), seed=4)
+    other_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_a_draft_with_another_tokenizer_warns(checkpoint, draft_checkpoint, foreign_draft):
+    with pytest.warns(UserWarning, match=r"another tokenizer than the target \(\d+ of \d+ sampled ids differ"):
+        engine = hasten.load(checkpoint, "draft_model", draft=foreign_draft)
+    plain = hasten.load(checkpoint, "autoregressive").generate(PROMPT, max_new_tokens=8)
+    assert engine.generate(PROMPT, max_new_tokens=8).token_ids == plain.token_ids  # still exact
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same tokenizer: no warning
+        hasten.load(checkpoint, "draft_model", draft=draft_checkpoint)
 
 
 @pytest.fixture
@@ -80,14 +127,18 @@ def cli(capsys):
     return run
 
 
-def test_cli_entry_point_streams_text_and_stats(checkpoint):
-    run = subprocess.run(
-        [sys.executable, "-m", "hasten.cli", "generate", "--model", checkpoint, "--prompt", PROMPT,
-         "--max-new-tokens", "10"], capture_output=True, text=True, timeout=300,
-    )
+def test_cli_streams_text_and_stats(checkpoint, cli):
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "10")
+    assert code == 0, err
+    assert "tau" in err and "tok/s" in err and "steps" in err
+    expected = hasten.load(checkpoint, "autoregressive").generate(PROMPT, max_new_tokens=10)
+    assert out == expected.text + "\n"
+
+
+def test_python_dash_m_hasten_prints_the_version():
+    run = subprocess.run([sys.executable, "-m", "hasten", "--version"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
-    assert "tau" in run.stderr and "tok/s" in run.stderr and "steps" in run.stderr
-    assert run.stdout.strip()
+    assert run.stdout.strip() == f"hasten {__version__}" == f"hasten {hasten.__version__}"
 
 
 def test_cli_json_matches_library(checkpoint, tmp_path, cli):
@@ -109,11 +160,17 @@ def test_cli_json_matches_library(checkpoint, tmp_path, cli):
         (["--prompt", ""], "prompt is empty"),
         (["--prompt", "x", "--temperature", "-1"], "temperature"),
         (["--prompt", "x", "--top-p", "2"], "top_p"),
-        (["--prompt", "x", "--max-new-tokens", "-3"], "max_new_tokens"),
+        (["--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
         (["--prompt", "x", "--method", "draft_model"], "needs a draft model"),
         (["--prompt-file", "/no/such/file"], "prompt-file"),
         (["--prompt", "x", "--method-arg", "speed=9"], "KEY=VALUE"),
         (["--prompt", "x", "--method", "nonsense"], "invalid choice"),
+        (["--prompt", "x", "--temperature", "nan"], "temperature"),
+        (["--prompt", "x", "--temperature", "inf"], "temperature"),
+        (["--prompt", "def", "--max-new-tokens", "600"], "max_new_tokens=600 does not fit"),
+        (["--prompt", PROMPT * 60, "--max-new-tokens", "1"], "more than the model's context of 512 positions"),
+        (["--prompt", "x", "--draft", "/no/such/draft"], "method 'prompt_lookup' takes no draft model"),
+        (["--prompt", "x", "--method", "draft_model", "--draft", "/no/such/draft"], "could not be loaded"),
     ],
 )
 def test_cli_errors_are_one_line_and_exit_2(checkpoint, args, match, cli):
@@ -131,3 +188,46 @@ def test_generate_help_documents_every_flag(cli):
     for flag in ["--model", "--method", "--draft", "--prompt", "--prompt-file", "--max-new-tokens",
                  "--temperature", "--top-k", "--top-p", "--seed", "--json", "--method-arg"]:
         assert flag in out
+    assert "--draft PATH" in out and "draft=" not in out
+
+
+def test_a_missing_draft_model_is_named_in_cli_terms(checkpoint, cli):
+    code, _, err = cli("generate", "--model", "/no/such/model", "--prompt", "x", "--method", "draft_model")
+    assert code == 2 and "--draft PATH" in err
+
+
+def test_cli_warnings_are_one_readable_line(checkpoint, foreign_draft, cli):
+    shown = warnings.showwarning
+    code, _, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "4",
+                       "--method", "draft_model", "--draft", foreign_draft)
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("hasten: warning: draft model ") and "another tokenizer" in lines[0]
+    assert len(lines) == 2 and lines[1].startswith("[draft_model] tau")  # no source line, no "UserWarning"
+    assert "UserWarning" not in err and "warnings.warn" not in err
+    assert warnings.showwarning is shown  # put back after the command
+
+
+def test_untrained_weights_warning_is_one_line(checkpoint, cli):
+    code, _, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "4",
+                       "--method", "medusa")
+    assert code == 0, err
+    warned = [line for line in err.splitlines() if "warning" in line.lower()]
+    assert len(warned) == 1 and warned[0].startswith("hasten: warning: no medusa weights found")
+    assert "UserWarning" not in err
+
+
+@pytest.mark.parametrize("command", [["bench", "--model", "/no/such/model"], ["diffusion", "bench"],
+                                     ["train", "medusa", "--model", "/no/such/model", "--data", "DATA"]])
+@pytest.mark.parametrize("where", ["a file", "below a file"])
+def test_out_is_checked_before_anything_runs(command, where, tmp_path, cli):
+    existing = tmp_path / "results.json"
+    existing.write_text("keep me")
+    data = tmp_path / "code.txt"
+    data.write_text(PROMPT)
+    out = existing if where == "a file" else existing / "sub"
+    code, _, err = cli(*[str(data) if arg == "DATA" else arg for arg in command], "--out", str(out))
+    assert code == 2  # and not "could not be loaded": --out is checked first
+    message = "exists and is not a directory" if where == "a file" else "cannot write there (Not a directory)"
+    assert err == f"hasten: error: --out {out}: {message}\n"
+    assert existing.read_text() == "keep me"

@@ -166,7 +166,7 @@ def test_report_writes_json_markdown_and_charts(tmp_path, models):
     methods = [hasten_method(AUTOREGRESSIVE, model), hasten_method("prompt_lookup", model),
                hf_method("hf_generate", model), hf_method("hf_prompt_lookup", model)]
     measured = run_bench(methods, tasks, ids, max_new_tokens=8, repeats=1, progress=False)
-    from hasten.bench.report import machine_info
+    from hasten.machine import machine_info
 
     results = {
         "command": "hasten bench --test", "date": "2026-01-01T00:00:00+00:00", "machine": machine_info(),
@@ -249,8 +249,10 @@ def test_cli_bench_without_baselines(tmp_path, checkpoints):
 class _Unfit(Drafter):
     """A registered method that cannot serve these models: auto mode must leave it out."""
 
-    def __init__(self, complaint):
-        self.complaint = complaint
+    complaint = "raise"
+
+    def __init__(self):
+        pass
 
     def begin(self, ctx):
         if self.complaint == "warn":
@@ -263,8 +265,8 @@ class _Unfit(Drafter):
 
 
 def test_cli_bench_auto_leaves_out_methods_that_do_not_fit(tmp_path, checkpoints, monkeypatch):
-    monkeypatch.setitem(REGISTRY, "warner", lambda: _Unfit("warn"))
-    monkeypatch.setitem(REGISTRY, "refuser", lambda: _Unfit("raise"))
+    monkeypatch.setitem(REGISTRY, "warner", type("Warner", (_Unfit,), {"complaint": "warn"}))
+    monkeypatch.setitem(REGISTRY, "refuser", type("Refuser", (_Unfit,), {"complaint": "raise"}))
     assert main(bench_args(checkpoints, tmp_path, "--tasks", "complete", "--baselines", "none")) == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["skipped"]["refuser"] == "needs an encoder-decoder target"

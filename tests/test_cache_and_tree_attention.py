@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from hasten.engine import cache as kv
-from hasten.engine.tree import TokenTree
+from hasten.models import cache as kv
+from hasten.core.tree import TokenTree
 from hasten.models.adapter import ModelAdapter
 from helpers import CAUSAL_CONFIGS, repetitive_prompt, tiny_model
 

@@ -4,7 +4,7 @@ import torch
 import hasten
 from hasten.drafters import PromptLookup, create
 from hasten.drafters.base import Draft, DraftContext
-from hasten.engine.sampling import Sampling
+from hasten.core.sampling import Sampling
 from hasten.models.adapter import ModelAdapter
 from helpers import hf_greedy, tiny_model
 
@@ -18,24 +18,24 @@ def test_prompt_lookup_copies_after_the_latest_longest_match():
     drafter = PromptLookup(max_ngram=3, num_tokens=3)
     tokens = [5, 6, 7, 8, 9, 1, 5, 6, 7, 20, 21, 3, 5, 6, 7]
     ctx = context(tokens)
-    drafter.begin(ctx)
+    ctx.state = drafter.begin(ctx)
     assert drafter.propose(ctx).tokens == (20, 21, 3)  # latest earlier "5 6 7"
 
 
 def test_prompt_lookup_falls_back_to_shorter_ngrams_and_respects_depth():
     drafter = PromptLookup(max_ngram=3, min_ngram=1, num_tokens=5)
     ctx = context([4, 9, 8, 7, 6, 1, 2, 4], max_depth=2)
-    drafter.begin(ctx)
+    ctx.state = drafter.begin(ctx)
     assert drafter.propose(ctx).tokens == (9, 8)  # only the unigram "4" matches
     ctx = context([1, 2, 3])
-    drafter.begin(ctx)
+    ctx.state = drafter.begin(ctx)
     assert len(drafter.propose(ctx)) == 0  # nothing to copy
 
 
 def test_prompt_lookup_tables_grow_with_the_committed_tokens():
     drafter = PromptLookup(max_ngram=2, num_tokens=2)
     ctx = context([1, 2, 3])
-    drafter.begin(ctx)
+    ctx.state = drafter.begin(ctx)
     assert len(drafter.propose(ctx)) == 0
     ctx.tokens.extend([4, 2, 3])
     assert drafter.propose(ctx).tokens == (4, 2)
@@ -44,7 +44,7 @@ def test_prompt_lookup_tables_grow_with_the_committed_tokens():
 def test_prompt_lookup_copies_from_the_encoder_input():
     drafter = PromptLookup(max_ngram=2, num_tokens=3)
     ctx = context([0, 31, 32], source=[30, 31, 32, 33, 34, 35])
-    drafter.begin(ctx)
+    ctx.state = drafter.begin(ctx)
     assert drafter.propose(ctx).tokens == (33, 34, 35)
 
 
@@ -62,7 +62,7 @@ def test_iad_on_an_encoder_decoder_accepts_tokens_copied_from_the_source():
 
 
 def test_draft_limit_depth_prunes_a_tree():
-    tree_draft = Draft((1, 2, 3, 4), hasten.engine.tree.TokenTree((-1, 0, -1, 1)))
+    tree_draft = Draft((1, 2, 3, 4), hasten.core.tree.TokenTree((-1, 0, -1, 1)))
     pruned = tree_draft.limit_depth(1)
     assert pruned.tokens == (1, 3) and pruned.tree.parents == (-1, -1)
 
@@ -74,6 +74,6 @@ def test_registry_creates_by_name():
 def test_prompt_lookup_continues_a_repeating_stretch_periodically():
     drafter = PromptLookup(max_ngram=2, num_tokens=5)
     ctx = context([9, 1, 2, 3, 1, 2, 3])
-    drafter.begin(ctx)
+    ctx.state = drafter.begin(ctx)
     # the latest "2 3" ends two tokens back; its continuation runs into the end, so it cycles
     assert drafter.propose(ctx).tokens == (1, 2, 3, 1, 2)

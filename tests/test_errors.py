@@ -5,7 +5,7 @@ import transformers as tf
 
 import hasten
 from hasten.drafters import DraftModel, PromptLookup, create
-from hasten.engine.cache import CacheRollbackError
+from hasten.models.cache import CacheRollbackError
 from helpers import repetitive_prompt, tiny_model
 
 MODEL = tiny_model("llama")
@@ -77,3 +77,31 @@ def test_settings_are_validated_on_construction():
 def test_missing_model_path():
     with pytest.raises(ValueError, match="could not be loaded"):
         hasten.load("/no/such/model/dir", method="autoregressive")
+
+
+# ---- positions: the prompt and the new tokens must fit the model ---------------------------------------
+@pytest.mark.parametrize("arch, limit_name", [("llama", "max_position_embeddings"), ("gpt2", "n_positions")])
+def test_max_new_tokens_beyond_the_positions_is_refused(arch, limit_name):
+    model = tiny_model(arch, **{limit_name: 16})  # gpt2's learned positions really end there
+    prompt = PROMPT  # 10 tokens
+    assert hasten.generate(model, prompt, max_new_tokens=6).stats.new_tokens == 6  # exactly fits
+    with pytest.raises(ValueError, match="max_new_tokens=7 does not fit: the prompt has 10 tokens and the model 16 "
+                                         "positions, room for at most 6 new tokens"):
+        hasten.generate(model, prompt, max_new_tokens=7)
+    with pytest.raises(ValueError, match="the prompt has 17 tokens, more than the model's context of 16 positions"):
+        hasten.generate(model, repetitive_prompt(17 + 1)[:, :17], max_new_tokens=0)
+
+
+def test_encoder_decoder_positions():
+    bart = tiny_model("bart", max_position_embeddings=16)
+    assert hasten.generate(bart, PROMPT, max_new_tokens=15, eos_token_id=[]).stats.new_tokens == 15
+    with pytest.raises(ValueError, match="max_new_tokens=16 does not fit: the model's decoder has 16 positions"):
+        hasten.generate(bart, PROMPT, max_new_tokens=16)
+    with pytest.raises(ValueError, match="the prompt has 17 tokens, more than the model's context of 16"):
+        hasten.generate(bart, repetitive_prompt(18)[:, :17], max_new_tokens=1)
+
+
+def test_models_without_a_position_limit_pass():
+    t5 = tiny_model("t5")  # relative positions: no limit in its config
+    long_prompt = repetitive_prompt(600)
+    assert hasten.generate(t5, long_prompt, max_new_tokens=2, eos_token_id=[]).stats.new_tokens == 2

@@ -1,7 +1,8 @@
 """Feature-level drafters (EAGLE, Chimera, hidden transfer, GAD): greedy output is
 token-identical to Hugging Face greedy generate, untrained or trained, on every tiny
-causal architecture; sampled output keeps the target's law; the shared tree builders,
-the upper-layer runner and the settings are checked on their own."""
+causal architecture; sampled output keeps the target's law; one drafter serves
+interleaved generations; the shared layers (KV cache), tree builders, the settings and
+the shipped weights are checked on their own (hidden transfer's riders: test_hidden_transfer.py)."""
 import math
 import warnings
 from pathlib import Path
@@ -13,14 +14,15 @@ import hasten
 from hasten.drafters.candidates import CombinationTree, GrowingTree, TreeSettings, dynamic_tree, sparse_tree
 from hasten.drafters.chimera import Chimera, ChimeraModel, ChimeraTraining, ChimeraTrainOptions
 from hasten.drafters.eagle import Eagle, EagleLayer, EagleSettings, EagleTraining, EagleTrainOptions
-from hasten.drafters.feature_base import FeatureRecord, WEIGHTS_FILE
+from hasten.core import settings as settings_io
+from hasten.drafters.medusa import Medusa
+from hasten.drafters.nn import Block, KVCache, causal
+from hasten.drafters.trained import WEIGHTS_FILE
 from hasten.drafters.gad import GAD, GADModel, GADTraining, GADTrainOptions
 from hasten.drafters.hidden_transfer import (
     HiddenTransfer, HiddenTransferTraining, HiddenTransferTrainOptions, Transfer,
 )
-from hasten.engine import cache as kv
-from hasten.engine.sampling import Sampling
-from hasten.models.layers import UnsupportedArchitecture, decoder_layers, placeholder_logits, placeholder_logits_batch
+from hasten.core.sampling import Sampling
 from hasten.training.distill import DistillSettings, distill
 from helpers import (
     CAUSAL_CONFIGS, SEQ2SEQ_CONFIGS, TRAIN_TEXT, distill_tiny, hf_greedy, train_briefly, repetitive_prompt, save_checkpoint, tiny_model, tiny_tokenizer,
@@ -119,18 +121,37 @@ def test_reused_across_generations_and_prompts():
     assert len(record) == len(drafters)  # one "untrained" warning per drafter and target
 
 
-def test_feature_record_follows_the_committed_tokens():
-    """After a generation, EAGLE's record holds the target's own features of every
-    committed token but the last root, whatever was accepted on the way."""
+class WatchedEagle(Eagle):
+    """Keeps the context of its last proposal, to look at the generation's state."""
+
+    def draft(self, ctx):
+        self.last = ctx
+        return super().draft(ctx)
+
+
+def test_eagle_cache_follows_the_committed_tokens():
+    """At the last proposal of a generation, the loop's features are the target's own
+    features of every committed token but the root, whatever was accepted on the way,
+    and EAGLE's committed keys and values are those of one causal pass over them."""
     model = tiny_model("llama")
-    drafter = Eagle(depth=3, top_k=2, total_tokens=5)
+    drafter = WatchedEagle(depth=3, top_k=2, total_tokens=5)
     with pytest.warns(UserWarning):
         out = hasten.generate(model, repetitive_prompt(12), drafter=drafter, max_new_tokens=20)
-    tokens = out.sequences
+    ctx, tokens = drafter.last, out.sequences
+    assert ctx.tokens == tokens[0].tolist()  # the loop's own list, read by the drafter
     hidden = model(tokens, output_hidden_states=True).hidden_states[-1][0]  # [T, H]
-    record = drafter.record.features
-    assert len(record) >= tokens.shape[1] - 2
-    assert torch.allclose(record, hidden[: len(record)], atol=1e-4)
+    features = ctx.features
+    assert len(features) == tokens.shape[1] - 1
+    assert torch.allclose(features, hidden[:-1], atol=1e-4)
+    cache, n = ctx.state.cache, len(features)
+    assert 0 < cache.length <= n  # what was committed when the last draft was made
+    whole = KVCache()
+    with torch.no_grad():
+        drafter.module(features[None], model.get_input_embeddings()(tokens[:, 1:]), torch.arange(n)[None],
+                       causal(n), whole, 0)
+    whole.commit(n)
+    for mine, full in zip(cache.view(), whole.view()):  # keys, values: [1, heads, length, head_dim]
+        assert torch.allclose(mine, full[:, :, : cache.length], atol=1e-5)
 
 
 def test_weights_beside_the_model_are_found(tmp_path):
@@ -270,43 +291,6 @@ def test_combination_tree():
         CombinationTree.choose(TreeSettings(tree="[(0,), (0, 0)]"), None, levels=1)
 
 
-# ---- the upper-layer runner ------------------------------------------------------------------------
-@pytest.mark.parametrize("arch", ARCHS)
-def test_upper_layer_runner(arch):
-    model = tiny_model(arch)
-    ids = repetitive_prompt(24, seed=2)
-    plain = model(ids, output_hidden_states=True)
-    layer = 1
-    # replacing nothing is the plain forward, bit for bit
-    cache = kv.new_cache(False)
-    assert torch.equal(placeholder_logits(model, cache, ids[0].tolist(), 0, layer, None), plain.logits[0])
-    assert kv.length(cache) == 0  # left as found
-    # placeholders given the hidden states the real tokens have there reproduce their logits
-    cache = kv.new_cache(False)
-    model(ids[:, :16], past_key_values=cache, use_cache=True)
-    truth = plain.hidden_states[layer][0]  # [T, H]
-    logits = placeholder_logits(model, cache, [int(ids[0, 16])], 4, layer, lambda h: truth[17:21])
-    assert torch.allclose(logits, plain.logits[0, 16:21], atol=1e-5)
-    assert kv.length(cache) == 16
-    # the training form: many anchors in one forward, with a block mask
-    anchors = torch.tensor([[3, 10, 19]])
-    pseudo = lambda h: torch.stack([truth[a + 1 : a + 4] for a in anchors[0].tolist()])[None]  # noqa: E731
-    batch = placeholder_logits_batch(model, ids, anchors, 3, layer, pseudo)
-    expected = torch.stack([plain.logits[0, a + 1 : a + 4] for a in anchors[0].tolist()])[None]
-    assert torch.allclose(batch, expected, atol=1e-5)
-
-
-def test_upper_layer_runner_refuses_what_it_cannot_handle():
-    with pytest.raises(UnsupportedArchitecture, match="encoder-decoder"):
-        decoder_layers(tiny_model("t5"))
-    model = tiny_model("llama")
-    model.model.extra = torch.nn.ModuleList(torch.nn.Identity() for _ in range(2))  # two candidate lists
-    with pytest.raises(UnsupportedArchitecture, match="cannot find the decoder layers"):
-        decoder_layers(model)
-    with pytest.raises(ValueError, match="layer must be in"):
-        placeholder_logits(tiny_model("llama"), kv.new_cache(False), [5], 2, 2, None)
-
-
 # ---- settings, files ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("cls, bad, match", [
     (Eagle, dict(depth=0), "depth"), (Eagle, dict(top_k=-1), "top_k"), (Eagle, dict(total_tokens="x"), "total_tokens"),
@@ -326,8 +310,11 @@ def test_settings_are_validated(cls, bad, match):
 
 
 def test_settings_from_the_command_line():
-    assert EagleSettings(depth="3").depth == 3  # --method-arg values arrive as strings
-    assert HiddenTransfer(layer="1").settings.layer == 1
+    assert settings_io.from_pairs(EagleSettings, ["depth=3"]) == {"depth": 3}  # --method-arg values are text
+    with pytest.raises(ValueError, match="depth"):
+        EagleSettings(depth="3")  # ... typed once, by the converter; the dataclass takes typed values only
+    with pytest.raises(ValueError, match="top_k"):
+        Chimera(top_k=True)  # an int is never a bool
     assert Chimera(tree="[(0,), (0, 1), (0, 0)]").settings.tree == ((0,), (0, 1), (0, 0))
     bad_options = [(EagleTrainOptions, dict(mlp_ratio=0), "mlp_ratio"), (GADTrainOptions, dict(window=0), "window"),
                    (HiddenTransferTrainOptions, dict(layer=-3), "layer"), (ChimeraTrainOptions, dict(decay=0), "decay")]
@@ -354,40 +341,114 @@ def test_save_load_and_shape_checks(tmp_path):
         hasten.generate(model, repetitive_prompt(8), drafter=HiddenTransfer(layer=5))
 
 
-def test_record_refuses_to_fall_out_of_step():
-    record = FeatureRecord()
-
-    class Ctx:
-        tokens = [1, 2, 3, 4]
-        hidden = torch.zeros(2, 8)  # one feature short
-
-    with pytest.raises(RuntimeError, match="out of step"):
-        record.sync(Ctx())
-
-
 ZOO = Path(hasten.__file__).parent / "zoo" / "weights" / "code-tiny"
+TRAINED = {**{name: entry[0] for name, entry in DRAFTERS.items()}, "medusa": Medusa}
 
 
 @pytest.fixture(scope="module")
 def zoo_model():
-    if not (ZOO / "config.json").is_file():
-        pytest.skip("no zoo weights")
+    assert (ZOO / "config.json").is_file(), f"the zoo model is missing from {ZOO}"
     model = hasten.api.load_model("zoo:code-tiny")
     prompt = torch.tensor([list(range(200, 264))])
     return model, prompt, hasten.generate(model, prompt, max_new_tokens=12).sequences
 
 
-@pytest.mark.parametrize("name", sorted(DRAFTERS))
+@pytest.mark.parametrize("name", sorted(TRAINED))
 def test_shipped_weights(zoo_model, name):
-    """Small (< 2 MB, no work files), found beside the zoo model, lossless."""
+    """Every trained drafter ships weights for zoo:code-tiny: small (< 2 MB, no work
+    files), in the one layout, found beside the zoo model, lossless. A missing file fails."""
     directory = ZOO / name
-    if not (directory / f"{name}.json").is_file():
-        pytest.skip(f"no shipped {name} weights")
+    assert {f"{name}.json", WEIGHTS_FILE} <= {p.name for p in directory.iterdir()}, f"shipped {name} files missing"
     assert sum(p.stat().st_size for p in directory.iterdir() if p.is_file()) < 2_000_000
     assert not (directory / "work").exists()
     model, prompt, reference = zoo_model
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no "untrained" warning: the weights beside the model are found
-        out = hasten.generate(model, prompt, drafter=DRAFTERS[name][0](), max_new_tokens=12)
+        out = hasten.generate(model, prompt, drafter=TRAINED[name](), max_new_tokens=12)
     assert torch.equal(out.sequences, reference)
     assert out.stats.accepted_tokens > 0
+
+
+def test_a_missing_weights_file_fails(tmp_path):
+    """A config without its weights next to the target is an error, not an untrained drafter."""
+    checkpoint = save_checkpoint(tmp_path / "model", arch="llama")
+    EagleLayer.for_target(hasten.api.load_model(checkpoint)).save(tmp_path / "model" / "eagle")
+    (tmp_path / "model" / "eagle" / WEIGHTS_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match="no eagle weights"):
+        hasten.load(checkpoint, "eagle").generate("def add(", max_new_tokens=4)
+
+
+# ---- one drafter, many generations ---------------------------------------------------------------------
+def interleaved_runs(model, drafter, prompts, new):
+    """Generations of ``prompts`` on one drafter, advanced one step each in turn."""
+    from hasten.core.stats import DecodeStats
+    from hasten.engine.inputs import eos_ids
+    from hasten.engine.loop import decode
+    from hasten.engine.verify import acceptance_rule
+
+    sampling, eos = Sampling(), eos_ids(model, None)
+    stats = [DecodeStats() for _ in prompts]
+    runs = {i: decode(model, prompt, drafter, new, sampling, eos, None, stats[i], acceptance_rule(sampling))
+            for i, prompt in enumerate(prompts)}
+    outputs = [[] for _ in prompts]
+    while runs:
+        for i, run in list(runs.items()):
+            step = next(run, None)
+            if step is None:
+                del runs[i]
+            else:
+                outputs[i].extend(step)
+    return outputs, stats
+
+
+@pytest.mark.parametrize("name", sorted(TRAINED))
+def test_interleaved_generations_equal_sequential_ones(tmp_path, name):
+    """Per-generation state lives in what begin() returns: two generations advanced in
+    turn on one drafter draft exactly what each drafts alone (same tokens, same drafts
+    accepted at the same depths)."""
+    model = tiny_model("llama")
+    drafter_cls = TRAINED[name]
+    opinionated(drafter_cls.Module.for_target(model), seed=2).save(tmp_path)  # drafts that depend on the state
+    drafter = drafter_cls(weights=str(tmp_path))
+    prompts = [repetitive_prompt(14, seed=3), repetitive_prompt(9, seed=4)]
+    together, together_stats = interleaved_runs(model, drafter, prompts, 20)
+    for i, prompt in enumerate(prompts):
+        alone, (alone_stats,) = interleaved_runs(model, drafter, [prompt], 20)
+        assert together[i] == alone[0] == hf_greedy(model, prompt, 20)[0, prompt.shape[1]:].tolist()
+        for field in ("steps", "drafted_tokens", "accepted_tokens", "accepted_at_depth"):
+            assert getattr(together_stats[i], field) == getattr(alone_stats, field), field
+    assert sum(s.drafted_tokens for s in together_stats) > 0
+
+
+# ---- the drafter layers' KV cache ------------------------------------------------------------------------
+def test_cached_block_equals_a_full_causal_pass():
+    """Feeding a Block chunk by chunk through a KVCache, with scratch rows written past the
+    committed ones and then overwritten, gives what one causal pass over everything gives."""
+    torch.manual_seed(0)
+    block = opinionated(Block(32, 2, 64), seed=5)
+    x = torch.randn(1, 23, 32)
+    positions = torch.arange(23)[None]
+    full = block(x, positions, causal(23))  # [1, 23, 32]
+    cache = KVCache(capacity=4)  # small, so that it grows several times
+    pieces, start = [], 0
+    for size in (5, 1, 7, 3, 7):
+        end = start + size
+        # a draft's scratch first: garbage rows past the committed length, attended and forgotten
+        scratch = torch.randn(1, 3, 32)
+        block(scratch, torch.arange(start, start + 3)[None], causal(3, start), cache, start)
+        assert cache.length == start and cache.end == start + 3
+        pieces.append(block(x[:, start:end], positions[:, start:end], causal(size, start), cache, start))
+        cache.commit(end)
+        start = end
+    assert torch.allclose(torch.cat(pieces, 1), full, atol=1e-5)
+    assert cache.length == cache.end == 23
+    # tree levels: each level written after the previous one's scratch sees it
+    level1 = block(x[:, :2], torch.tensor([[23, 23]]), None, cache, 23)
+    level2 = block(x[:, 2:3], torch.tensor([[24]]), torch.tensor([[[True] * 23 + [True, False, True]]]), cache, 25)
+    assert level1.shape == (1, 2, 32) and level2.shape == (1, 1, 32) and cache.end == 26 and cache.length == 23
+    with pytest.raises(ValueError, match="outside"):
+        block(x[:, :1], torch.tensor([[30]]), None, cache, 30)  # a gap after the valid rows
+    with pytest.raises(ValueError, match="outside"):
+        block(x[:, :1], torch.tensor([[3]]), None, cache, 3)  # inside the committed rows
+    cache.truncate(10)
+    assert cache.length == cache.end == 10

@@ -22,7 +22,7 @@ def test_trie_counts_windows_fed_incrementally():
 def test_draft_is_the_most_frequent_subtree_as_one_tree():
     drafter = Lookahead(draft_tokens=3, branch_length=2, max_prefix=2)
     ctx = context([7, 8, 9, 7, 8, 9, 7, 8, 5, 7, 8])
-    drafter.begin(ctx)
+    ctx.state = drafter.begin(ctx)
     draft = drafter.propose(ctx)
     # after "7 8": "9" (twice), then its child "7" (twice), then the sibling "5" (once)
     assert draft.tokens == (9, 7, 5) and draft.tree.parents == (-1, 0, -1)
@@ -31,7 +31,7 @@ def test_draft_is_the_most_frequent_subtree_as_one_tree():
 def test_draft_respects_depth_and_budget():
     drafter = Lookahead(draft_tokens=20, branch_length=5)
     ctx = context(list(range(10, 30)) * 2, max_depth=3)
-    drafter.begin(ctx)
+    ctx.state = drafter.begin(ctx)
     draft = drafter.propose(ctx)
     assert 0 < len(draft) <= 20 and max(draft.tree.depths) <= 3
 
@@ -50,7 +50,7 @@ def test_corpus_seeds_the_trie(tmp_path):
     drafter = Lookahead(corpus=str(corpus))
     ctx = context(ids)
     ctx.target = hasten.models.ModelAdapter(model)
-    drafter.begin(ctx)
+    ctx.state = drafter.begin(ctx)
     assert len(drafter.propose(ctx)) > 0  # the prompt alone has no earlier match: the corpus supplies it
     with pytest.raises(ValueError, match="corpus"):
         Lookahead(corpus=str(tmp_path / "missing.txt")).begin(ctx)

@@ -11,7 +11,7 @@ from hasten.drafters.candidates import sparse_tree
 from hasten.drafters.medusa import (
     Medusa, MedusaHeads, MedusaSettings, MedusaTraining, MedusaTrainOptions,
 )
-from hasten.engine.sampling import Sampling
+from hasten.core.sampling import Sampling
 from helpers import (
     CAUSAL_CONFIGS, ScriptedDrafter, distill_tiny, hf_greedy, repetitive_prompt, save_checkpoint, tiny_model, train_briefly,
 )
@@ -44,7 +44,7 @@ def check(model, prompt, reference, drafter):
 # ---- real heads ------------------------------------------------------------------------------
 def test_untrained_heads(setup):
     model, prompt, reference, _ = setup
-    with pytest.warns(UserWarning, match="untrained heads"):
+    with pytest.warns(UserWarning, match="untrained medusa drafter"):
         stats = check(model, prompt, reference, Medusa(num_heads=3))
     assert stats.drafted_tokens > 0
 
@@ -55,7 +55,7 @@ def test_trained_heads(setup):
     assert any(block.linear.weight.abs().sum() > 0 for block in heads.blocks)  # training moved them
     assert heads.config.accuracy is not None and len(heads.config.accuracy) == 3
     for settings in (dict(), dict(tree="[(0,), (1,), (0, 0), (0, 1), (0, 0, 0)]"), dict(top_k=1, tree_size=3)):
-        check(model, prompt, reference, Medusa(heads=str(heads_dir), **settings))
+        check(model, prompt, reference, Medusa(weights=str(heads_dir), **settings))
 
 
 def test_own_lm_heads(tmp_path):
@@ -64,7 +64,7 @@ def test_own_lm_heads(tmp_path):
     heads_dir = train_heads(model, tmp_path, share_lm_head=False)
     heads = MedusaHeads.load(heads_dir)
     assert not heads.config.share_lm_head and heads.lm_heads is not None
-    check(model, prompt, hf_greedy(model, prompt, NEW), Medusa(heads=str(heads_dir)))
+    check(model, prompt, hf_greedy(model, prompt, NEW), Medusa(weights=str(heads_dir)))
 
 
 def test_untrained_head_repeats_the_target_prediction():
@@ -90,9 +90,9 @@ def test_heads_beside_the_model_are_found(tmp_path):
     plain = hasten.load(checkpoint, "autoregressive")
     prompt = "def add(a, b):\n    return a + b\n\ndef add("
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "untrained heads" warning
+        warnings.simplefilter("error")  # no "untrained" warning
         assert engine.generate(prompt, max_new_tokens=20).token_ids == plain.generate(prompt, max_new_tokens=20).token_ids
-    assert engine.drafter._heads.config.target == "test"
+    assert engine.drafter.module.config.target == "test"
 
 
 def test_warns_once_per_target():
@@ -110,14 +110,14 @@ def test_settings_and_shapes_are_checked(tmp_path):
                        (dict(top_k=0), "top_k"), (dict(num_heads=0), "num_heads"), (dict(tree_size=0), "tree_size")]:
         with pytest.raises(ValueError, match=match):
             Medusa(**bad)
-    with pytest.raises(FileNotFoundError, match="no Medusa heads"):
-        Medusa(heads=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no medusa weights"):
+        Medusa(weights=str(tmp_path))
     model = tiny_model("llama")
     with pytest.raises(ValueError, match="deep but the drafter guesses only 2 levels"), pytest.warns(UserWarning):
         hasten.generate(model, repetitive_prompt(8), drafter=Medusa(num_heads=2, tree=[(0,), (0, 0), (0, 0, 0)]))
     MedusaHeads.for_target(tiny_model("llama", hidden_size=16, num_attention_heads=2), 2).save(tmp_path / "small")
     with pytest.raises(ValueError, match="do not fit"):
-        hasten.generate(model, repetitive_prompt(8), drafter=Medusa(heads=str(tmp_path / "small")))
+        hasten.generate(model, repetitive_prompt(8), drafter=Medusa(weights=str(tmp_path / "small")))
 
 
 def test_sparse_tree_keeps_the_likeliest_paths():
@@ -148,7 +148,7 @@ class TreeScript(ScriptedDrafter):
             reference = truth[depth - 1] if depth <= len(truth) else 0  # deeper nodes are cut by the loop
             right = path == self.right[:depth] and depth <= self.right_depth
             tokens.append(reference if right else (reference + 1 + path[-1]) % ctx.target.vocab_size)
-        return hasten.drafters.Draft(tuple(tokens), hasten.engine.tree.TokenTree.from_paths(self.paths))
+        return hasten.drafters.Draft(tuple(tokens), hasten.core.tree.TokenTree.from_paths(self.paths))
 
 
 FULL = [p for a in range(3) for p in [(a,)] + [(a, b) for b in range(3)] + [(a, b, c) for b in range(3) for c in range(3)]]
@@ -186,7 +186,7 @@ def test_sampled_continuations_follow_the_target(tmp_path, tree, sampling):
     for block in heads.blocks:  # opinionated random heads: drafts that are sometimes right, sometimes not
         torch.nn.init.normal_(block.linear.weight, std=2.0)
     heads.save(tmp_path)
-    drafter = Medusa(heads=str(tmp_path), tree=tree, tree_size=6)
+    drafter = Medusa(weights=str(tmp_path), tree=tree, tree_size=6)
     hasten.generate(target, PROMPT, drafter=drafter, max_new_tokens=2)
-    assert len(drafter._candidates.tree) == 6
+    assert len(drafter.tree.tree) == 6
     assert empirical_tv(target, drafter, sampling) < BOUND

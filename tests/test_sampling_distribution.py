@@ -1,21 +1,28 @@
 """End to end: sampled continuations with a drafter follow the plain model's law.
 
-We enumerate the exact law of the first two new tokens from the target itself, then
-compare the empirical law of hasten's samples with a total-variation bound. With 64
-outcomes and N samples the expected TV of a correct sampler is about 0.4 * sqrt(64 / N);
-the control test shows the bound catches a sampler that trusts its drafts.
-"""
+We enumerate the exact law of the first new tokens from the target itself, then compare
+the empirical law of hasten's samples with a total-variation bound. The main tests draw
+4 new tokens with drafters proposing 3 deep (a draft model with ``q``; a fixed tree with
+siblings at depths 1-3), so rejections at depths 2 and 3 shape the first 3 tokens, whose
+law (over a vocabulary of 8) is compared. Their bound comes from the sample size (see
+test_verify_law.bound: Jensen for the expected TV, McDiarmid for the margin), and two broken
+verifiers must exceed it: one that trusts its drafts, one that draws from ``p`` instead of
+the residual ``max(p - q, 0)`` after a rejection at depth 2.
 
+``empirical_tv``/``BOUND`` (two tokens, 2500 samples; the expected TV of a correct sampler
+is about 0.4 * sqrt(64 / N)) serve the drafter tests of other files.
+"""
 import pytest
 import torch
 
 import hasten
-import hasten.engine.loop as loop
+from hasten.core.sampling import Sampling
+from hasten.core.tree import TokenTree
 from hasten.drafters import DraftModel, Lookahead, PromptLookup
-from hasten.engine.tree import TokenTree
-from hasten.engine.sampling import Sampling
-from hasten.engine.verify import Verdict
+from hasten.engine import verify
+from hasten.engine.verify import SpeculativeSampling, Verdict
 from helpers import ScriptedDrafter, tiny_model
+from test_verify_law import bound
 
 VOCAB = 8
 SAMPLES = 2500
@@ -30,33 +37,45 @@ def peaky_model(seed):
 
 
 PROMPT = torch.tensor([[1, 3, 5, 1, 3]])
+TARGET = peaky_model(0)
 
 
-def exact_law(model, sampling: Sampling) -> dict[tuple[int, int], float]:
-    first = sampling.probs(model(PROMPT).logits[0, -1])
-    law = {}
-    for a in range(VOCAB):
-        second = sampling.probs(model(torch.cat([PROMPT, torch.tensor([[a]])], 1)).logits[0, -1])
-        for b in range(VOCAB):
-            law[(a, b)] = float(first[a] * second[b])
+@torch.no_grad()
+def next_probs(model, sampling: Sampling, continuation: tuple[int, ...]) -> torch.Tensor:
+    ids = torch.cat([PROMPT, torch.tensor([continuation], dtype=torch.long)], 1) if continuation else PROMPT
+    return sampling.probs(model(ids).logits[0, -1])
+
+
+def exact_law(model, sampling: Sampling, length: int = 2) -> dict[tuple[int, ...], float]:
+    """The target's law of its first ``length`` new tokens, every outcome listed."""
+    law = {(): 1.0}
+    for _ in range(length):
+        law = {prefix + (token,): weight * float(probs[token])
+               for prefix, weight in law.items()
+               for probs in [next_probs(model, sampling, prefix)] for token in range(VOCAB)}
     return law
 
 
-def empirical_tv(model, drafter, sampling: Sampling) -> float:
-    law = exact_law(model, sampling)
+def sampled_law_tv(model, drafter, sampling: Sampling, length: int, max_new_tokens: int, samples: int) -> float:
+    law = exact_law(model, sampling, length)
     g = torch.Generator().manual_seed(1234)
     counts = dict.fromkeys(law, 0)
-    for _ in range(SAMPLES):
+    for _ in range(samples):
         out = hasten.generate(
-            model, PROMPT, drafter=drafter, max_new_tokens=2, temperature=sampling.temperature,
+            model, PROMPT, drafter=drafter, max_new_tokens=max_new_tokens, temperature=sampling.temperature,
             top_k=sampling.top_k, top_p=sampling.top_p, generator=g,
         )
-        counts[tuple(out.sequences[0, -2:].tolist())] += 1
-    return 0.5 * sum(abs(counts[k] / SAMPLES - law[k]) for k in law)
+        counts[tuple(out.sequences[0, PROMPT.shape[1]:][:length].tolist())] += 1
+    return 0.5 * sum(abs(counts[k] / samples - law[k]) for k in law)
+
+
+def empirical_tv(model, drafter, sampling: Sampling) -> float:
+    """TV of the first two new tokens over SAMPLES samples (compare with BOUND)."""
+    return sampled_law_tv(model, drafter, sampling, 2, 2, SAMPLES)
 
 
 class FixedDrafter(ScriptedDrafter):
-    """Always proposes the same two tokens: a deterministic (point-mass) draft."""
+    """Always proposes the same tokens: a deterministic (point-mass) draft."""
 
     def __init__(self, tokens):
         self.tokens = tokens
@@ -77,30 +96,89 @@ class FixedTreeDrafter(ScriptedDrafter):
         pass
 
 
-TARGET = peaky_model(0)
-CASES = {
-    "plain": (lambda: None, Sampling(1.0)),
-    "draft_model": (lambda: DraftModel(peaky_model(5), num_tokens=2), Sampling(1.0)),
-    "draft_model_topk_topp": (lambda: DraftModel(peaky_model(5), num_tokens=3), Sampling(0.8, top_k=5, top_p=0.9)),
-    "point_mass": (lambda: FixedDrafter([3, 5]), Sampling(1.0)),
-    "prompt_lookup": (lambda: PromptLookup(num_tokens=2), Sampling(1.3)),
-    "fixed_tree": (FixedTreeDrafter, Sampling(1.0)),
+class RankedTreeDrafter(ScriptedDrafter):
+    """Always proposes one fixed tree, siblings at depths 1, 2 and 3: each node holds the
+    token its rank names under the target after the prompt and the node's path (0: the
+    likeliest), so that drafts are accepted deep often enough to matter."""
+
+    PATHS = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 0), (1, 0, 1)]
+
+    def __init__(self, model, sampling: Sampling):
+        self.tree = TokenTree.from_paths(self.PATHS)
+        token_of: dict[tuple[int, ...], int] = {}
+        for path in sorted(self.PATHS, key=lambda path: (len(path), path)):  # the tree's node order
+            prefix = tuple(token_of[path[:i]] for i in range(1, len(path)))
+            token_of[path] = int(next_probs(model, sampling, prefix).argsort(descending=True)[path[-1]])
+        self.tokens = tuple(token_of[path] for path in sorted(self.PATHS, key=lambda path: (len(path), path)))
+
+    def propose(self, ctx):
+        return hasten.drafters.Draft(self.tokens, self.tree).limit_depth(ctx.max_depth)
+
+
+# ---- the first 3 tokens, drafts 3 deep -----------------------------------------------------------
+DEEP_SAMPLES = 1500
+DEEP_LAW_SAMPLING = Sampling(1.0, top_k=3)  # 27 outcomes, so a bound from 1500 samples is tight
+TREE_SAMPLING = Sampling(0.8, top_k=4, top_p=0.9)
+
+
+def deep_tv(drafter, sampling: Sampling, samples: int = DEEP_SAMPLES) -> tuple[float, float]:
+    tv = sampled_law_tv(TARGET, drafter, sampling, 3, 4, samples)
+    return tv, bound(exact_law(TARGET, sampling, 3), samples)
+
+
+def draft_model_3_deep():
+    return DraftModel(peaky_model(5), num_tokens=3)
+
+
+def test_draft_model_3_deep_follows_the_target():
+    tv, limit = deep_tv(draft_model_3_deep(), DEEP_LAW_SAMPLING)
+    assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
+
+
+def test_tree_with_siblings_at_depths_1_to_3_follows_the_target():
+    tv, limit = deep_tv(RankedTreeDrafter(TARGET, TREE_SAMPLING), TREE_SAMPLING)
+    assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
+
+
+def test_bound_catches_a_sampler_that_trusts_its_drafts(monkeypatch):
+    def accept_everything(self, tree, tokens, logits, q, sampling, generator):
+        path = tuple(tree.leaf_paths[0]) if len(tree) else ()  # a whole branch, always
+        p = sampling.probs(logits[path[-1] + 1 if path else 0])
+        return Verdict(path, int(torch.multinomial(p, 1, generator=generator)))
+
+    monkeypatch.setattr(SpeculativeSampling, "verify", accept_everything)
+    tv, limit = deep_tv(draft_model_3_deep(), DEEP_LAW_SAMPLING, samples=400)
+    assert tv > limit, f"TV {tv:.3f} <= bound {limit:.3f}"
+
+
+def test_bound_catches_p_instead_of_the_residual_at_depth_2(monkeypatch):
+    right = verify._end_distribution
+
+    def p_after_a_depth_2_rejection(index, tokens, p, q, end_block):
+        block = int(end_block)
+        if block and int(index.depth[block - 1]) == 1:  # the walk ends at depth 1: its child was rejected
+            return p[block]
+        return right(index, tokens, p, q, end_block)
+
+    monkeypatch.setattr(verify, "_end_distribution", p_after_a_depth_2_rejection)
+    tv, limit = deep_tv(draft_model_3_deep(), DEEP_LAW_SAMPLING)
+    assert tv > limit, f"TV {tv:.3f} <= bound {limit:.3f}"
+
+
+# ---- input-guided drafters, first 2 tokens ----------------------------------------------------------
+SHALLOW_SAMPLES = 1200
+SHALLOW_CASES = {
+    "prompt_lookup": (lambda: PromptLookup(num_tokens=2), Sampling(1.3, top_k=5)),
     "lookahead": (lambda: Lookahead(draft_tokens=6, branch_length=2), Sampling(1.0, top_k=6)),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_sampled_continuations_follow_the_target(case):
-    make, sampling = CASES[case]
-    assert empirical_tv(TARGET, make(), sampling) < BOUND
-
-
-def test_bound_catches_a_sampler_that_trusts_its_drafts(monkeypatch):
-    def accept_everything(tree, draft, p, q, generator):
-        return Verdict(tuple(range(len(draft))), int(torch.multinomial(p[len(draft)], 1, generator=generator)))
-
-    monkeypatch.setattr(loop, "accept_sampling", accept_everything)
-    assert empirical_tv(TARGET, DraftModel(peaky_model(5), num_tokens=2), Sampling(1.0)) > BOUND
+@pytest.mark.parametrize("case", sorted(SHALLOW_CASES))
+def test_input_guided_drafters_follow_the_target(case):
+    make, sampling = SHALLOW_CASES[case]
+    tv = sampled_law_tv(TARGET, make(), sampling, 2, 2, SHALLOW_SAMPLES)
+    limit = bound(exact_law(TARGET, sampling, 2), SHALLOW_SAMPLES)
+    assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
 
 
 def test_same_seed_same_sample():

@@ -160,19 +160,19 @@ def test_train_command_end_to_end(checkpoint, tmp_path):
     model_dir, text = checkpoint
     out = tmp_path / "heads"
     assert main(train_args(model_dir, text, out)) == 0
-    assert {"heads.safetensors", "medusa.json", "training.json"} <= {p.name for p in out.iterdir()}
+    assert {"weights.safetensors", "medusa.json", "training.json"} <= {p.name for p in out.iterdir()}
     config = json.loads((out / "medusa.json").read_text())
     assert config["num_heads"] == 2 and config["target"] == str(model_dir) and config["share_lm_head"]
-    assert all(key.startswith("blocks.") for key in load_file(out / "heads.safetensors"))  # the LM head is not copied
+    assert all(key.startswith("blocks.") for key in load_file(out / "weights.safetensors"))  # the LM head is not copied
     report = json.loads((out / "training.json").read_text())
     assert report["steps"] == 4 and report["distill"]["sequences"] == 6
-    engine = hasten.load(model_dir, "medusa", heads=str(out))
+    engine = hasten.load(model_dir, "medusa", weights=str(out))
     plain = hasten.load(model_dir, "autoregressive")
     prompt = "def add(a, b):\n    return a + b\n\ndef add("
     assert engine.generate(prompt, max_new_tokens=20).token_ids == plain.generate(prompt, max_new_tokens=20).token_ids
-    weights = load_file(out / "heads.safetensors")
+    weights = load_file(out / "weights.safetensors")
     assert main(train_args(model_dir, text, out, "--resume")) == 0  # everything reused, nothing changes
-    assert all(torch.equal(t, load_file(out / "heads.safetensors")[k]) for k, t in weights.items())
+    assert all(torch.equal(t, load_file(out / "weights.safetensors")[k]) for k, t in weights.items())
 
 
 def test_help_documents_every_flag(capsys):

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from hasten.engine.tree import TokenTree
+from hasten.core.tree import TokenTree
 
 
 def test_chain_is_a_tree_with_one_branch():

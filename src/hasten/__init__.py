@@ -2,9 +2,9 @@
 from . import drafters
 from .api import Engine, EngineOutput, load
 from .engine.loop import GenerationOutput, generate
-from .engine.sampling import Sampling
-from .engine.stats import DecodeStats
+from .core.sampling import Sampling
+from .core.stats import DecodeStats
 
-__version__ = "0.1.0"
+from .version import __version__
 
-__all__ = ["DecodeStats", "Engine", "EngineOutput", "GenerationOutput", "Sampling", "drafters", "generate", "load"]
+__all__ = ["__version__", "DecodeStats", "Engine", "EngineOutput", "GenerationOutput", "Sampling", "drafters", "generate", "load"]

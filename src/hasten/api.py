@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -9,13 +10,15 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedModel
 
 from . import zoo
-from .drafters.base import Drafter, create
-from .engine.loop import check_inputs, decode, eos_ids
-from .engine.sampling import Sampling
-from .engine.stats import DecodeStats
+from .drafters.base import REGISTRY, Drafter, create
+from .engine.inputs import check_inputs, eos_ids
+from .engine.loop import decode
+from .engine.verify import acceptance_rule
+from .models.adapter import vocab_size
+from .core.sampling import Sampling
+from .core.stats import DecodeStats
 
 AUTOREGRESSIVE = "autoregressive"  # the plain baseline: the decode loop without a drafter
-MODEL_DRAFTERS = {"draft_model"}  # methods that need a second model (``draft=``)
 
 
 def resolve_path(name_or_path: str) -> str:
@@ -37,16 +40,45 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
     return model.to(device).eval()
 
 
+def check_method(method: str, has_draft: bool) -> None:
+    """Raise ValueError unless ``method`` exists and gets a draft model exactly when it
+    needs one; cheap, so callers check it before loading any model."""
+    if method != AUTOREGRESSIVE and method not in REGISTRY:
+        raise ValueError(f"unknown method {method!r}; known: {', '.join([AUTOREGRESSIVE, *sorted(REGISTRY)])}")
+    needs = method != AUTOREGRESSIVE and getattr(REGISTRY[method], "needs_draft_model", False)
+    if needs and not has_draft:
+        raise ValueError(f"method {method!r} needs a draft model: pass draft=PATH (--draft PATH)")
+    if has_draft and not needs:
+        takers = ", ".join(name for name, cls in sorted(REGISTRY.items()) if getattr(cls, "needs_draft_model", False))
+        raise ValueError(f"method {method!r} takes no draft model (draft= / --draft is for: {takers or 'none'})")
+
+
 def make_drafter(method: str, draft_model: PreTrainedModel | None = None, **method_kwargs) -> Drafter | None:
+    if method == AUTOREGRESSIVE and method_kwargs:
+        raise TypeError(f"method {AUTOREGRESSIVE!r} takes no settings, got {sorted(method_kwargs)}")
+    check_method(method, draft_model is not None)
     if method == AUTOREGRESSIVE:
-        if method_kwargs:
-            raise TypeError(f"method {AUTOREGRESSIVE!r} takes no settings, got {sorted(method_kwargs)}")
         return None
-    if method in MODEL_DRAFTERS:
-        if draft_model is None:
-            raise ValueError(f"method {method!r} needs a draft model: pass draft=PATH")
+    if draft_model is not None:  # check_method made sure the method needs it
         return create(method, model=draft_model, **method_kwargs)
     return create(method, **method_kwargs)
+
+
+def warn_if_tokenizers_differ(tokenizer, draft_tokenizer, draft_name: str, samples: int = 1000) -> None:
+    """A draft model with the target's vocabulary size but another tokenizer is accepted
+    (outputs stay exact) yet its drafts mean other text, so they are rarely accepted: warn.
+    Compares the token strings of ``samples`` ids spread over the shared id range."""
+    shared = min(len(tokenizer), len(draft_tokenizer))
+    ids = sorted({round(i * (shared - 1) / max(samples - 1, 1)) for i in range(samples)}) if shared else []
+    ours, theirs = tokenizer.convert_ids_to_tokens(ids), draft_tokenizer.convert_ids_to_tokens(ids)
+    differ = [(i, a, b) for i, a, b in zip(ids, ours, theirs) if a != b]
+    if differ:
+        token, a, b = differ[0]
+        warnings.warn(
+            f"draft model {draft_name!r} has another tokenizer than the target ({len(differ)} of {len(ids)} "
+            f"sampled ids differ, e.g. id {token} is {b!r} there and {a!r} in the target's): outputs stay "
+            "exact but few drafts will be accepted", UserWarning, stacklevel=3,
+        )
 
 
 @dataclass
@@ -92,6 +124,8 @@ class Engine:
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt is empty")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
         sampling = Sampling(temperature, top_k, top_p)
         input_ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.model.device)
         check_inputs(self.model, input_ids, self.drafter, max_new_tokens, None)
@@ -99,9 +133,11 @@ class Engine:
         if seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
         eos = eos_ids(self.model, None)
+        acceptance = acceptance_rule(sampling)
         new: list[int] = []
         shown = ""
-        for step in decode(self.model, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats):
+        for step in decode(self.model, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats,
+                           acceptance):
             new.extend(step)
             text = self.tokenizer.decode(new, skip_special_tokens=True)
             # Hold text back while it ends inside a multi-byte character.
@@ -127,11 +163,28 @@ def load(
     ``method`` is ``"autoregressive"`` or a registered drafter name; ``method_kwargs``
     are that drafter's settings, e.g. ``load(path, "prompt_lookup", num_tokens=8)``.
     """
+    check_method(method, draft is not None)  # before the seconds spent loading models
     model = load_model(name_or_path, dtype, device)
-    path = resolve_path(name_or_path)
+    tokenizer = load_tokenizer(name_or_path)
+    draft_model = draft
+    if isinstance(draft, str):
+        draft_model = load_model(draft, dtype, device)
+        draft_tokenizer = _optional_tokenizer(draft)
+        if draft_tokenizer is not None and vocab_size(draft_model) == vocab_size(model):
+            warn_if_tokenizers_differ(tokenizer, draft_tokenizer, draft)
+    return Engine(model, tokenizer, make_drafter(method, draft_model, **method_kwargs), method)
+
+
+def load_tokenizer(name_or_path: str):
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(resolve_path(name_or_path))
     except (OSError, ValueError) as err:
         raise ValueError(f"model {name_or_path!r} has no usable tokenizer: {str(err).splitlines()[0]}") from err
-    draft_model = load_model(draft, dtype, device) if isinstance(draft, str) else draft
-    return Engine(model, tokenizer, make_drafter(method, draft_model, **method_kwargs), method)
+
+
+def _optional_tokenizer(name_or_path: str):
+    """The draft's tokenizer if it ships one (a draft model needs none: it shares the target's)."""
+    try:
+        return load_tokenizer(name_or_path)
+    except ValueError:
+        return None

@@ -11,7 +11,8 @@ from datetime import datetime, timezone
 import torch
 
 from ..api import AUTOREGRESSIVE
-from ..cli import UserError, add_model_arguments, parse_method_args
+from ..arguments import UserError, add_model_arguments, method_settings, writable_directory
+from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
 from .runner import (
     HF_BASELINES, OVERALL, LosslessnessError, check_lengths, hasten_method, hasten_method_names, hf_method, run_bench,
@@ -26,7 +27,7 @@ def _csv(text: str) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_model_arguments(parser)  # --model, --draft, --method-arg KEY=VALUE (or METHOD.KEY=VALUE)
+    add_model_arguments(parser, per_method=True)  # --model, --draft, --method-arg KEY=VALUE or METHOD.KEY=VALUE
     parser.add_argument(
         "--methods", default=AUTO,
         help="comma-separated hasten methods; autoregressive, the reference, is always added (default auto: "
@@ -47,17 +48,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # work, extra threads thrash (zoo:code-tiny, 2 cores, other jobs running: 128 tokens took
     # 1.1-3.4 s on 1 thread and 5.6-69 s on 2). Give 0 for all cores on a large model.
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = all cores)")
-    parser.add_argument("--out", default="bench-out", help="output directory (default bench-out)")
+    parser.add_argument("--out", default="bench-out", metavar="DIR",
+                        help="output directory, checked writable before the run (default bench-out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _settings_class(method: str) -> type | None:
+    return getattr(REGISTRY.get(method), "Settings", None)
+
+
 def _known_settings(method: str) -> set[str]:
-    settings_cls = getattr(REGISTRY.get(method), "Settings", None)
-    return {f.name for f in dataclasses.fields(settings_cls)} if settings_cls else set()
+    settings_cls = _settings_class(method)
+    return set(settings_io.field_kinds(settings_cls)) if settings_cls else set()
 
 
 def _settings_for(method: str, pairs: list[str]) -> dict:
-    """--method-arg METHOD.KEY=VALUE sets one method; KEY=VALUE every method that has KEY."""
+    """--method-arg METHOD.KEY=VALUE sets one method; KEY=VALUE every method that has KEY.
+    The values are typed and range-checked by the method's settings dataclass."""
     mine = []
     for pair in pairs:
         key = pair.partition("=")[0]
@@ -66,7 +73,10 @@ def _settings_for(method: str, pairs: list[str]) -> dict:
             mine.append(pair[len(target) + 1 :])
         elif not dot and key in _known_settings(method):
             mine.append(pair)
-    return parse_method_args(method, mine)
+    values = method_settings(method, _settings_class(method), mine)
+    if values:
+        settings_io.build(_settings_class(method), **values)
+    return values
 
 
 def _check_method_args(pairs: list[str], names: list[str]) -> None:
@@ -99,12 +109,12 @@ def _chosen(args) -> tuple[list[str], list[str]]:
     return names, baselines
 
 
-def _build_methods(args, names, baselines, model, draft, probe_ids) -> tuple[list, dict[str, str]]:
+def _build_methods(args, names, settings, baselines, model, draft, probe_ids) -> tuple[list, dict[str, str]]:
     """The methods to time, and why any default one was left out."""
     methods, skipped = [], {}
     for name in names:
         try:
-            method = hasten_method(name, model, draft, **_settings_for(name, args.method_arg))
+            method = hasten_method(name, model, draft, **settings[name])
             if args.methods == AUTO:  # a registered method may not fit these models: try it on 2 tokens
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -131,12 +141,15 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from ..api import load_model, resolve_path
-    from .report import command_line, machine_info, write_report
+    from ..machine import machine_info
+    from .report import command_line, write_report
 
     for flag, low in (("per_task", 1), ("repeats", 1), ("max_new_tokens", 1), ("threads", 0)):
         if getattr(args, flag) < low:
             raise UserError(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
     names, baselines = _chosen(args)
+    settings = {name: _settings_for(name, args.method_arg) for name in names}
+    writable_directory(args.out)  # now, not after the whole run
     torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
     model = load_model(args.model)
     draft = load_model(args.draft) if args.draft else None
@@ -147,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         tasks = builtin_tasks(tokenizer, _csv(args.tasks), args.per_task)
     input_ids = [tokenizer(t.prompt, return_tensors="pt").input_ids for t in tasks]
     check_lengths(model, tasks, input_ids, args.max_new_tokens)
-    methods, skipped = _build_methods(args, names, baselines, model, draft, input_ids[0])
+    methods, skipped = _build_methods(args, names, settings, baselines, model, draft, input_ids[0])
     print(
         f"hasten bench: {len(methods)} methods x {len(tasks)} prompts x {args.repeats} repeats, "
         f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads",
@@ -179,4 +192,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = [("bench", "time hasten's methods against Hugging Face generate, checking outputs match", add_arguments, run)]
+COMMANDS = [
+    ("bench", "time hasten's methods against Hugging Face generate, checking outputs match", add_arguments, run),
+]

@@ -6,36 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 from pathlib import Path
 
-import torch
 
-from ..machine import cpu_model
 from .runner import AUTOREGRESSIVE, OVERALL
 
 SPEEDUP_PNG, ACCEPTANCE_PNG = "speedup.png", "acceptance.png"
-
-
-def machine_info() -> dict:
-    import transformers
-
-    from .. import __version__
-
-    return {
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        # other work on the machine slows every method; > 0.5 per core means a shared CPU
-        "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "hasten": __version__,
-    }
 
 
 def _x(value: float | None) -> str:

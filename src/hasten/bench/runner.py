@@ -18,8 +18,9 @@ from tqdm import tqdm
 
 from ..api import AUTOREGRESSIVE, make_drafter
 from ..drafters.base import REGISTRY
+from ..engine.inputs import check_positions
 from ..engine.loop import generate
-from ..engine.stats import DecodeStats
+from ..core.stats import DecodeStats
 from .tasks import Task
 
 HF_GENERATE = "hf_generate"
@@ -51,7 +52,10 @@ class Method:
 
 
 def hasten_method(name: str, model, draft=None, **settings) -> Method:
-    """A registered drafter (or "autoregressive"), a fresh drafter per run, EOS ignored."""
+    """A registered drafter (or "autoregressive"), a fresh drafter per run, EOS ignored.
+    ``draft`` goes only to methods that declare they need a draft model."""
+    if name not in REGISTRY or not REGISTRY[name].needs_draft_model:
+        draft = None
     make_drafter(name, draft, **settings)  # fail now, not in the middle of the benchmark
 
     def run(input_ids, max_new_tokens):
@@ -102,20 +106,7 @@ def hf_method(name: str, model, draft=None) -> Method:
 
 def sum_stats(parts: list[DecodeStats]) -> DecodeStats:
     """Counts and seconds added up, so tau and acceptance aggregate weighted by steps."""
-    total = DecodeStats()
-    for s in parts:
-        total.steps += s.steps
-        total.new_tokens += s.new_tokens
-        total.drafted_tokens += s.drafted_tokens
-        total.accepted_tokens += s.accepted_tokens
-        for mine, theirs in ((total.drafted_at_depth, s.drafted_at_depth), (total.accepted_at_depth, s.accepted_at_depth)):
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for d, n in enumerate(theirs):
-                mine[d] += n
-        total.prefill_seconds += s.prefill_seconds
-        total.draft_seconds += s.draft_seconds
-        total.verify_seconds += s.verify_seconds
-    return total
+    return sum(parts, DecodeStats())
 
 
 @dataclass
@@ -184,13 +175,12 @@ def _check(method: str, task: Task, output: list[int], reference: list[int]) -> 
 
 
 def check_lengths(model, tasks: list[Task], input_ids: list[torch.Tensor], max_new_tokens: int) -> None:
-    limit = getattr(model.config, "max_position_embeddings", None)
+    """Every task must fit the model's positions, checked before anything is timed."""
     for task, ids in zip(tasks, input_ids):
-        if limit and ids.shape[1] + max_new_tokens > limit:
-            raise ValueError(
-                f"task {task.name!r}: {ids.shape[1]} prompt + {max_new_tokens} new tokens exceed the model's "
-                f"{limit} positions; use fewer --max-new-tokens or leave out that task"
-            )
+        try:
+            check_positions(model, ids.shape[1], max_new_tokens)
+        except ValueError as err:
+            raise ValueError(f"task {task.name!r}: {err}; use fewer --max-new-tokens or leave out that task") from None
 
 
 def run_bench(

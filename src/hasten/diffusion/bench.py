@@ -71,6 +71,14 @@ def _counted(fn: Callable[[], object]) -> tuple[object, int]:
     return out, counter.get_total_flops()
 
 
+def _cached_run(model, policy, steps: int, fn):
+    """``fn`` with ``policy``'s caching hooks on the model, as the timed rounds call it."""
+    def run():
+        with cached(model, policy, num_steps=steps):
+            fn()
+    return run
+
+
 def _timed_rounds(baseline: Callable[[], object], runs: list[Callable[[], object]], repeats: int,
                   progress: bool) -> tuple[list[float], list[list[float]]]:
     """Interleaved: each round times the baseline, then every run once."""
@@ -115,13 +123,7 @@ def bench_dit(model, out_dir: Path, steps: int = 50, images: int = 12, repeats: 
                      "psnr_min": float(p.clamp(max=99).min()), "ssim": float(s.mean()), "ssim_min": float(s.min())})
         outputs.append(out)
 
-    def run_with(policy):
-        def run():
-            with cached(model, policy, num_steps=steps):
-                sample()
-        return run
-
-    base, times = _timed_rounds(sample, [run_with(p) for p in settings], repeats, progress)
+    base, times = _timed_rounds(sample, [_cached_run(model, p, steps, sample) for p in settings], repeats, progress)
     results = []
     for policy, row, t in zip(settings, rows, times):
         entry = _row(policy, row.pop("stats"), row.pop("flops"), full_flops, base, t)
@@ -198,13 +200,7 @@ def bench_policy(model, out_dir: Path, steps: int = 50, rollouts: int = 100, rep
     batch = torch.from_numpy(np.repeat(obs.numpy()[:1], rollouts, axis=0))  # one policy call for every episode
     call = lambda: policy_model.actor(model, steps, noise_seed)(batch.numpy())  # noqa: E731
 
-    def run_with(policy):
-        def run():
-            with cached(model, policy, num_steps=steps):
-                call()
-        return run
-
-    base, times = _timed_rounds(call, [run_with(p) for p in settings], repeats, progress)
+    base, times = _timed_rounds(call, [_cached_run(model, p, steps, call) for p in settings], repeats, progress)
     results = [{**_row(p, row.pop("stats"), row.pop("flops"), full_flops, base, t), **row}
                for p, row, t in zip(settings, rows, times)]
     return {"model": "policy-reach", "steps": steps, "rollouts": rollouts, "env_seed": env_seed, "seed": seed,

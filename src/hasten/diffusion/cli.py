@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..arguments import UserError, writable_directory
 from ..machine import cpu_model
 
 
@@ -18,7 +19,8 @@ def _add(parser: argparse.ArgumentParser) -> None:
     bench = subs.add_parser("bench", help="speed and quality of every caching policy on the project's models",
                             description="speed and quality of every caching policy on the project's models")
     bench.add_argument("--models", choices=["dit", "policy", "all"], default="all")
-    bench.add_argument("--out", type=Path, default=Path("diffusion-bench"), help="output folder (default ./diffusion-bench)")
+    bench.add_argument("--out", type=Path, default=Path("diffusion-bench"), metavar="DIR",
+                       help="output folder, checked writable before the run (default ./diffusion-bench)")
     bench.add_argument("--steps", type=int, default=50, help="DDIM steps per sample (default 50)")
     bench.add_argument("--images", type=int, default=12, help="DiT images compared (default 12)")
     bench.add_argument("--rollouts", type=int, default=100, help="policy episodes per setting (default 100)")
@@ -37,9 +39,9 @@ def _run(args: argparse.Namespace) -> int:
 
     for name in ("steps", "images", "rollouts", "repeats", "threads"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+            raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    writable_directory(args.out)  # now, not after the whole run
     torch.set_num_threads(args.threads)
-    args.out.mkdir(parents=True, exist_ok=True)
     common = dict(steps=args.steps, repeats=args.repeats, seed=args.seed, progress=not args.no_progress)
     report = {"machine": cpu_model(), "cpus": os.cpu_count(), "threads": args.threads,
               "torch": torch.__version__, "python": platform.python_version()}

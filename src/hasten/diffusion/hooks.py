@@ -66,10 +66,6 @@ class CacheStats:
     def skipped_fraction(self) -> float:
         return sum(self.skipped.values()) / self.total if self.total else 0.0
 
-    @property
-    def computed_fraction(self) -> float:
-        return 1.0 - self.skipped_fraction if self.total else 1.0
-
     def to_dict(self) -> dict:
         by_kind: dict = {}
         for name, kind in self.kinds.items():

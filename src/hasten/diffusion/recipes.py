@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
 import platform
 import sys
 import time
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from ..core.schedule import warmup_cosine
 from . import sim
 from .models import dit as dit_model
 from .models import policy as policy_model
@@ -46,8 +46,7 @@ def train(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, torch.Gene
     ema = copy.deepcopy(model).eval().requires_grad_(False)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup, s / steps))
     model.train()
     start, losses = time.monotonic(), []
     bar = tqdm(range(steps), desc=label, mininterval=5, file=sys.stderr)

@@ -2,19 +2,28 @@
 
 A drafter proposes only *new* tokens, arranged as a :class:`TokenTree`, and may say
 which distribution ``q`` it drew them from. The decode loop never asks what kind of
-drafter it holds: methods differ only in what they propose.
+drafter it holds: methods differ only in what they propose and in what they declare they
+need (a draft model, the target's features, tree attention).
+
+State has one owner. The loop owns the committed tokens and the target's features
+(:class:`DraftContext`); drafters read them and never keep a copy. A :class:`Drafter`
+object holds configuration and weights only and can serve any number of generations at
+once: whatever one generation needs to remember (n-gram tables, a draft model's cache, a
+drafter layer's keys and values) lives in the object ``begin`` returns, which the loop
+keeps in ``ctx.state``.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
-from ..engine.sampling import Sampling
-from ..engine.tree import TokenTree
-from ..models.adapter import ModelAdapter
+from ..core import settings as settings_io
+from ..core.sampling import Sampling
+from ..core.state import GrowingBuffer
+from ..core.tree import TokenTree
+from ..models.adapter import ModelAdapter, Riders
 
 
 @dataclass(frozen=True)
@@ -22,25 +31,39 @@ class Draft:
     tokens: tuple[int, ...]  # one token per tree node
     tree: TokenTree
     probs: torch.Tensor | None = None  # [nodes, vocab] q each node was drawn from; None: deterministic
+    # extra positions riding on this draft's verification forward (hidden transfer's
+    # placeholders); their logits come back in StepResult.riders
+    riders: Riders | None = None
 
     def __post_init__(self) -> None:
         if len(self.tokens) != len(self.tree):
             raise ValueError(f"Draft: {len(self.tokens)} tokens for a tree of {len(self.tree)} nodes")
 
     @classmethod
-    def chain(cls, tokens, probs: torch.Tensor | None = None) -> "Draft":
+    def chain(cls, tokens, probs: torch.Tensor | None = None, riders: Riders | None = None) -> "Draft":
         tokens = tuple(int(t) for t in tokens)
-        return cls(tokens, TokenTree.chain(len(tokens)), probs)
+        return cls(tokens, TokenTree.chain(len(tokens)), probs, riders)
 
-    def limit_depth(self, max_depth: int) -> "Draft":
-        """Drop nodes deeper than ``max_depth`` (so no step can overshoot a token budget)."""
-        keep = [i for i, depth in enumerate(self.tree.depths) if depth <= max_depth]
+    def _subset(self, keep: list[int]) -> "Draft":
         if len(keep) == len(self):
             return self
         new_index = {old: new for new, old in enumerate(keep)}
         parents = tuple(-1 if self.tree.parents[i] < 0 else new_index[self.tree.parents[i]] for i in keep)
         probs = None if self.probs is None else self.probs[keep]
-        return Draft(tuple(self.tokens[i] for i in keep), TokenTree(parents), probs)
+        return Draft(tuple(self.tokens[i] for i in keep), TokenTree(parents), probs, self.riders)
+
+    def limit_depth(self, max_depth: int) -> "Draft":
+        """Drop nodes deeper than ``max_depth`` (so no step can overshoot a token budget)."""
+        return self._subset([i for i, depth in enumerate(self.tree.depths) if depth <= max_depth])
+
+    def main_chain(self, max_depth: int) -> "Draft":
+        """The path that follows each node's first child (every tree builder puts its best
+        guess first), at most ``max_depth`` long: what a target without tree attention verifies."""
+        path, node = [], -1
+        while len(path) < max_depth and self.tree.children[node + 1]:
+            node = self.tree.children[node + 1][0]
+            path.append(node)
+        return self._subset(path)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -51,17 +74,24 @@ EMPTY_DRAFT = Draft.chain(())
 
 @dataclass
 class DraftContext:
-    """What a drafter may look at when proposing."""
+    """What a drafter may look at when proposing; made by the loop for one generation."""
 
-    tokens: list[int]  # committed tokens on the decoder side, prompt included; tokens[-1] is the root
+    tokens: list[int]  # committed decoder-side tokens, prompt included; tokens[-1] is the root. Read only.
     max_depth: int  # deeper draft tokens cannot be used this step
     sampling: Sampling
     generator: torch.Generator | None
     target: ModelAdapter
     source: list[int] | None = None  # encoder input, for encoder-decoder targets
-    # [new, hidden_size] the target's last-layer hidden states of the tokens it cached since
-    # the previous proposal (the prefilled prompt at first); only for drafters with needs_hidden
-    hidden: torch.Tensor | None = None
+    # committed target features, for drafters with needs_features: row t is the target's
+    # last-layer hidden state at position t (its LM head turns it into tokens[t + 1]), so
+    # there are len(tokens) - 1 rows. Owned by the loop.
+    feature_buffer: GrowingBuffer | None = None
+    state: Any = None  # what the drafter's begin() returned: its per-generation state
+
+    @property
+    def features(self) -> torch.Tensor | None:
+        """[len(tokens) - 1, hidden] a view of the committed features (no copy)."""
+        return None if self.feature_buffer is None else self.feature_buffer.view()
 
 
 @dataclass(frozen=True)
@@ -69,27 +99,50 @@ class StepResult:
     drafted: int  # draft nodes proposed
     accepted: int  # draft tokens accepted (bonus excluded)
     max_depth: int  # depth of the deepest proposed node
+    riders: torch.Tensor | None = None  # [count, vocab] rider logits at the accepted path's end, if the draft had riders
 
 
 class Drafter:
-    """Base class: subclasses set ``name`` and ``Settings`` and implement ``propose``."""
+    """Base class: subclasses set ``name`` and ``Settings`` and implement ``propose``.
+
+    Declarations the loop and the API answer (never a drafter's name):
+
+    * ``needs_draft_model``: built with a second model, ``Drafter(model, ...)``;
+    * ``needs_features``: reads ``ctx.features`` (the target's last-layer hidden states);
+    * ``encoder_decoder_ok``: can serve encoder-decoder targets (which verify chains only:
+      a tree draft is cut to its :meth:`Draft.main_chain` there);
+    * ``Training``: a :class:`~hasten.drafters.trainable.Trainable`, for ``hasten train NAME``.
+    """
 
     name: ClassVar[str]
     Settings: ClassVar[type]
-    needs_hidden: ClassVar[bool] = False  # ask the target for hidden states (feature-level drafters)
+    needs_draft_model: ClassVar[bool] = False
+    needs_features: ClassVar[bool] = False
+    encoder_decoder_ok: ClassVar[bool] = True
+    Training: ClassVar[type | None] = None
     settings: Any
 
-    def begin(self, ctx: DraftContext) -> None:
-        """Reset per-generation state; raise ValueError if the target is incompatible."""
+    def __init__(self, settings=None, **kwargs):
+        self.settings = settings_io.build(self.Settings, settings, **kwargs)
+
+    def check_target(self, target: ModelAdapter) -> None:
+        """Raise ValueError if this drafter cannot serve ``target``."""
+        if target.encoder_decoder and not self.encoder_decoder_ok:
+            raise ValueError(f"{self.name} does not support encoder-decoder targets; use a chain drafter such as "
+                             "prompt_lookup, draft_model or gad")
+
+    def begin(self, ctx: DraftContext) -> Any:
+        """Start a generation: return its per-generation state (kept in ``ctx.state``)."""
+        return None
 
     def propose(self, ctx: DraftContext) -> Draft:
         raise NotImplementedError
 
-    def observe(self, result: StepResult) -> None:
-        """Learn from the verdict (adapt draft length, update tables)."""
+    def observe(self, ctx: DraftContext, result: StepResult) -> None:
+        """Learn from the verdict (adapt draft length, keep rider logits) in ``ctx.state``."""
 
 
-REGISTRY: dict[str, Callable[..., Drafter]] = {}
+REGISTRY: dict[str, type[Drafter]] = {}
 
 
 def register(cls: type[Drafter]) -> type[Drafter]:
@@ -103,17 +156,3 @@ def create(name: str, **kwargs) -> Drafter:
         raise ValueError(f"unknown drafter {name!r}; known: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name](**kwargs)
 
-
-def settings_from(settings_cls: type, settings: Any, kwargs: dict) -> Any:
-    """Accept either a ready settings object or its fields as keyword arguments."""
-    if settings is not None:
-        if kwargs:
-            raise TypeError(f"pass either settings= or keyword settings, not both ({sorted(kwargs)})")
-        if not isinstance(settings, settings_cls):
-            raise TypeError(f"settings must be a {settings_cls.__name__}, got {type(settings).__name__}")
-        return settings
-    known = {f.name for f in dataclasses.fields(settings_cls)}
-    unknown = sorted(set(kwargs) - known)
-    if unknown:
-        raise TypeError(f"{settings_cls.__name__} has no setting(s) {unknown}; known: {sorted(known)}")
-    return settings_cls(**kwargs)

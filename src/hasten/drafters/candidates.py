@@ -1,7 +1,7 @@
 """Candidate trees shared by the drafters that guess several tokens at once.
 
 Two builders, both returning trees whose siblings hold distinct tokens and whose
-parents precede their children (what :class:`~hasten.engine.tree.TokenTree` and the
+parents precede their children (what :class:`~hasten.core.tree.TokenTree` and the
 verifier need):
 
 * **top-k combinations** (Medusa, Chimera, hidden transfer, GAD): every level of the tree
@@ -22,7 +22,8 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..engine.tree import TokenTree
+from ..core.settings import Settings
+from ..core.tree import TokenTree
 
 Paths = tuple[tuple[int, ...], ...]
 
@@ -72,7 +73,7 @@ def parse_paths(tree) -> Paths | None:
 
 
 @dataclass(frozen=True)
-class TreeSettings:
+class TreeSettings(Settings):
     """The knobs of a top-k-combination tree; drafters' settings dataclasses extend it."""
 
     # explicit paths, e.g. ((0,), (0, 0), (1,)) or the same as a string; None: a sparse
@@ -82,11 +83,11 @@ class TreeSettings:
     tree_size: int = 16  # nodes of the default tree: wider trees accept more but cost more per verify
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         object.__setattr__(self, "tree", parse_paths(self.tree))
         for name in ("top_k", "tree_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 class CombinationTree:

@@ -7,8 +7,8 @@ Three parts, all small:
 * a **trigram encoder** at the bottom: the target's (frozen) embeddings of the last three
   committed tokens, ``x_{r-2}, x_{r-1}, x_r`` (the root included), projected together;
 * a **full-context encoder**: one causal transformer layer over the target's last hidden
-  states ``f_0 .. f_{r-1}``, with its own KV cache (committed features never change, so it
-  only grows);
+  states ``f_0 .. f_{r-1}``, with its own KV cache per generation (committed features
+  never change, so it only grows);
 * **residual decoding heads**: head k (1-based) reads ``f_{r-1}`` plus a correction from
   the two encodings and guesses ``x_{r+k}`` through the target's frozen LM head.
 
@@ -25,13 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..training.trainer import Batch, option
-from .base import Draft, DraftContext, EMPTY_DRAFT, register
-from .candidates import CombinationTree, TreeSettings
-from .feature_base import (
-    KV, Block, CommittedKV, FeatureDrafter, FeatureModule, FeatureTraining, ModuleConfig, WeightsSetting, as_int,
-    causal, heads_for, rank_hits,
-)
+from ..core.settings import option
+from .base import DraftContext, register
+from .candidates import TreeSettings
+from .nn import Block, CommittedRun, KVCache, ResidualBlock, causal, heads_for, inner_size
+from .trainable import Batch, LevelTrainOptions, TrainedTraining, check_inner_ratio, decayed_cross_entropy
+from .trained import ModuleConfig, TopKTreeDrafter, TrainedModule, WeightsSetting, at_least_one
 
 GRAMS = 3  # tokens the short-range encoder reads
 
@@ -45,20 +44,7 @@ class ChimeraConfig(ModuleConfig):
     num_heads: int = 4  # decoding heads: head k guesses the token k places after the root
 
 
-class ResidualHead(nn.Module):
-    """x + SiLU(Wx + b), zero-initialised (an untrained head changes nothing)."""
-
-    def __init__(self, size: int):
-        super().__init__()
-        self.linear = nn.Linear(size, size)
-        nn.init.zeros_(self.linear.weight)
-        nn.init.zeros_(self.linear.bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + F.silu(self.linear(x))
-
-
-class ChimeraModel(FeatureModule):
+class ChimeraModel(TrainedModule):
     Config = ChimeraConfig
     name = "chimera"
 
@@ -71,20 +57,24 @@ class ChimeraModel(FeatureModule):
         self.fuse = nn.Linear(2 * D, H)  # zero-initialised: untrained, head input = f_{r-1}
         nn.init.zeros_(self.fuse.weight)
         nn.init.zeros_(self.fuse.bias)
-        self.heads = nn.ModuleList(ResidualHead(H) for _ in range(config.num_heads))
+        self.heads = nn.ModuleList(ResidualBlock(H) for _ in range(config.num_heads))
 
     @classmethod
     def for_target(cls, target: PreTrainedModel, num_heads: int = 4, inner_ratio: float = 0.5) -> "ChimeraModel":
         sizes = cls.target_sizes(target)
-        inner = max(8, int(sizes["hidden_size"] * inner_ratio) // 8 * 8)
+        inner = inner_size(sizes["hidden_size"], inner_ratio)
         embed = int(target.get_input_embeddings().weight.shape[1])
         return cls(ChimeraConfig(**sizes, embed_size=embed, inner_size=inner, heads=heads_for(inner),
                                  num_heads=num_heads))
 
+    @property
+    def levels(self) -> int:
+        return self.config.num_heads
+
     def encode_context(self, features: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor | None,
-                       past: KV | None = None) -> tuple[torch.Tensor, KV]:
-        """[B, n, H] features -> [B, n, D] context encodings (and new keys/values)."""
-        return self.context(self.context_in(features), positions, visible, past)
+                       cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
+        """[B, n, H] features -> [B, n, D] context encodings (keys/values into ``cache`` at ``start``)."""
+        return self.context(self.context_in(features), positions, visible, cache, start)
 
     def head_inputs(self, feature: torch.Tensor, grams: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """feature [..., H] f_s; grams [..., 3, E] embeddings of x_{s-1}, x_s, x_{s+1};
@@ -94,6 +84,11 @@ class ChimeraModel(FeatureModule):
 
     def head_logits(self, inputs: torch.Tensor, k: int, lm_head: nn.Module) -> torch.Tensor:
         return lm_head(self.heads[k](inputs))
+
+    def all_logits(self, inputs: torch.Tensor, depth: int, lm_head: nn.Module) -> torch.Tensor:
+        """[H] -> [depth, V] logits of the first ``depth`` heads, in one LM-head product
+        (the vocabulary projection is most of the cost)."""
+        return lm_head(torch.stack([self.heads[k](inputs) for k in range(depth)]))
 
 
 def trigram_embeddings(embed: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -108,28 +103,21 @@ def trigram_embeddings(embed: nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 # ---- training (``hasten train chimera``) ------------------------------------------------------------
 @dataclass(frozen=True)
-class ChimeraTrainOptions:
+class ChimeraTrainOptions(LevelTrainOptions):  # decay: far heads matter less
     num_heads: int = option(4, "decoding heads: head k guesses the token k places after the root")
     inner_ratio: float = option(0.5, "width of the trigram and context encoders, relative to the hidden size")
-    decay: float = option(0.8, "loss weight of head k is decay**(k-1): far heads matter less")
 
     def __post_init__(self) -> None:
-        if self.num_heads < 1:
-            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
-        if not 0 < self.inner_ratio <= 4:
-            raise ValueError(f"inner_ratio must be in (0, 4], got {self.inner_ratio}")
-        if not 0 < self.decay <= 1:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        super().__post_init__()
+        at_least_one(self, "num_heads")
+        check_inner_ratio(self.inner_ratio)
 
 
-class ChimeraTraining(FeatureTraining):
+class ChimeraTraining(TrainedTraining):
     Options = ChimeraTrainOptions
 
     def build(self) -> ChimeraModel:
         return ChimeraModel.for_target(self.target, self.options.num_heads, self.options.inner_ratio)
-
-    def measured_levels(self, module: ChimeraModel) -> int:
-        return module.config.num_heads
 
     def loss(self, module: ChimeraModel, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Head k (0-based) at position s (reading f_s and x_{s-1}, x_s, x_{s+1}) against
@@ -138,22 +126,17 @@ class ChimeraTraining(FeatureTraining):
         features, ids = batch.hidden, batch.ids  # [B, T, H], [B, T]
         length = ids.shape[1]
         positions = torch.arange(length, device=ids.device).expand(len(ids), -1)
-        context, _ = module.encode_context(features, positions, causal(length, device=ids.device))
-        grams = trigram_embeddings(embed, ids)  # [B, T, 3, E]
-        inputs = module.head_inputs(features, grams, context)  # [B, T, H]
-        total, metrics = torch.zeros(()), {}
-        for k in range(module.config.num_heads):
-            shift = k + 2
-            if length <= shift:
-                break
-            keep = batch.label_mask[:, shift:]
-            labels = ids[:, shift:][keep]
-            if not len(labels):
-                continue
-            logits = module.head_logits(inputs[:, :-shift][keep], k, lm_head).float()  # [M, V]
-            total = total + self.options.decay**k * F.cross_entropy(logits, labels)
-            rank_hits(logits, labels, k + 1, metrics)
-        return total, metrics
+        context = module.encode_context(features, positions, causal(length, device=ids.device))
+        inputs = module.head_inputs(features, trigram_embeddings(embed, ids), context)  # [B, T, H]
+
+        def levels():
+            for k in range(min(module.config.num_heads, length - 2)):
+                shift = k + 2
+                keep = batch.label_mask[:, shift:]
+                yield k, module.head_logits(inputs[:, :-shift][keep], k, lm_head), ids[:, shift:][keep]
+
+        metrics: dict[str, float] = {}
+        return decayed_cross_entropy(levels(), self.options.decay, metrics), metrics
 
 
 # ---- the drafter -------------------------------------------------------------------------------------
@@ -162,42 +145,33 @@ class ChimeraSettings(TreeSettings, WeightsSetting):
     num_heads: int = 4  # for untrained weights only (trained ones bring their own count)
 
     def __post_init__(self) -> None:
-        TreeSettings.__post_init__(self)
-        WeightsSetting.__post_init__(self)
-        as_int(self, "num_heads", 1)
+        super().__post_init__()
+        at_least_one(self, "num_heads")
 
 
 @register
-class Chimera(FeatureDrafter):
+class Chimera(TopKTreeDrafter):
     name = "chimera"
     Settings = ChimeraSettings
     Module = ChimeraModel
     Training = ChimeraTraining  # how `hasten train chimera` builds, trains and saves the model
 
-    def untrained(self, model: PreTrainedModel) -> ChimeraModel:
-        return ChimeraModel.for_target(model, self.settings.num_heads)
+    untrained_sizes = ("num_heads",)
 
-    def setup(self, model: PreTrainedModel) -> None:
-        self._lm_head, self._embed = model.get_output_embeddings(), model.get_input_embeddings()
-        config = self.module.config
-        self._tree = CombinationTree.choose(self.settings, config.accuracy, config.num_heads)
+    def start(self, ctx: DraftContext) -> CommittedRun:
+        return CommittedRun()  # the context encoder over the committed features
 
-    def reset(self, ctx: DraftContext) -> None:
-        self._committed = CommittedKV()  # the context encoder's keys/values over committed features
-        self._context: torch.Tensor | None = None  # [D] encoding at the newest feature
+    def level_logits(self, ctx: DraftContext, depth: int) -> torch.Tensor | None:
+        features = ctx.features
+        if features is None or not len(features):  # no committed feature yet (one-token prompt)
+            return None
 
-    def draft(self, ctx: DraftContext) -> Draft:
-        fed, count = self._committed.length, len(self.record)
-        if count == 0:  # no committed feature yet (one-token prompt)
-            return EMPTY_DRAFT
-        device = self.record.features.device
-        if count > fed:  # encode the new committed features
-            features = self.record.features[fed:count][None]  # [1, new, H]
-            out = self._committed.run(lambda *args: self.module.encode_context(features, *args), count - fed, device)
-            self._context = out[0, -1]
+        def encode(start: int, end: int, *args) -> torch.Tensor:
+            return self.module.encode_context(features[start:end][None], *args, start)
+
+        context = ctx.state.catch_up(len(features), encode, features.device)  # [D] at the newest feature
         recent = ctx.tokens[-GRAMS:]
-        grams = self._embed(torch.tensor(recent, device=device))  # [<=3, E]
+        grams = self.embed(torch.tensor(recent, device=features.device))  # [<=3, E]
         grams = torch.cat([grams.new_zeros(GRAMS - len(recent), grams.shape[-1]), grams])  # zeros before the start
-        inputs = self.module.head_inputs(self.record.features[-1], grams, self._context)  # [H]
-        logits = torch.stack([self.module.head_logits(inputs, k, self._lm_head) for k in range(self._tree.depth)])
-        return Draft(self._tree.tokens(self._tree.ranked(logits)), self._tree.tree)
+        inputs = self.module.head_inputs(features[-1], grams, context)  # [H]
+        return self.module.all_logits(inputs, depth, self.lm_head)  # [depth, V]

@@ -12,38 +12,52 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from ..engine.sampling import sample
+from ..core.sampling import sample
+from ..core.settings import Settings
 from ..models.adapter import ModelAdapter, model_name, vocab_size
-from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, StepResult, register, settings_from
+from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, StepResult, register
 
 
 @dataclass(frozen=True)
-class DraftModelSettings:
+class DraftModelSettings(Settings):
     num_tokens: int = 5  # draft length (the starting length when adaptive)
     adaptive: bool = False  # grow by 2 after a fully accepted draft, shrink by 1 after a rejection
     max_tokens: int = 16  # ceiling for the adaptive length
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
         if self.max_tokens < self.num_tokens:
             raise ValueError(f"max_tokens ({self.max_tokens}) must be >= num_tokens ({self.num_tokens})")
 
 
+@dataclass
+class DraftState:
+    """One generation's draft cache. It holds the first ``committed`` committed tokens,
+    then ``drafted`` (the previous proposal but its last token, which was never fed);
+    nothing else is copied: the committed sequence is the loop's."""
+
+    adapter: ModelAdapter
+    committed: int
+    drafted: list[int]
+    length: int  # current draft length (changes when adaptive)
+
+
 @register
 class DraftModel(Drafter):
     name = "draft_model"
     Settings = DraftModelSettings
+    needs_draft_model = True
 
     def __init__(self, model: PreTrainedModel, settings: DraftModelSettings | None = None, **kwargs):
         if not isinstance(model, PreTrainedModel):
             raise TypeError(f"DraftModel needs a transformers PreTrainedModel, got {type(model).__name__}")
+        super().__init__(settings, **kwargs)
         self.model = model
-        self.settings = settings_from(DraftModelSettings, settings, kwargs)
-        self.length = self.settings.num_tokens
 
-    def begin(self, ctx: DraftContext) -> None:
-        target = ctx.target
+    def check_target(self, target: ModelAdapter) -> None:
+        super().check_target(target)
         if vocab_size(self.model) != target.vocab_size:
             raise ValueError(
                 f"draft model {model_name(self.model)!r} has a vocabulary of {vocab_size(self.model)} tokens, "
@@ -51,22 +65,27 @@ class DraftModel(Drafter):
             )
         if bool(self.model.config.is_encoder_decoder) != target.encoder_decoder:
             raise ValueError("draft model and target must both be causal LMs or both encoder-decoders")
-        self.length = self.settings.num_tokens
-        self._draft = ModelAdapter(self.model)
-        prompt = torch.tensor([ctx.source if target.encoder_decoder else ctx.tokens], dtype=torch.long)
-        self._cached = self._draft.start(prompt)[0][:-1]  # tokens whose KV the draft cache holds
+
+    def begin(self, ctx: DraftContext) -> DraftState:
+        adapter = ModelAdapter(self.model)
+        prompt = torch.tensor([ctx.source if ctx.target.encoder_decoder else ctx.tokens], dtype=torch.long)
+        cached = len(adapter.start(prompt)[0]) - 1  # the decoder-side tokens but the root
+        return DraftState(adapter, cached, [], self.settings.num_tokens)
 
     def propose(self, ctx: DraftContext) -> Draft:
-        count = min(self.length, ctx.max_depth)
+        state = ctx.state
+        count = min(state.length, ctx.max_depth)
         if count < 1:
             return EMPTY_DRAFT
         tokens = ctx.tokens
-        shared = _common_prefix(self._cached, tokens, limit=len(tokens) - 1)
-        self._draft.crop(shared)
+        # The cache is valid up to the committed tokens it holds plus the part of the last
+        # proposal the target accepted; everything after that is cropped.
+        shared = state.committed + _common_prefix(state.drafted, tokens, state.committed, len(tokens) - 1)
+        state.adapter.crop(shared)
         block = tokens[shared:]  # at least the root
         drafted, dists = [], []
         for _ in range(count):
-            logits = self._draft.forward(block, tree=None).logits[-1]  # [vocab]
+            logits = state.adapter.forward(block, tree=None).logits[-1]  # [vocab]
             if ctx.sampling.greedy:
                 token = int(logits.argmax())
             else:
@@ -75,22 +94,23 @@ class DraftModel(Drafter):
                 dists.append(q)
             drafted.append(token)
             block = [token]
-        # The last drafted token was never fed, so the cache ends one short of the draft.
-        self._cached = tokens + drafted[:-1]
+        state.committed, state.drafted = len(tokens), drafted[:-1]  # the last drafted token was never fed
         return Draft.chain(drafted, torch.stack(dists) if dists else None)
 
-    def observe(self, result: StepResult) -> None:
+    def observe(self, ctx: DraftContext, result: StepResult) -> None:
+        state = ctx.state
         if not self.settings.adaptive or result.drafted == 0:
             return
         if result.accepted == result.drafted:
-            self.length = min(self.length + 2, self.settings.max_tokens)
+            state.length = min(state.length + 2, self.settings.max_tokens)
         else:
-            self.length = max(1, self.length - 1)
+            state.length = max(1, state.length - 1)
 
 
-def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
-    n = min(len(a), len(b), limit)
+def _common_prefix(drafted: list[int], tokens: list[int], offset: int, limit: int) -> int:
+    """How many of ``drafted`` equal ``tokens[offset:]``, stopping at index ``limit``."""
+    n = max(0, min(len(drafted), limit - offset))
     for i in range(n):
-        if a[i] != b[i]:
+        if drafted[i] != tokens[offset + i]:
             return i
     return n

@@ -6,9 +6,11 @@ position t is ``fc(concat(f_t, embed(x_{t+1})))`` and its output guesses ``f_{t+
 which the target's frozen LM head turns into a guess of ``x_{t+2}``. Knowing the token
 that was actually sampled removes the uncertainty a feature alone would have.
 
-The layer keeps its own KV cache over the committed (feature, token) pairs; committed
-pairs never change, so that cache only grows. Drafting continues from the newest pair
-``(f_{r-1}, x_r)`` and feeds the layer its own predicted features deeper in the tree.
+The layer keeps its own KV cache (:class:`~.nn.KVCache`, per generation) over the
+committed (feature, token) pairs; committed pairs never change, so that part only grows.
+Drafting continues from the newest pair ``(f_{r-1}, x_r)`` and feeds the layer its own
+predicted features deeper in the tree; the tree's keys and values are scratch written
+past the committed ones, level after level, and forgotten at the next step.
 The tree is EAGLE-2's dynamic tree (:func:`~.candidates.dynamic_tree`): ``depth``
 levels, expanding the ``top_k`` most confident nodes of each level, then the
 ``total_tokens`` nodes of highest cumulative draft probability. Drafts are
@@ -28,13 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..training.trainer import Batch, option
+from ..core.settings import Settings, option
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
 from .candidates import GrowingTree, dynamic_tree
-from .feature_base import (
-    KV, Block, CommittedKV, FeatureDrafter, FeatureModule, FeatureTraining, ModuleConfig, WeightsSetting, as_int,
-    causal, heads_for, joined, valid_positions,
-)
+from .nn import Block, CommittedRun, KVCache, causal, heads_for
+from .trainable import Batch, TrainedTraining, valid_positions
+from .trained import ModuleConfig, TrainedDrafter, TrainedModule, WeightsSetting, at_least_one
 
 
 # ---- the layer ----------------------------------------------------------------------------------
@@ -45,19 +46,18 @@ class EagleConfig(ModuleConfig):
     mlp_size: int = 0
 
 
-class EagleLayer(FeatureModule):
+class EagleLayer(TrainedModule):
     Config = EagleConfig
     name = "eagle"
 
     def __init__(self, config: EagleConfig):
         super().__init__(config)
-        H = config.hidden_size
-        self.fc = nn.Linear(H + config.embed_size, H)
+        self.fc = nn.Linear(config.hidden_size + config.embed_size, config.hidden_size)
         with torch.no_grad():  # start from "the next feature is this one": fc passes f_t through
             self.fc.weight.zero_()
-            self.fc.weight[:, :H].copy_(torch.eye(H))
+            self.fc.weight[:, : config.hidden_size].copy_(torch.eye(config.hidden_size))
             self.fc.bias.zero_()
-        self.block = Block(H, config.heads, config.mlp_size)
+        self.block = Block(config.hidden_size, config.heads, config.mlp_size)
 
     @classmethod
     def for_target(cls, target: PreTrainedModel, mlp_ratio: int = 2) -> "EagleLayer":
@@ -67,28 +67,28 @@ class EagleLayer(FeatureModule):
         return cls(EagleConfig(**sizes, embed_size=int(embed), heads=heads_for(hidden), mlp_size=mlp_ratio * hidden))
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
-                visible: torch.Tensor | None, past: KV | None = None) -> tuple[torch.Tensor, KV]:
+                visible: torch.Tensor | None, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         """features: [B, n, H] f_t; token_embeds: [B, n, E] embed(x_{t+1}) -> guesses of
-        f_{t+1} [B, n, H] and the new keys/values."""
+        f_{t+1} [B, n, H]. With a cache, the n pairs' keys and values go into it at ``start``."""
         x = self.fc(torch.cat([features, token_embeds.to(features.dtype)], dim=-1))
-        return self.block(x, positions, visible, past)
+        return self.block(x, positions, visible, cache, start)
 
 
 # ---- training (``hasten train eagle``) -------------------------------------------------------------
 @dataclass(frozen=True)
-class EagleTrainOptions:
+class EagleTrainOptions(Settings):
     mlp_ratio: int = option(2, "MLP width of the layer, in multiples of the hidden size")
     ce_weight: float = option(0.1, "weight of the LM-head cross-entropy next to the feature regression")
     noise: float = option(0.2, "uniform noise on input features, relative to their RMS (robustness to drafts)")
 
     def __post_init__(self) -> None:
-        if self.mlp_ratio < 1:
-            raise ValueError(f"mlp_ratio must be >= 1, got {self.mlp_ratio}")
+        super().__post_init__()
+        at_least_one(self, "mlp_ratio")
         if self.ce_weight < 0 or self.noise < 0:
             raise ValueError("ce_weight and noise must be >= 0")
 
 
-class EagleTraining(FeatureTraining):
+class EagleTraining(TrainedTraining):
     Options = EagleTrainOptions
 
     def build(self) -> EagleLayer:
@@ -103,7 +103,7 @@ class EagleTraining(FeatureTraining):
             inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * self.options.noise * scale
         length = features.shape[1] - 1
         positions = torch.arange(length, device=features.device).expand(len(features), -1)
-        guess, _ = module(inputs, embed(batch.ids[:, 1:]), positions, causal(length, device=features.device))
+        guess = module(inputs, embed(batch.ids[:, 1:]), positions, causal(length, device=features.device))
         keep = valid_positions(batch)[:, 1:]  # guess at t is scored against f_{t+1}
         guess, truth = guess[keep], features[:, 1:][keep]  # [M, H]
         if not len(truth):
@@ -127,73 +127,61 @@ class EagleSettings(WeightsSetting):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("depth", "top_k", "total_tokens"):
-            as_int(self, name, 1)
+        at_least_one(self, "depth", "top_k", "total_tokens")
 
 
 @register
-class Eagle(FeatureDrafter):
+class Eagle(TrainedDrafter):
     name = "eagle"
     Settings = EagleSettings
     Module = EagleLayer
     Training = EagleTraining  # how `hasten train eagle` builds, trains and saves the layer
 
-    def untrained(self, model: PreTrainedModel) -> EagleLayer:
-        return EagleLayer.for_target(model)
-
-    def setup(self, model: PreTrainedModel) -> None:
-        self._lm_head, self._embed = model.get_output_embeddings(), model.get_input_embeddings()
-
-    def reset(self, ctx: DraftContext) -> None:
-        self._committed = CommittedKV()  # the layer's keys/values over the committed pairs
-        self._newest: torch.Tensor | None = None  # [H] the layer's guess of f_r
-
-    def _feed_committed(self, tokens: list[int]) -> None:
-        """Run the layer over the committed pairs (f_t, x_{t+1}) it has not seen yet."""
-        fed, count = self._committed.length, len(self.record)
-        if count == fed:
-            return
-        device = self.record.features.device
-        features = self.record.features[fed:count][None]  # [1, new, H]
-        embeds = self._embed(torch.tensor(tokens[fed + 1 : count + 1], device=device))[None]  # [1, new, E]
-        out = self._committed.run(lambda *args: self.module(features, embeds, *args), count - fed, device)
-        self._newest = out[0, -1]
+    def start(self, ctx: DraftContext) -> CommittedRun:
+        # the layer over the committed pairs; its cache then holds the current tree's nodes
+        return CommittedRun()
 
     def draft(self, ctx: DraftContext) -> Draft:
-        self._feed_committed(ctx.tokens)
-        if self._newest is None:  # no committed feature yet (one-token prompt)
+        state: CommittedRun = ctx.state
+        features, device = ctx.features, self.lm_head.weight.device
+
+        def pairs(start: int, end: int, *args) -> torch.Tensor:  # (f_t, x_{t+1}) for t in [start, end)
+            embeds = self.embed(torch.tensor(ctx.tokens[start + 1 : end + 1], device=device))[None]  # [1, new, E]
+            return self.module(features[start:end][None], embeds, *args, start)
+
+        newest = state.catch_up(0 if features is None else len(features), pairs, device)  # [H] guess of f_r
+        if newest is None:  # no committed feature yet (one-token prompt)
             return EMPTY_DRAFT
         s = self.settings
-        lm_head = self._lm_head
-        root_position = len(self.record)  # position r of the root; pair index of depth-1 nodes
-        committed = self._committed.length
-        tree_kv: list[KV] = []  # keys/values of the nodes fed so far, in feeding order
-        column: dict[int, int] = {}  # node -> its index in the fed columns
-        guesses: dict[int, torch.Tensor] = {-1: self._newest}  # node -> the layer's guess of the next feature
+        lm_head, cache = self.lm_head, state.cache
+        committed = cache.length  # == r, the root's position, and the pair index of depth-1 nodes
+        # node -> the tree columns it sees: its ancestors' and its own (indices among the
+        # tree's fed nodes, whose keys/values sit after the committed pairs)
+        sees: dict[int, list[int]] = {-1: []}
+        # The nodes expanded at one level are children of the nodes expanded at the level
+        # before, so their input features are rows of that level's output.
+        guesses, row_of = newest[None], {-1: 0}  # [n, H] the layer's guesses of the next features; node -> row
 
         def expand(nodes: list[int], grown: GrowingTree) -> torch.Tensor:
-            device = self._newest.device
-            features = torch.stack([guesses[grown.parents[n]] for n in nodes])[None]  # [1, n, H]
-            embeds = self._embed(torch.tensor([grown.tokens[n] for n in nodes], device=device))[None]
-            positions = torch.tensor([[root_position + grown.depths[n] - 1 for n in nodes]], device=device)
-            fed = len(column)
-            visible = torch.zeros(len(nodes), committed + fed + len(nodes), dtype=torch.bool, device=device)
-            visible[:, :committed] = True  # every committed pair
+            nonlocal guesses, row_of
+            n, fed = len(nodes), len(sees) - 1
+            features = guesses[[row_of[grown.parents[node]] for node in nodes]][None]  # [1, n, H]
+            ids = torch.tensor([[grown.tokens[node] for node in nodes],
+                                [committed + grown.depths[node] - 1 for node in nodes]], device=device)  # [2, n]
+            rows = []
             for row, node in enumerate(nodes):
-                ancestor = grown.parents[node]
-                while ancestor >= 0:  # the node's ancestors were all fed at earlier levels
-                    visible[row, committed + column[ancestor]] = True
-                    ancestor = grown.parents[ancestor]
-                visible[row, committed + fed + row] = True
-            past = joined([self._committed.kv, *tree_kv])
-            out, new_kv = self.module(features, embeds, positions, visible[None], past)  # [1, n, H]
-            tree_kv.append(new_kv)
-            for row, node in enumerate(nodes):
-                column[node] = fed + row
-                guesses[node] = out[0, row]
+                sees[node] = sees[grown.parents[node]] + [fed + row]
+                rows.append([False] * (fed + n))
+                for column in sees[node]:
+                    rows[-1][column] = True
+            visible = torch.ones(n, committed + fed + n, dtype=torch.bool, device=device)
+            visible[:, committed:] = torch.tensor(rows, device=device)  # every committed pair, then the path
+            # the level's keys/values go after the earlier levels', past the committed pairs
+            out = self.module(features, self.embed(ids[0])[None], ids[1:], visible[None], cache, committed + fed)
+            guesses, row_of = out[0], {node: row for row, node in enumerate(nodes)}
             return lm_head(out[0]).float().log_softmax(-1)  # [n, V]
 
-        first = lm_head(self._newest).float().log_softmax(-1)
+        first = lm_head(newest).float().log_softmax(-1)
         depth = min(s.depth, ctx.max_depth)
         tokens, tree = dynamic_tree(first, expand, depth, s.top_k, s.total_tokens)
         return Draft(tokens, tree)

@@ -15,12 +15,13 @@ import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register, settings_from
-from ..engine.tree import TokenTree
+from ..core.settings import Settings
+from ..core.tree import TokenTree
+from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
 
 
 @dataclass(frozen=True)
-class LookaheadSettings:
+class LookaheadSettings(Settings):
     draft_tokens: int = 12  # tree nodes verified per step
     branch_length: int = 6  # deepest draft node
     max_prefix: int = 3  # longest suffix used to find the subtree
@@ -28,6 +29,7 @@ class LookaheadSettings:
     corpus: str | None = None  # optional text file whose n-grams seed the trie
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("draft_tokens", "branch_length", "min_prefix"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -57,8 +59,9 @@ class NgramTrie:
         self.root = _Node()
         self.window = window
         self._open: list[tuple[_Node, int]] = []  # (end node, depth) of windows still growing
+        self.fed = 0  # tokens of the committed sequence fed so far (the corpus and source excluded)
 
-    def feed(self, tokens: list[int]) -> None:
+    def feed(self, tokens) -> None:
         for token in tokens:
             # every open window grows by this token, and a new window starts at it
             grown = [(node.child(token), depth + 1) for node, depth in self._open]
@@ -99,32 +102,27 @@ class Lookahead(Drafter):
     name = "lookahead"
     Settings = LookaheadSettings
 
-    def __init__(self, settings: LookaheadSettings | None = None, **kwargs):
-        self.settings = settings_from(LookaheadSettings, settings, kwargs)
-
-    def begin(self, ctx: DraftContext) -> None:
+    def begin(self, ctx: DraftContext) -> NgramTrie:
         s = self.settings
-        self._trie = NgramTrie(s.max_prefix + s.branch_length)
+        trie = NgramTrie(s.max_prefix + s.branch_length)
         if s.corpus:
-            self._trie.feed(list(_corpus_ids(s.corpus, ctx.target.model.config._name_or_path)))
-            self._trie.close()
+            trie.feed(_corpus_ids(s.corpus, ctx.target.model.config._name_or_path))
+            trie.close()
         if ctx.source:
-            self._trie.feed(ctx.source)
-            self._trie.close()
-        self._fed = 0
+            trie.feed(ctx.source)
+            trie.close()
+        return trie
 
     def propose(self, ctx: DraftContext) -> Draft:
-        s = self.settings
-        self._trie.feed(ctx.tokens[self._fed :])
-        self._fed = len(ctx.tokens)
+        s, trie = self.settings, ctx.state
+        trie.feed(ctx.tokens[trie.fed :])
+        trie.fed = len(ctx.tokens)
         depth_limit = min(s.branch_length, ctx.max_depth)
         if depth_limit < 1:
             return EMPTY_DRAFT
         for length in range(min(s.max_prefix, len(ctx.tokens)), s.min_prefix - 1, -1):
-            anchor = self._trie.find(ctx.tokens[-length:])
+            anchor = trie.find(ctx.tokens[-length:])
             if anchor is not None and anchor.children:
-                if ctx.target.encoder_decoder:  # seq2seq adapters verify chains only
-                    return _best_chain(anchor, depth_limit)
                 return _best_first(anchor, s.draft_tokens, depth_limit)
         return EMPTY_DRAFT
 
@@ -148,12 +146,3 @@ def _best_first(anchor: _Node, budget: int, depth_limit: int) -> Draft:
                 heapq.heappush(heap, (-child.count, order, index, child_token, child, depth + 1))
                 order += 1
     return Draft(tuple(tokens), TokenTree(tuple(parents)))
-
-
-def _best_chain(anchor: _Node, depth_limit: int) -> Draft:
-    """The single most frequent branch under ``anchor``."""
-    tokens, node = [], anchor
-    while node.children and len(tokens) < depth_limit:
-        token, node = max(node.children.items(), key=lambda item: item[1].count)
-        tokens.append(token)
-    return Draft.chain(tokens)

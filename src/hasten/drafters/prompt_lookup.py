@@ -13,16 +13,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register, settings_from
+from ..core.settings import Settings
+from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
 
 
 @dataclass(frozen=True)
-class PromptLookupSettings:
+class PromptLookupSettings(Settings):
     max_ngram: int = 3  # longest suffix tried first
     min_ngram: int = 1  # shortest suffix accepted as a match
     num_tokens: int = 10  # tokens copied after the match
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.min_ngram < 1:
             raise ValueError(f"min_ngram must be >= 1, got {self.min_ngram}")
         if self.max_ngram < self.min_ngram:
@@ -51,24 +53,32 @@ class NgramIndex:
         return self.tables[len(suffix)].get(suffix)
 
 
+@dataclass
+class LookupState:
+    """One generation's n-gram tables: of the committed tokens, and of the encoder input."""
+
+    history: NgramIndex
+    source: NgramIndex
+    source_tokens: list[int]
+
+
 @register
 class PromptLookup(Drafter):
     name = "prompt_lookup"
     Settings = PromptLookupSettings
 
     def __init__(self, settings: PromptLookupSettings | None = None, **kwargs):
-        self.settings = settings_from(PromptLookupSettings, settings, kwargs)
+        super().__init__(settings, **kwargs)
         self._sizes = range(self.settings.max_ngram, self.settings.min_ngram - 1, -1)  # longest first
 
-    def begin(self, ctx: DraftContext) -> None:
-        self._history = NgramIndex(self._sizes)
-        self._source = NgramIndex(self._sizes)
-        self._source_tokens = list(ctx.source or [])
-        self._source.extend(self._source_tokens)
+    def begin(self, ctx: DraftContext) -> "LookupState":
+        state = LookupState(NgramIndex(self._sizes), NgramIndex(self._sizes), ctx.source or [])
+        state.source.extend(state.source_tokens)
+        return state
 
     def propose(self, ctx: DraftContext) -> Draft:
-        tokens = ctx.tokens
-        self._history.extend(tokens)
+        tokens, state = ctx.tokens, ctx.state
+        state.history.extend(tokens)
         count = min(self.settings.num_tokens, ctx.max_depth)
         if count < 1:
             return EMPTY_DRAFT
@@ -76,13 +86,13 @@ class PromptLookup(Drafter):
             if n > len(tokens):
                 continue
             suffix = tuple(tokens[-n:])
-            end = self._history.find(suffix)
+            end = state.history.find(suffix)
             if end is not None:
                 # The latest match may overlap the suffix (a repeating stretch): the text
                 # then continues with period len(tokens) - end - 1, so copy cyclically.
                 period = len(tokens) - end - 1
                 return Draft.chain(tokens[end + 1 + i % period] for i in range(count))
-            end = self._source.find(suffix)
+            end = state.source.find(suffix)
             if end is not None:
-                return Draft.chain(self._source_tokens[end + 1 : end + 1 + count])
+                return Draft.chain(state.source_tokens[end + 1 : end + 1 + count])
         return EMPTY_DRAFT

@@ -13,11 +13,13 @@ from typing import Iterator
 import torch
 from transformers import PreTrainedModel
 
-from ..drafters.base import EMPTY_DRAFT, DraftContext, Drafter, StepResult
-from ..models.adapter import ModelAdapter, decoder_start_token, vocab_size
-from .sampling import Sampling
-from .stats import DecodeStats
-from .verify import accept_greedy, accept_sampling
+from ..core.sampling import Sampling
+from ..core.state import GrowingBuffer
+from ..core.stats import DecodeStats
+from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult
+from ..models.adapter import ModelAdapter, decoder_start_token
+from .inputs import check_inputs, eos_ids
+from .verify import Acceptance, acceptance_rule
 
 
 @dataclass
@@ -35,17 +37,28 @@ def decode(
     eos_token_ids: frozenset[int],
     generator: torch.Generator | None,
     stats: DecodeStats,
-    lossy_acceptance=None,
+    acceptance: Acceptance,
 ) -> Iterator[list[int]]:
-    """Yield each step's committed tokens. Inputs are assumed validated (see generate)."""
+    """Yield each step's committed tokens. Inputs are assumed validated (see generate).
+
+    This loop owns the committed state: ``tokens`` (host list) and, for drafters that
+    read them, the target's features (a doubling buffer). Drafters get read access through
+    the :class:`DraftContext` and keep per-generation state in ``ctx.state``.
+    """
     target = ModelAdapter(model)
-    clock = time.perf_counter()
-    want_hidden = drafter is not None and drafter.needs_hidden
-    tokens, hidden = target.start(input_ids, hidden=want_hidden)
-    source = input_ids[0].tolist() if target.encoder_decoder else None
-    ctx = DraftContext(tokens, 0, sampling, generator, target, source, hidden)
     if drafter is not None:
-        drafter.begin(ctx)
+        drafter.check_target(target)
+    clock = time.perf_counter()
+    want_features = drafter is not None and drafter.needs_features
+    tokens, prefilled = target.start(input_ids, hidden=want_features)
+    features = GrowingBuffer() if want_features else None
+    if prefilled is not None:
+        features.extend(prefilled)
+    source = input_ids[0].tolist() if target.encoder_decoder else None
+    ctx = DraftContext(tokens, 0, sampling, generator, target, source, features)
+    fit = Draft.limit_depth if target.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
+    if drafter is not None:
+        ctx.state = drafter.begin(ctx)
     stats.prefill_seconds += time.perf_counter() - clock
 
     produced = 0
@@ -55,20 +68,17 @@ def decode(
         draft = EMPTY_DRAFT
         if drafter is not None and budget > 1:
             ctx.max_depth = budget - 1  # the bonus token needs the last slot
-            draft = drafter.propose(ctx).limit_depth(budget - 1)
+            draft = fit(drafter.propose(ctx), budget - 1)
         drafted_at = time.perf_counter()
 
         start = target.cache_length  # == len(tokens) - 1
-        out = target.forward([tokens[-1], *draft.tokens], draft.tree, want_hidden)  # logits: [1 + nodes, vocab]
-        if lossy_acceptance is not None:
-            verdict = lossy_acceptance.accept(draft.tree, list(draft.tokens), out.logits, sampling, generator)
-        elif sampling.greedy:
-            verdict = accept_greedy(draft.tree, list(draft.tokens), out.logits.argmax(-1).tolist())
-        else:
-            verdict = accept_sampling(draft.tree, list(draft.tokens), sampling.probs(out.logits), draft.probs, generator)
+        block = [tokens[-1], *draft.tokens]
+        out = target.forward(block, draft.tree, want_features, riders=draft.riders)  # logits: [1 + nodes, vocab]
+        verdict = acceptance.verify(draft.tree, draft.tokens, out.logits, draft.probs, sampling, generator)
         target.commit(start, draft.tree, verdict.accepted)
-        if want_hidden:  # the root and the accepted nodes are what the cache gained
-            ctx.hidden = out.hidden[[0, *(node + 1 for node in verdict.accepted)]]
+        kept_blocks = [0, *(node + 1 for node in verdict.accepted)]  # the root and the accepted path
+        if features is not None:
+            features.extend(out.hidden[kept_blocks])
 
         new = [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]
         new = new[:budget]
@@ -79,51 +89,18 @@ def decode(
         produced += len(new)
         if target.cache_length > len(tokens) - 1:  # a stop rule cut inside the accepted path
             target.crop(len(tokens) - 1)
+            if features is not None:
+                features.truncate(len(tokens) - 1)
         stats.draft_seconds += drafted_at - clock
         stats.verify_seconds += time.perf_counter() - drafted_at
         max_depth = max(draft.tree.depths, default=0)
         stats.record(max_depth, len(draft), len(verdict.accepted), len(new))
         if drafter is not None:
-            drafter.observe(StepResult(len(draft), len(verdict.accepted), max_depth))
+            riders = None if out.riders is None else out.riders[kept_blocks[-1]]
+            drafter.observe(ctx, StepResult(len(draft), len(verdict.accepted), max_depth, riders))
         yield new
         if stop is not None:
             return
-
-
-def check_inputs(model, input_ids, drafter, max_new_tokens, generator) -> None:
-    if not isinstance(model, PreTrainedModel):
-        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
-        raise TypeError("input_ids must be a torch.LongTensor of shape [1, T]")
-    if input_ids.ndim != 2:
-        raise ValueError(f"input_ids must have shape [1, T], got {list(input_ids.shape)}")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids has a batch of {input_ids.shape[0]} rows; hasten decodes one sequence at a time")
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids is empty: the prompt needs at least one token")
-    vocab = vocab_size(model)
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if low < 0 or high >= vocab:
-        bad = low if low < 0 else high
-        raise ValueError(f"input_ids contains token id {bad}, outside the model's vocabulary [0, {vocab})")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
-    if drafter is not None and not isinstance(drafter, Drafter):
-        raise TypeError(f"drafter must be a hasten Drafter or None, got {type(drafter).__name__}")
-    if generator is not None and not isinstance(generator, torch.Generator):
-        raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-
-
-def eos_ids(model: PreTrainedModel, eos_token_id) -> frozenset[int]:
-    """None means the model's own generation config, as in Hugging Face generate."""
-    if eos_token_id is None:
-        eos_token_id = getattr(model.generation_config, "eos_token_id", None)
-    if eos_token_id is None:
-        return frozenset()
-    ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
-    if not isinstance(ids, (list, tuple, set, frozenset)) or not all(isinstance(t, int) for t in ids):
-        raise TypeError(f"eos_token_id must be an int, a list of ints or None, got {eos_token_id!r}")
-    return frozenset(ids)
 
 
 def generate(
@@ -137,7 +114,7 @@ def generate(
     top_p: float | None = None,
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
-    lossy_acceptance=None,
+    lossy_acceptance: Acceptance | None = None,
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
 
@@ -150,12 +127,9 @@ def generate(
     check_inputs(model, input_ids, drafter, max_new_tokens, generator)
     stats = DecodeStats()
     eos = eos_ids(model, eos_token_id)
+    acceptance = acceptance_rule(sampling, lossy_acceptance)
     new: list[int] = []
-    if lossy_acceptance is not None and getattr(lossy_acceptance, "lossless", True):
-        raise TypeError("lossy_acceptance must be a lossy rule from hasten.approx, e.g. TypicalAcceptance()")
-    if lossy_acceptance is not None and sampling.greedy:
-        raise ValueError("lossy_acceptance is a sampling mode (temperature > 0); greedy decoding is already exact")
-    for piece in decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, lossy_acceptance):
+    for piece in decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance):
         new.extend(piece)
     head = [decoder_start_token(model)] if model.config.is_encoder_decoder else input_ids[0].tolist()
     return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats)

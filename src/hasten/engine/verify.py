@@ -1,4 +1,4 @@
-"""The one verifier: acceptance rules as pure functions.
+"""The one verifier: acceptance rules, chosen once per generation, run on the logits' device.
 
 Vocabulary used across hasten:
 
@@ -13,17 +13,30 @@ Vocabulary used across hasten:
 draft distribution a token was sampled from. A drafter that returns no ``q`` is
 deterministic: its proposal is a point mass, accepted with probability ``p(x)``.
 
-Both rules walk the tree from the root. Block index ``b`` = node index + 1, with the
-root at block index 0 (see :mod:`hasten.engine.tree`).
+Block index ``b`` = node index + 1, with the root at block index 0 (see
+:mod:`hasten.core.tree`).
+
+Speculative sampling as the walk reads (Leviathan et al. 2023; Chen et al. 2023; SpecInfer-
+style recursive rejection over siblings): from the root, try the children of the current
+node in order; take the first accepted one and go on from it; when every child is rejected
+(or there is none) draw the next token from what is left of that node's ``p``. Whether a
+child would be accepted depends only on its parent's row of ``p`` (and its own ``q``), on
+its earlier siblings and on its own uniform, never on the path the walk took. So the
+device tests every node at once, finds the walk's path with an ancestor mask, draws the
+next token from the end node's row selected by device-side indexing, and hands path and
+token to the host in one transfer.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
-from .sampling import sample
-from .tree import TokenTree
+from ..core.sampling import check_generator, draw, uniforms
+from ..core.tree import TokenTree
+
+_EMPTY_RESIDUAL = 1e-6  # a residual this light is p == q (or all mass drafted) up to rounding
 
 
 @dataclass(frozen=True)
@@ -32,7 +45,71 @@ class Verdict:
     next_token: int  # the bonus token, or the recovered token after a rejection
 
 
-def accept_greedy(tree: TokenTree, draft: list[int], target_argmax: list[int]) -> Verdict:
+def check_draft(tokens, vocab: int) -> None:
+    """Draft ids must index the vocabulary: a negative id would be read from the end."""
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+        bad = next(t for t in tokens if not 0 <= t < vocab)
+        raise ValueError(f"draft token id {bad} is outside the vocabulary [0, {vocab})")
+
+
+# ---- one tree's index tensors, built once per (tree, device) ----------------------------------
+@dataclass(frozen=True)
+class TreeIndex:
+    parent_block: torch.Tensor  # [n] long: block index of each node's parent (0: the root)
+    node: torch.Tensor  # [n] long: 0 .. n - 1
+    block: torch.Tensor  # [n] long: each node's own block index (node + 1)
+    depth: torch.Tensor  # [n] long: 1 for a child of the root
+    only_child: torch.Tensor  # [n] bool: the node has no siblings
+    earlier_siblings: torch.Tensor  # [n, n] bool: [j, i] node i shares j's parent and comes before j
+    earlier_siblings_f: torch.Tensor  # [n, n] float32, the same (counts by matrix product)
+    ancestry: torch.Tensor  # [n, n] bool: [j, i] node i is j or one of j's ancestors
+    ancestry_f: torch.Tensor  # [n, n] float32, the same
+    lone_child_of: torch.Tensor  # [n + 1] long: block b's only child node (0 where b has none or several)
+    has_lone_child: torch.Tensor  # [n + 1] float32: 1 where block b has exactly one child
+    first_leaf: torch.Tensor  # [n] long: position in tree.leaf_paths of the first leaf path through the node
+    no_siblings: bool  # every node is an only child (a chain, or a tree of single branches)
+
+
+@lru_cache(maxsize=256)
+def tree_index(tree: TokenTree, device: torch.device) -> TreeIndex:
+    """Trees are values: an equal tree (Medusa's fixed tree, a chain of the same length)
+    finds its tensors here already on the device."""
+    n = len(tree)
+    parent_block = torch.tensor(tree.parents, dtype=torch.long) + 1  # [n]
+    children = torch.bincount(parent_block, minlength=n + 1)  # [n + 1]
+    same_parent = parent_block[:, None] == parent_block[None, :]  # [n, n]
+    earlier = same_parent & torch.ones(n, n, dtype=torch.bool).tril(-1)
+    lone = children == 1  # [n + 1]
+    lone_child_of = torch.zeros(n + 1, dtype=torch.long)
+    lone_child_of[parent_block[lone[parent_block]]] = torch.arange(n)[lone[parent_block]]
+    first_leaf = torch.full((n,), len(tree.leaf_paths), dtype=torch.long)
+    for position, path in reversed(list(enumerate(tree.leaf_paths))):
+        first_leaf[path] = position
+    ancestry = tree.block_mask[1:, 1:].clone()
+    tensors = dict(
+        parent_block=parent_block,
+        node=torch.arange(n),
+        block=torch.arange(1, n + 1),
+        depth=torch.tensor(tree.depths, dtype=torch.long),
+        only_child=lone[parent_block],
+        earlier_siblings=earlier,
+        earlier_siblings_f=earlier.float(),
+        ancestry=ancestry,
+        ancestry_f=ancestry.float(),
+        lone_child_of=lone_child_of,
+        has_lone_child=lone.float(),
+        first_leaf=first_leaf,
+    )
+    return TreeIndex(**{name: value.to(device) for name, value in tensors.items()}, no_siblings=bool(lone[parent_block].all()))
+
+
+def draft_tensor(tokens, device: torch.device) -> torch.Tensor:
+    """[n] long draft ids on ``device`` (a host-to-device copy; nothing comes back)."""
+    return torch.tensor(tokens, dtype=torch.long).to(device, non_blocking=True)
+
+
+# ---- greedy ----------------------------------------------------------------------------------
+def accept_greedy(tree: TokenTree, draft, target_argmax: list[int]) -> Verdict:
     """Longest path whose every token equals the target's argmax after its parent.
 
     target_argmax: [n + 1] argmax of the target at each block index.
@@ -46,49 +123,128 @@ def accept_greedy(tree: TokenTree, draft: list[int], target_argmax: list[int]) -
         path.append(node)
 
 
+# ---- speculative sampling ----------------------------------------------------------------------
 def accept_sampling(
     tree: TokenTree,
-    draft: list[int],
+    draft,
     p: torch.Tensor,  # [n + 1, vocab] target distribution at each block index
     q: torch.Tensor | None,  # [n, vocab] distribution node i was drawn from, or None (point masses)
     generator: torch.Generator | None,
 ) -> Verdict:
-    """Speculative sampling over a tree (Leviathan et al. 2023; Chen et al. 2023 for a
-    chain; SpecInfer-style recursive rejection over siblings for a tree).
+    """Speculative sampling over a tree, on ``p``'s device, with one host transfer.
 
-    At each node the children are tried in order against the residual distribution.
-    A lone child with a ``q`` uses ``min(1, p(x)/q(x))`` and, if rejected, the residual
-    ``max(p - q, 0)``. Siblings (or any child without ``q``) are treated as point
-    masses: accept with the residual's ``p(x)``, else zero ``x`` out and renormalise.
-    Both keep the output distributed exactly as ``p``.
+    A lone child with a ``q`` is accepted with probability ``min(1, p(x)/q(x))`` and, if
+    rejected, leaves the residual ``max(p - q, 0)``. Siblings (or any child without ``q``)
+    are point masses tried in order: child j is accepted with probability
+    ``p(x_j) / (1 - p(earlier siblings' tokens))``, a repeat of an earlier sibling's token
+    never; once all are rejected, their tokens are zeroed out of ``p``. Either way the
+    output is distributed exactly as ``p``.
     """
-    node, path = -1, []
-    while True:
-        residual = p[node + 1]
-        kids = tree.children[node + 1]
-        chosen = None
-        for child in kids:
-            token = draft[child]
-            uniform = float(torch.rand((), generator=generator))
-            if q is not None and len(kids) == 1:
-                q_child = q[child]
-                if uniform * float(q_child[token]) < float(residual[token]):
-                    chosen = child
-                    break
-                residual = _normalised(torch.clamp(residual - q_child, min=0), fallback=residual)
-            else:
-                if uniform < float(residual[token]):
-                    chosen = child
-                    break
-                residual = _normalised(residual.clone().index_fill_(0, torch.tensor([token]), 0.0), fallback=residual)
-        if chosen is None:
-            return Verdict(tuple(path), sample(residual, generator))
-        path.append(chosen)
-        node = chosen
+    draft = tuple(draft)
+    n, vocab = len(draft), p.shape[-1]
+    check_draft(draft, vocab)
+    if len(tree) != n:
+        raise ValueError(f"{n} draft tokens for a tree of {len(tree)} nodes")
+    if q is not None:
+        if tuple(q.shape) != (n, vocab):
+            raise ValueError(f"q must be [{n}, {vocab}] (one row per draft node), got {list(q.shape)}")
+        q = q.to(p.device, torch.float32)
+    randoms = uniforms(n + 1, generator, p.device)  # [n + 1] one test per node, then the final draw
+    if n == 0:  # plain decoding
+        return Verdict((), int(draw(p[:1], randoms)[0]))
+    index = tree_index(tree, p.device)
+    tokens = draft_tensor(draft, p.device)  # [n]
+    tests = randoms[:n]
+    p_draft = p[index.parent_block, tokens]  # [n] p of each draft token after its parent
+    accept = _point_mass_tests(index, tokens, p_draft, tests) if q is None else None
+    if q is not None:
+        ratio = tests * q[index.node, tokens] < p_draft  # u < p/q, without dividing by a zero q
+        accept = ratio if index.no_siblings else torch.where(
+            index.only_child, ratio, _point_mass_tests(index, tokens, p_draft, tests))
+    end_block = _walk(index, accept)
+    law = _end_distribution(index, tokens, p, q, end_block)  # [vocab]
+    token = draw(law[None], randoms[n:])  # [1]
+    end, token = torch.stack([end_block, token[0]]).tolist()  # the step's one device-to-host transfer
+    return Verdict(tuple(tree.ancestors(end - 1)), token)
 
 
-def _normalised(weights: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    # A rejection can only happen where the residual has mass; an all-zero residual is a
-    # floating-point corner (p == q up to rounding) and p itself is then the right law.
-    total = float(weights.sum())
-    return weights / total if total > 1e-12 else fallback
+def _point_mass_tests(index: TreeIndex, tokens, p_draft, tests) -> torch.Tensor:
+    """[n] bool: would node j, as a point mass, be accepted if the walk tried it (parent
+    taken, every earlier sibling rejected)? Its residual is p with the earlier siblings'
+    tokens zeroed out, so the test is u * (1 - their mass) < p(x_j)."""
+    if index.no_siblings:
+        return tests < p_draft
+    # an earlier sibling with the same token already zeroed it out of the residual: never accept
+    repeated = (index.earlier_siblings & (tokens[:, None] == tokens[None, :])).any(-1)  # [n]
+    fresh = p_draft.masked_fill(repeated, 0.0)  # [n] each distinct token's mass once
+    left = 1 - index.earlier_siblings_f @ fresh  # [n] mass not yet taken by rejected earlier siblings
+    return tests * left.clamp_min(0.0) < fresh
+
+
+def _walk(index: TreeIndex, accept: torch.Tensor) -> torch.Tensor:
+    """0-dim long: block index where the walk stops (0: the root). The walk takes each
+    node's first accepted child, so a node is on its path when it and every ancestor were
+    accepted with no accepted earlier sibling; the path is a chain, so its deepest node has
+    the largest index."""
+    taken = accept.float()  # [n]
+    if not index.no_siblings:
+        taken = taken * (index.earlier_siblings_f @ taken == 0)
+    on_path = index.ancestry_f @ (1 - taken) == 0  # [n] no ancestor (or itself) left untaken
+    return (on_path * index.block).max()
+
+
+def _end_distribution(index: TreeIndex, tokens, p, q, end_block) -> torch.Tensor:
+    """[vocab] weights of the next token at ``end_block`` (0-dim tensor): ``p`` there minus
+    what its rejected children took (``q`` of a lone child, or the point-mass tokens). A
+    leaf has no children, so this is ``p``: the bonus token."""
+    at_end = end_block.view(1)  # [1] device-side indexing: no host sync
+    p_end = p.index_select(0, at_end)[0]  # [vocab]
+    residual = p_end
+    if q is None or not index.no_siblings:  # some children may be point masses
+        rejected = index.parent_block == end_block  # [n] every child of the end was rejected
+        if q is not None:
+            rejected = rejected & ~index.only_child  # a lone child with q leaves max(p - q, 0) instead
+        removed = torch.zeros_like(p_end).index_add_(0, tokens, rejected.float())  # [vocab] > 0 on rejected tokens
+        residual = residual.masked_fill(removed > 0, 0.0)
+    if q is not None:
+        q_lone = q.index_select(0, index.lone_child_of.index_select(0, at_end))[0]  # [vocab]
+        residual = (residual - q_lone * index.has_lone_child.index_select(0, at_end)).clamp_min(0.0)
+    return torch.where(residual.sum() > _EMPTY_RESIDUAL, residual, p_end)
+
+
+# ---- rules as objects, chosen once per generation ---------------------------------------------
+class Acceptance:
+    """An acceptance rule. ``lossless`` rules keep the contract; the loop picks one rule
+    before the first step (:func:`acceptance_rule`) and never branches per step."""
+
+    lossless = True
+
+    def verify(self, tree: TokenTree, tokens: tuple[int, ...], logits: torch.Tensor, q: torch.Tensor | None,
+               sampling, generator: torch.Generator | None) -> Verdict:
+        """logits: [n + 1, vocab] target logits at each block index; q: [n, vocab] or None."""
+        raise NotImplementedError
+
+
+class GreedyAcceptance(Acceptance):
+    def verify(self, tree, tokens, logits, q, sampling, generator) -> Verdict:
+        check_draft(tokens, logits.shape[-1])
+        return accept_greedy(tree, tokens, logits.argmax(-1).tolist())  # one transfer: [n + 1] ids
+
+
+class SpeculativeSampling(Acceptance):
+    def verify(self, tree, tokens, logits, q, sampling, generator) -> Verdict:
+        check_draft(tokens, logits.shape[-1])  # before any work on the device
+        check_generator(generator, logits.device)
+        return accept_sampling(tree, tokens, sampling.probs(logits), q, generator)
+
+
+def acceptance_rule(sampling, lossy: Acceptance | None = None) -> Acceptance:
+    """The exact rule for ``sampling`` (greedy or speculative sampling), or the lossy rule
+    the user asked for by name (sampling only: greedy decoding is already exact)."""
+    if lossy is not None:
+        if not isinstance(lossy, Acceptance) or lossy.lossless:
+            raise TypeError("lossy_acceptance must be a lossy rule from hasten.approx, e.g. TypicalAcceptance()")
+        if sampling.greedy:
+            raise ValueError("lossy_acceptance is a sampling mode (temperature > 0); greedy decoding is already exact")
+        return lossy
+    return GreedyAcceptance() if sampling.greedy else SpeculativeSampling()

@@ -11,27 +11,39 @@ newest one, the *root*, which is fed at the start of the next block.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import PreTrainedModel
 
-from ..engine import cache as kv
-from ..engine.tree import TokenTree
+from . import cache as kv
+from .layers import attention_mask, forward_with_placeholders, model_name  # model_name: also imported from here
+from ..core.tree import TokenTree
+
+
+@dataclass(frozen=True)
+class Riders:
+    """Placeholder positions riding on a verification forward (hidden transfer): ``count``
+    of them after every block position ``b``, in causal order, seeing what ``b`` sees plus
+    ``b`` itself; their input to decoder layer ``layer`` is ``transfer(h_b)``, ``h_b`` being
+    ``b``'s input to that layer. Real tokens never see them, so verification is unchanged,
+    and their cache entries are dropped with the rejected nodes."""
+
+    count: int
+    layer: int
+    transfer: Callable[[torch.Tensor], torch.Tensor]  # [..., hidden] -> [..., count, hidden]
 
 
 @dataclass
 class ForwardOutput:
     logits: torch.Tensor  # [block, vocab] float32
     hidden: torch.Tensor | None  # [block, hidden] last layer, when asked for
+    riders: torch.Tensor | None = None  # [block, count, vocab] rider logits, when riders were given
 
 
 def vocab_size(model: PreTrainedModel) -> int:
     head = model.get_output_embeddings()
     return int(head.weight.shape[0]) if head is not None else int(model.config.get_text_config().vocab_size)
-
-
-def model_name(model: PreTrainedModel) -> str:
-    return getattr(model.config, "_name_or_path", "") or type(model).__name__
 
 
 def decoder_start_token(model: PreTrainedModel) -> int:
@@ -41,28 +53,6 @@ def decoder_start_token(model: PreTrainedModel) -> int:
     if start is None:
         raise ValueError(f"model {model_name(model)!r} has no decoder_start_token_id")
     return int(start)
-
-
-def attention_mask(model: PreTrainedModel, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
-    """[B, Q, K] bool (query may see key), [B, Q] and [B, K] positions -> the 4D additive
-    mask(s) Hugging Face models take. Sliding-window layers also hide keys a window or more
-    behind the query, measured in positions (tree depth), not block indices; models mixing
-    layer kinds get one mask per kind."""
-    config = model.config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-
-    def additive(mask: torch.Tensor) -> torch.Tensor:  # [B, 1, Q, K]
-        low = torch.finfo(model.dtype).min
-        return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, low)[:, None]
-
-    if window is None or "sliding_attention" not in kinds:
-        return additive(allowed)
-    near = key_pos[:, None, :].to(allowed.device) > query_pos[:, :, None].to(allowed.device) - window
-    sliding = additive(allowed & near)
-    if kinds == {"sliding_attention"}:
-        return sliding
-    return {"full_attention": additive(allowed), "sliding_attention": sliding}
 
 
 class ModelAdapter:
@@ -104,11 +94,16 @@ class ModelAdapter:
 
     @torch.no_grad()
     def forward(
-        self, block: list[int], tree: TokenTree | None, hidden: bool = False, logits_to_keep: int = 0
+        self, block: list[int], tree: TokenTree | None, hidden: bool = False, logits_to_keep: int = 0,
+        riders: Riders | None = None,
     ) -> ForwardOutput:
         """Run ``block`` after the cached tokens. ``tree`` describes block[1:] hanging off
         block[0]; ``None`` or a chain means plain causal order. ``logits_to_keep=k`` keeps
-        only the last k positions' logits (a prefill needs none of them)."""
+        only the last k positions' logits (a prefill needs none of them). ``riders`` add
+        placeholder positions after every block position (see :class:`Riders`); their
+        logits come back in ``ForwardOutput.riders``."""
+        if riders is not None:
+            return self._forward_with_riders(block, tree, hidden, riders)
         past = kv.length(self.cache)
         ids = torch.tensor([block], dtype=torch.long, device=self.device)  # [1, block]
         kwargs = dict(self._encoder_kwargs)
@@ -125,20 +120,56 @@ class ModelAdapter:
         out = self.model(
             **{ids_key: ids}, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden, **kwargs
         )
-        if not self._checked:
-            kv.check_rollback(self.cache, model_name(self.model))
-            self._checked = True
+        self._check_rollback()
         states = None
         if hidden:
             states = (out.decoder_hidden_states if self.encoder_decoder else out.hidden_states)[-1][0]
         return ForwardOutput(out.logits[0].float(), states)
 
-    def _tree_mask(self, tree: TokenTree, past: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Cached tokens are visible to every node, block tokens only to their ancestors."""
+    def _forward_with_riders(self, block: list[int], tree: TokenTree | None, hidden: bool,
+                             riders: Riders) -> ForwardOutput:
+        """The block as a tree (a chain is one), with ``riders.count`` placeholders after
+        every block position; their cache entries follow the block's, so ``commit``
+        drops them."""
+        if self.encoder_decoder:
+            raise ValueError("riders (hidden transfer's placeholders) need a causal LM; "
+                             f"{model_name(self.model)!r} is an encoder-decoder")
+        tree = TokenTree.chain(len(block) - 1) if tree is None else tree
+        past = kv.length(self.cache)
+        size = len(block)
+        ids = torch.tensor([block], dtype=torch.long, device=self.device)  # [1, block]
+        allowed, positions = self._tree_layout(tree, past)
+        every_position = torch.arange(size, device=self.device)[None]  # [1, block]: each one anchors riders
+        out = forward_with_placeholders(
+            self.model, ids, allowed, positions, every_position,
+            riders.count, riders.layer, riders.transfer, past_positions=torch.arange(past, device=self.device),
+            past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
+        )
+        self._check_rollback()
+        logits = out.logits[0].float()  # [block + block * count, vocab]
+        states = out.hidden_states[-1][0, :size] if hidden else None
+        return ForwardOutput(logits[:size], states, logits[size:].view(size, riders.count, -1))
+
+    def _check_rollback(self) -> None:
+        if not self._checked:  # the cache's layers exist only after the first forward
+            kv.check_rollback(self.cache, model_name(self.model))
+            self._checked = True
+
+    def _tree_layout(self, tree: TokenTree, past: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cached tokens are visible to every node, block tokens only to their ancestors:
+        [1, block, past + block] bool, and the block's positions [1, block]."""
         allowed = torch.cat([torch.ones(len(tree) + 1, past, dtype=torch.bool), tree.block_mask], dim=1)
-        query_pos = tree.block_positions + past  # [block]
-        key_pos = torch.cat([torch.arange(past), query_pos])  # [past + block]
-        return attention_mask(self.model, allowed[None].to(self.device), query_pos[None], key_pos[None])
+        return allowed[None].to(self.device), (tree.block_positions + past)[None].to(self.device)
+
+    def _tree_mask(self, tree: TokenTree, past: int) -> torch.Tensor | dict[str, torch.Tensor]:
+        allowed, query_pos = self._tree_layout(tree, past)
+        key_pos = torch.cat([torch.arange(past, device=self.device)[None], query_pos], dim=1)  # [1, past + block]
+        return attention_mask(self.model, allowed, query_pos, key_pos)
+
+    @property
+    def trees_ok(self) -> bool:
+        """Whether this target verifies tree drafts (encoder-decoders verify chains only)."""
+        return not self.encoder_decoder
 
     # ---- cache -------------------------------------------------------------------------
     @property

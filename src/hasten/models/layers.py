@@ -1,12 +1,19 @@
-"""Running a causal LM with its hidden states replaced at one layer, for placeholder positions.
+"""Decoder-layer plumbing of Hugging Face causal LMs: masks, and placeholder positions
+whose hidden states are replaced at one layer.
 
-Hidden transfer (Wu et al. 2024) appends placeholder positions after the real tokens and,
+Hidden transfer (Wu et al. 2024) appends placeholder positions after real tokens and,
 at an intermediate decoder layer, swaps their hidden states for *pseudo* hidden states
-made from the real ones; the layers above then run as usual, so the placeholders attend
-to the real context. This module does that for any Hugging Face causal LM whose decoder
+made from a real one (its *anchor*); the layers above then run as usual, so the
+placeholders attend to the anchor's context. This works for any causal LM whose decoder
 layers form one ``nn.ModuleList`` (Llama, Qwen2, Mistral, Phi-3, GPT-2, GPT-NeoX, ...):
-a forward pre-hook on that layer replaces the hidden states, for the length of one
+a forward pre-hook on that layer replaces the hidden states for the length of one
 forward only. Drafters never see a model-specific branch.
+
+One construction serves training and decoding (:func:`forward_with_placeholders`): the
+real tokens keep whatever mask they have (causal for a training sequence, a tree over a
+KV cache for verification) and never see a placeholder; placeholder ``j`` of anchor ``a``
+sits at position ``pos(a) + 1 + j`` and sees what ``a`` sees, ``a`` itself and the
+placeholders ``0 .. j`` of ``a``.
 
 Layer ``L`` means the input of decoder layer ``L``, i.e. ``hidden_states[L]`` of a Hugging
 Face forward with ``output_hidden_states=True`` (0: the embeddings).
@@ -20,12 +27,38 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..engine import cache as kv
-from .adapter import attention_mask, model_name
+# pseudo(h) -> pseudo hidden states: [..., hidden] -> [..., placeholders, hidden]
+Transfer = Callable[[torch.Tensor], torch.Tensor]
 
 
 class UnsupportedArchitecture(ValueError):
     """The model's decoder layers could not be found, so its hidden states cannot be replaced."""
+
+
+def model_name(model: PreTrainedModel) -> str:
+    return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+
+def attention_mask(model: PreTrainedModel, allowed: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor):
+    """[B, Q, K] bool (query may see key), [B, Q] and [B, K] positions -> the 4D additive
+    mask(s) Hugging Face models take. Sliding-window layers also hide keys a window or more
+    behind the query, measured in positions (tree depth), not block indices; models mixing
+    layer kinds get one mask per kind."""
+    config = model.config.get_text_config()
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+
+    def additive(mask: torch.Tensor) -> torch.Tensor:  # [B, 1, Q, K]
+        low = torch.finfo(model.dtype).min
+        return torch.zeros(mask.shape, dtype=model.dtype, device=mask.device).masked_fill(~mask, low)[:, None]
+
+    if window is None or "sliding_attention" not in kinds:
+        return additive(allowed)
+    near = key_pos[:, None, :].to(allowed.device) > query_pos[:, :, None].to(allowed.device) - window
+    sliding = additive(allowed & near)
+    if kinds == {"sliding_attention"}:
+        return sliding
+    return {"full_attention": additive(allowed), "sliding_attention": sliding}
 
 
 def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
@@ -70,68 +103,103 @@ def replaced_hidden(model: PreTrainedModel, layer: int,
         handle.remove()
 
 
-# pseudo(h) -> pseudo hidden states: [..., hidden] -> [..., placeholders, hidden]
-Transfer = Callable[[torch.Tensor], torch.Tensor]
+def with_placeholders(allowed: torch.Tensor, positions: torch.Tensor, anchors: torch.Tensor,
+                      count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Extend a forward's layout by ``count`` placeholders per anchor, appended after the
+    real queries (anchor by anchor, in causal order within each anchor).
+
+    ``allowed`` [B, Q, K]: which keys each real query sees, the Q real keys last (cached
+    keys, if any, first); ``positions`` [B, Q] of the real queries; ``anchors`` [B, A]
+    query indices. Every anchor must see itself. Returns ``allowed`` [B, Q + A*count,
+    K + A*count] and the queries' ``positions`` [B, Q + A*count]."""
+    batch, queries, keys = allowed.shape
+    riders = anchors.shape[1] * count
+    rows = torch.arange(batch, device=allowed.device)[:, None]
+    seen_by_anchor = allowed[rows, anchors]  # [B, A, K]
+    rider_sees_real = seen_by_anchor[:, :, None].expand(-1, -1, count, -1).reshape(batch, riders, keys)
+    own = torch.ones(count, count, dtype=torch.bool, device=allowed.device).tril()
+    rider_sees_riders = torch.block_diag(*[own] * anchors.shape[1]).expand(batch, -1, -1)  # [B, A*count, A*count]
+    real_rows = torch.cat([allowed, allowed.new_zeros(batch, queries, riders)], dim=2)  # never see a rider
+    rider_rows = torch.cat([rider_sees_real, rider_sees_riders], dim=2)
+    slot = torch.arange(1, count + 1, device=positions.device)
+    rider_pos = (positions[rows, anchors][:, :, None] + slot).reshape(batch, riders)  # pos(a) + 1 + j
+    return torch.cat([real_rows, rider_rows], dim=1), torch.cat([positions, rider_pos], dim=1)
 
 
-@torch.no_grad()
-def placeholder_logits(model: PreTrainedModel, cache, block: list[int], placeholders: int, layer: int,
-                       transfer: Transfer) -> torch.Tensor:
-    """Run ``block`` after the ``cache``d tokens, followed by ``placeholders`` positions
-    whose input to decoder layer ``layer`` is ``transfer(h)``, ``h`` being the last block
-    token's input to that layer. Returns [len(block) + placeholders, vocab] float32 logits.
-    The cache is cropped back to its length before the call, so it is left as found.
-    Placeholders come after the block in causal order, so the block's own logits are
-    those of a plain forward."""
-    past = kv.length(cache)
-    real = len(block)
-    ids = torch.tensor([block + [block[-1]] * placeholders], device=model.device)  # [1, real + placeholders]
+def _narrowed(value, real: int, total: int):
+    """A decoder layer's input cut from ``total`` positions to the first ``real`` ones:
+    a 4D attention mask [B, 1, total, keys] loses the last ``total - real`` queries and
+    keys, sequence-long tensors (cache positions [total], position ids [B, total], rotary
+    cos/sin [B, total, d]) their tail; anything else passes unchanged."""
+    if isinstance(value, tuple):
+        return tuple(_narrowed(v, real, total) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.ndim == 4 and value.shape[-2] == total:
+        return value[..., :real, : value.shape[-1] - (total - real)]
+    if value.ndim == 1 and value.shape[0] == total:
+        return value[:real]
+    if value.ndim in (2, 3) and value.shape[1] == total:
+        return value[:, :real]
+    return value
 
-    def replace(hidden: torch.Tensor) -> torch.Tensor:  # [1, real + placeholders, hidden]
-        if not placeholders:
-            return hidden
-        pseudo = transfer(hidden[0, real - 1])  # [placeholders, hidden]
-        return torch.cat([hidden[:, :real], pseudo[None].to(hidden.dtype)], dim=1)
 
-    positions = torch.arange(past, past + ids.shape[1], device=model.device)[None]
+@contextmanager
+def _real_only_below(model: PreTrainedModel, layer: int, real: int, total: int) -> Iterator[None]:
+    """Decoder layers below ``layer`` run on the first ``real`` of ``total`` positions:
+    whatever the placeholders would compute there is replaced at ``layer``, so skipping
+    it changes nothing but the cost. (Their cache layers then get no placeholder entries.)"""
+    def narrow(module, args, kwargs):
+        narrowed = {name: _narrowed(value, real, total) for name, value in kwargs.items()}
+        if args:
+            return (args[0][:, :real], *(_narrowed(a, real, total) for a in args[1:])), narrowed
+        return args, {**narrowed, "hidden_states": kwargs["hidden_states"][:, :real]}
+
+    handles = [below.register_forward_pre_hook(narrow, with_kwargs=True) for below in decoder_layers(model)[:layer]]
     try:
-        with replaced_hidden(model, layer, replace):
-            out = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+        yield
     finally:
-        kv.crop(cache, past)
-    return out.logits[0].float()
+        for handle in handles:
+            handle.remove()
+
+
+def forward_with_placeholders(model: PreTrainedModel, ids: torch.Tensor, allowed: torch.Tensor,
+                              positions: torch.Tensor, anchors: torch.Tensor, count: int, layer: int,
+                              transfer: Transfer, past_positions: torch.Tensor | None = None, **kwargs):
+    """Run the real tokens ``ids`` ([B, Q], see :func:`with_placeholders` for ``allowed``,
+    ``positions`` and ``anchors``) plus ``count`` placeholders per anchor whose input to
+    decoder layer ``layer`` is ``transfer(h_a)``, ``h_a`` being the anchor's input there;
+    layers below ``layer`` never run the placeholders. ``past_positions`` ([P]): positions
+    of the P cached keys ``allowed`` starts with. ``kwargs`` go to the model (a cache,
+    ``output_hidden_states``, ...); gradients flow into ``transfer``. Returns the model's
+    output: its logits ([B, Q + A*count, vocab]) hold the real positions, then placeholder
+    ``j`` of anchor ``i`` at ``Q + i*count + j``."""
+    batch, queries = ids.shape
+    riders = anchors.shape[1] * count
+    allowed, positions = with_placeholders(allowed, positions, anchors, count)
+    key_pos = positions if past_positions is None else torch.cat(
+        [past_positions.to(positions.device).expand(batch, -1), positions], dim=1)
+    filler = torch.zeros(batch, riders, dtype=ids.dtype, device=ids.device)  # embedded, then never read
+    rows = torch.arange(batch, device=ids.device)[:, None]
+
+    def replace(hidden: torch.Tensor) -> torch.Tensor:  # [B, Q (+ A*count at layer 0), hidden]
+        pseudo = transfer(hidden[rows, anchors])  # [B, A, count, hidden]
+        return torch.cat([hidden[:, :queries], pseudo.reshape(batch, riders, -1).to(hidden.dtype)], dim=1)
+
+    with _real_only_below(model, layer, queries, queries + riders), replaced_hidden(model, layer, replace):
+        return model(input_ids=torch.cat([ids, filler], dim=1), position_ids=positions,
+                     attention_mask=attention_mask(model, allowed, positions, key_pos), **kwargs)
 
 
 def placeholder_logits_batch(model: PreTrainedModel, ids: torch.Tensor, anchors: torch.Tensor, placeholders: int,
                              layer: int, transfer: Transfer) -> torch.Tensor:
     """Training form: for every row of ``ids`` ([B, T]) and every anchor position ``a`` in
     ``anchors`` ([B, A]), ``placeholders`` positions a + 1 .. a + k that see the real
-    tokens up to ``a`` and their own earlier placeholders, with pseudo hidden states
-    ``transfer(h_a)`` at ``layer``. All anchors share one forward (a block mask), and
-    gradients flow into ``transfer``. Returns [B, A, k, vocab] logits."""
+    tokens up to ``a`` and their own earlier placeholders, all in one forward. Returns
+    [B, A, k, vocab] logits."""
     batch, length = ids.shape
-    count = anchors.shape[1]
-    k = placeholders
-    device = ids.device
-    # placeholder j of anchor a sits at block index T + a_index * k + j, position a + 1 + j
-    slot = torch.arange(k, device=device)
-    query_pos = torch.cat([torch.arange(length, device=device).expand(batch, -1),
-                           (anchors[:, :, None] + 1 + slot).reshape(batch, count * k)], dim=1)  # [B, Q]
-    real_pos = torch.arange(length, device=device)
-    allowed = torch.zeros(batch, length + count * k, length + count * k, dtype=torch.bool, device=device)
-    allowed[:, :length, :length] = torch.ones(length, length, dtype=torch.bool, device=device).tril()
-    sees_real = real_pos[None, None, None, :] <= anchors[:, :, None, None]  # [B, A, 1, T]
-    allowed[:, length:, :length] = sees_real.expand(batch, count, k, length).reshape(batch, count * k, length)
-    own = torch.ones(k, k, dtype=torch.bool, device=device).tril()
-    allowed[:, length:, length:] = torch.block_diag(*[own] * count)
-    filler = torch.zeros(batch, count * k, dtype=ids.dtype, device=device)
-
-    def replace(hidden: torch.Tensor) -> torch.Tensor:  # [B, Q, hidden]
-        at_anchor = hidden[torch.arange(batch, device=device)[:, None], anchors]  # [B, A, hidden]
-        pseudo = transfer(at_anchor).reshape(batch, count * k, -1)  # [B, A * k, hidden]
-        return torch.cat([hidden[:, :length], pseudo.to(hidden.dtype)], dim=1)
-
-    with replaced_hidden(model, layer, replace):
-        out = model(input_ids=torch.cat([ids, filler], 1), position_ids=query_pos,
-                    attention_mask=attention_mask(model, allowed, query_pos, query_pos), use_cache=False)
-    return out.logits[:, length:].reshape(batch, count, k, -1)
+    causal = torch.ones(length, length, dtype=torch.bool, device=ids.device).tril().expand(batch, -1, -1)
+    positions = torch.arange(length, device=ids.device).expand(batch, -1)
+    out = forward_with_placeholders(model, ids, causal, positions, anchors, placeholders, layer, transfer,
+                                    use_cache=False)
+    return out.logits[:, length:].reshape(batch, anchors.shape[1], placeholders, -1)

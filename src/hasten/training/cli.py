@@ -15,12 +15,12 @@ import os
 import platform
 import sys
 import time
-import typing
 from pathlib import Path
 
 import torch
 
-from ..cli import UserError
+from ..arguments import UserError, writable_directory
+from ..core.settings import add_flags, from_args
 from .distill import DistillSettings, distill, read_documents, zoo_documents
 from .trainer import Trainable, TrainSettings, train
 
@@ -28,7 +28,7 @@ from .trainer import Trainable, TrainSettings, train
 def trainable_drafters() -> dict[str, type[Trainable]]:
     from ..drafters import REGISTRY  # importing the package registers the built-in drafters
 
-    return {name: cls.Training for name, cls in sorted(REGISTRY.items()) if getattr(cls, "Training", None)}
+    return {name: cls.Training for name, cls in sorted(REGISTRY.items()) if getattr(cls, "Training", None) is not None}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         summary = f"train {name} for a target on its own greedy outputs"
         sub = subs.add_parser(name, help=summary, description=summary)
         sub.add_argument("--model", required=True, help="target: zoo name (zoo:code-tiny), local directory or hub id")
-        sub.add_argument("--out", required=True, type=Path, help="directory the trained drafter is written to")
+        sub.add_argument("--out", required=True, type=Path, metavar="DIR",
+                         help="directory the trained drafter is written to (checked writable before training)")
         source = sub.add_mutually_exclusive_group(required=True)
         source.add_argument("--data", type=Path, help="text to cut prompts from: .txt (one document) or .jsonl "
                             '(one JSON string or {"text": ...} object per line)')
@@ -45,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         added: set[str] = set()
         for title, settings_cls in ((f"{name} options", training.Options), ("distillation", DistillSettings),
                                     ("training", TrainSettings)):
-            add_dataclass_flags(sub.add_argument_group(title), settings_cls, added)
+            add_flags(sub.add_argument_group(title), settings_cls, added)
         runtime = sub.add_argument_group("run")
         runtime.add_argument("--work-dir", type=Path, help="distilled data and checkpoints (default: OUT/work)")
         runtime.add_argument("--resume", action="store_true",
@@ -54,45 +55,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         runtime.add_argument("--device", default="cpu", help="device for the target and the module (default cpu)")
 
 
-def add_dataclass_flags(group, settings_cls: type, added: set[str]) -> None:
-    """One flag per field: ``batch_size`` -> ``--batch-size``; booleans get ``--no-...``.
-    Defaults are SUPPRESSed so that only given flags reach the dataclass."""
-    hints = typing.get_type_hints(settings_cls)
-    for field in dataclasses.fields(settings_cls):
-        if field.name in added:
-            continue
-        added.add(field.name)
-        kind = next((a for a in typing.get_args(hints[field.name]) if a is not type(None)), hints[field.name])
-        default = "unset" if field.default is None else field.default
-        text = f"{field.metadata.get('help', '')} (default: {default})".replace("%", "%%")
-        flag = "--" + field.name.replace("_", "-")
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS, help=text)
-        else:
-            metavar = field.name.upper() if kind is str else kind.__name__.upper()
-            group.add_argument(flag, type=kind, default=argparse.SUPPRESS, metavar=metavar, help=text)
-
-
-def settings_from_args(settings_cls: type, args: argparse.Namespace):
-    return settings_cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(settings_cls) if hasattr(args, f.name)})
-
-
 def run(args: argparse.Namespace) -> int:
     from ..api import load_model, resolve_path
 
     # Validate what is cheap before loading anything.
     training = trainable_drafters()[args.drafter]
-    options = settings_from_args(training.Options, args)
-    distill_settings = settings_from_args(DistillSettings, args)
-    train_settings = settings_from_args(TrainSettings, args)
-    if args.out.exists() and not args.out.is_dir():
-        raise UserError(f"--out {args.out} exists and is not a directory")
+    options = from_args(training.Options, args)
+    distill_settings = from_args(DistillSettings, args)
+    train_settings = from_args(TrainSettings, args)
     if args.threads is not None:
         if args.threads < 1:
             raise UserError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # the tokenizers' thread pool
     documents = read_documents(args.data) if args.data else zoo_documents()
+    writable_directory(args.out)  # before distilling and training, not after
     source = str(args.data.resolve()) if args.data else "zoo-corpus"
 
     from transformers import AutoTokenizer

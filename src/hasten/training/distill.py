@@ -24,9 +24,10 @@ from safetensors.torch import load_file, safe_open, save_file
 from tqdm import tqdm
 from transformers import PreTrainedModel
 
+from ..core.settings import Settings, option
 from ..drafters.prompt_lookup import PromptLookup
+from ..drafters.trainable import Batch
 from ..engine.loop import generate
-from .trainer import Batch, option
 
 CACHE = "distill.safetensors"
 SAVE_EVERY_S = 60.0  # an interrupted distillation loses at most this much work
@@ -34,7 +35,7 @@ EVAL_FRACTION = 20  # one sequence in this many is held out for evaluation
 
 
 @dataclass(frozen=True)
-class DistillSettings:
+class DistillSettings(Settings):
     samples: int = option(256, "prompts to continue, i.e. distilled sequences")
     prompt_tokens: int = option(64, "tokens per prompt, cut at random places from the text")
     gen_tokens: int = option(128, "greedy tokens the target generates after each prompt (fewer if it stops)")
@@ -42,6 +43,7 @@ class DistillSettings:
     store_hidden: bool = option(True, "cache the target's hidden states (else recomputed for every batch)")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for name in ("samples", "prompt_tokens", "gen_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

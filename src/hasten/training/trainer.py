@@ -1,7 +1,7 @@
 """A generic trainer for a small module on top of a frozen target.
 
 A trained drafter (Medusa heads, an EAGLE-style layer, ...) plugs in by giving its drafter
-class a ``Training`` attribute: a :class:`Trainable` subclass that builds the module for
+class a ``Training`` attribute: a :class:`~hasten.drafters.trainable.Trainable` subclass that builds the module for
 a target, computes its loss on a :class:`Batch` of self-distilled data, and saves it in
 the layout the drafter loads. ``hasten train NAME`` finds it through the drafter
 registry and turns its ``Options`` dataclass into flags; nothing here knows a method.
@@ -18,15 +18,17 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, ClassVar
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 from tqdm import tqdm
-from transformers import PreTrainedModel
+
+from ..core.schedule import warmup_cosine
+from ..core.settings import Settings, option
+from ..drafters.trainable import Batch, Trainable  # noqa: F401  (Trainable: the protocol, re-exported)
 
 CHECKPOINT = "checkpoint.safetensors"
 FINAL_LR_RATIO = 0.1  # cosine decays to this fraction of the peak learning rate
@@ -35,47 +37,8 @@ DEFAULT_STEPS = 1000  # when neither steps nor minutes are given
 METRIC_WINDOW = 50  # training metrics are reported as the mean over the last steps
 
 
-@dataclass
-class Batch:
-    ids: torch.Tensor  # [B, T] token ids, zero-padded after each row's length
-    hidden: torch.Tensor  # [B, T, H] target's last-layer hidden states; hidden[:, t] predicts ids[:, t + 1]
-    label_mask: torch.Tensor  # [B, T] bool: ids[:, t] is the target's own token (a label to learn)
-
-
-class Trainable:
-    """How one drafter's module is trained; subclass and set ``Options``.
-
-    ``Options`` is a frozen dataclass of the method's knobs (validated in
-    ``__post_init__``); each field becomes a ``hasten train NAME --field-name`` flag, with
-    ``metadata={"help": ...}`` as its help text.
-    """
-
-    Options: ClassVar[type]
-
-    def __init__(self, target: PreTrainedModel, options: Any):
-        self.target, self.options = target, options
-
-    def build(self) -> nn.Module:
-        """A freshly initialised module for ``self.target`` (the global RNG is seeded)."""
-        raise NotImplementedError
-
-    def loss(self, module: nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        """Scalar loss to minimise, and metrics (floats) to report and average."""
-        raise NotImplementedError
-
-    def save(self, module: nn.Module, out_dir: Path, report: dict) -> None:
-        """Write the trained module where the drafter loads it from. ``report`` holds
-        ``target`` (the model name) and ``eval`` (held-out metrics)."""
-        raise NotImplementedError
-
-
-def option(default, help: str):
-    """A settings field whose help text the command line shows."""
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass(frozen=True)
-class TrainSettings:
+class TrainSettings(Settings):
     steps: int | None = option(None, f"optimiser steps; unset: as many as --minutes allows, else {DEFAULT_STEPS}")
     minutes: float | None = option(None, "wall-clock budget for training (distillation excluded); stops the run early")
     batch_size: int = option(8, "sequences per step")
@@ -87,6 +50,7 @@ class TrainSettings:
     seed: int = option(0, "seeds the prompt choice, the initialisation and the batch order")
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.steps is None and self.minutes is None:
             object.__setattr__(self, "steps", DEFAULT_STEPS)
         if self.steps is not None and self.steps < 1:
@@ -108,10 +72,8 @@ class TrainSettings:
 def lr_at(step: int, total_steps: int | None, s: TrainSettings) -> float:
     """Linear warmup, then cosine decay to FINAL_LR_RATIO x lr at ``total_steps``. During
     the warmup the rate does not depend on ``total_steps`` (unknown while calibrating)."""
-    if step < s.warmup_steps:
-        return s.lr * (step + 1) / s.warmup_steps
-    progress = min(1.0, (step - s.warmup_steps) / max(1, total_steps - s.warmup_steps))
-    return s.lr * (FINAL_LR_RATIO + (1 - FINAL_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+    progress = 0.0 if step < s.warmup_steps else (step - s.warmup_steps) / max(1, total_steps - s.warmup_steps)
+    return s.lr * warmup_cosine(step, s.warmup_steps, progress, FINAL_LR_RATIO)
 
 
 @dataclass

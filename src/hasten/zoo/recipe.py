@@ -25,7 +25,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from hasten.machine import cpu_model
+from hasten.core.schedule import warmup_cosine
+from hasten.machine import machine_info
 from hasten.zoo import corpus
 
 VOCAB_SIZE = 4096
@@ -140,9 +141,7 @@ def lr_at(step: int, progress: float, s: Settings) -> float:
     """Linear warmup over steps, then cosine decay to final_lr_ratio * lr over `progress`
     in [0, 1]. Progress is measured in wall-clock time because the number of steps a time
     budget buys is unknown in advance."""
-    warmup = min(1.0, (step + 1) / s.warmup_steps)
-    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-    return s.lr * warmup * (s.final_lr_ratio + (1.0 - s.final_lr_ratio) * cosine)
+    return s.lr * warmup_cosine(step, s.warmup_steps, progress, s.final_lr_ratio)
 
 
 def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int) -> torch.Tensor:
@@ -264,25 +263,12 @@ def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_s
         "settings": asdict(s),
         "seed": s.seed,
         "machine": machine_info(),
-        "versions": versions(),
     }
     out_dir.mkdir(parents=True, exist_ok=True)
     model.to(torch.float16).save_pretrained(out_dir)  # safetensors; half the size of float32
     tokenizer.save_pretrained(out_dir)
     (out_dir / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
-
-
-def machine_info() -> dict:
-    return {"cpu": cpu_model(), "torch_threads": torch.get_num_threads()}
-
-
-def versions() -> dict:
-    import tokenizers
-    import transformers
-
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "tokenizers": tokenizers.__version__, "numpy": np.__version__}
 
 
 # ---------------------------------------------------------------- command line

@@ -1,7 +1,8 @@
 """DecodeStats: what a generation cost, and how well the drafts did."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from itertools import zip_longest
 
 
 @dataclass
@@ -25,6 +26,16 @@ class DecodeStats:
             counts.extend([0] * (depth - len(counts)))
             for d in range(depth):
                 counts[d] += 1
+
+    def __add__(self, other: "DecodeStats") -> "DecodeStats":
+        """Counts and seconds added up field by field (lists element-wise), so tau and
+        acceptance of several generations aggregate weighted by steps."""
+        total = DecodeStats()
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            merged = [a + b for a, b in zip_longest(mine, theirs, fillvalue=0)] if isinstance(mine, list) else mine + theirs
+            setattr(total, f.name, merged)
+        return total
 
     @property
     def mean_accepted(self) -> float:

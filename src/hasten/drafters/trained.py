@@ -1,0 +1,213 @@
+"""One base for the trained drafters (Medusa, EAGLE, Chimera, GAD, hidden transfer).
+
+A trained drafter is three things: its module (a :class:`TrainedModule`), its proposal
+rule (a :class:`TrainedDrafter` subclass) and its loss (a
+:class:`~.trainable.TrainedTraining` subclass). Everything else lives here:
+
+* on disk a module is a directory with ``weights.safetensors`` (float16: small files) and
+  ``<name>.json`` (its :class:`ModuleConfig`); on load it is cast to the target's dtype;
+* the target's embeddings and LM head are borrowed at run time, never stored;
+* weights are found beside the target (``<model dir>/<name>/``); without them an
+  untrained module is used, with one warning line saying how to train one.
+
+Indexing convention of the feature drafters: the target's feature ``f_t`` (its last-layer
+hidden state at position ``t``) is what its LM head turns into token ``x_{t+1}``. With
+committed tokens ``x_0 .. x_r`` (``x_r`` the root), ``ctx.features`` holds
+``f_0 .. f_{r-1}``: ``f_{r-1}`` is the newest feature, the one that predicted the root.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..core.settings import Settings
+from ..models.adapter import model_name
+from .base import EMPTY_DRAFT, Draft, DraftContext, Drafter
+from .candidates import CombinationTree
+
+WEIGHTS_FILE = "weights.safetensors"
+
+
+@dataclass(frozen=True)
+class ModuleConfig:
+    """Fields every trained module's JSON config has; modules extend it."""
+
+    hidden_size: int  # the target's
+    vocab_size: int  # the target's
+    target: str = ""  # the model the module was trained for
+    # accuracy[d][r]: how often the rank-r guess for depth d + 1 was right on held-out
+    # data (trees of top-k combinations are chosen from it); None: not measured
+    accuracy: list[list[float]] | None = None
+
+
+class TrainedModule(nn.Module):
+    """A small trainable module with a JSON config; subclasses set ``Config`` and ``name``
+    and implement ``for_target``."""
+
+    Config: ClassVar[type[ModuleConfig]]
+    name: ClassVar[str]  # the drafter's name: the config file is <name>.json
+
+    def __init__(self, config: ModuleConfig):
+        super().__init__()
+        self.config = config
+
+    @classmethod
+    def for_target(cls, target: PreTrainedModel, **sizes) -> "TrainedModule":
+        """Untrained module shaped for ``target``."""
+        raise NotImplementedError
+
+    @property
+    def levels(self) -> int:
+        """Depths the module guesses at once (training measures their rank accuracies); 0: none."""
+        return 0
+
+    @classmethod
+    def target_sizes(cls, target: PreTrainedModel) -> dict:
+        vocab, hidden = target.get_output_embeddings().weight.shape
+        return dict(hidden_size=int(hidden), vocab_size=int(vocab), target=model_name(target))
+
+    def save(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        # float16 halves the files; the module is cast to the target's dtype when used
+        tensors = {name: t.detach().half().contiguous().cpu() for name, t in self.state_dict().items()}
+        save_file(tensors, directory / WEIGHTS_FILE)
+        (directory / f"{self.name}.json").write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> "TrainedModule":
+        """The module saved in ``directory``, in float32 (FileNotFoundError if either file is missing)."""
+        directory = Path(directory)
+        config_file, weights_file = directory / f"{cls.name}.json", directory / WEIGHTS_FILE
+        if not config_file.is_file() or not weights_file.is_file():
+            raise FileNotFoundError(
+                f"no {cls.name} weights in {directory} (expected {config_file.name} and {WEIGHTS_FILE})"
+            )
+        known = {f.name for f in fields(cls.Config)}
+        config = cls.Config(**{k: v for k, v in json.loads(config_file.read_text()).items() if k in known})
+        module = cls(config)
+        module.load_state_dict({k: t.float() for k, t in load_file(weights_file).items()})
+        return module.eval()
+
+    def check_fits(self, model: PreTrainedModel) -> None:
+        vocab, hidden = model.get_output_embeddings().weight.shape
+        config = self.config
+        if (config.hidden_size, config.vocab_size) != (hidden, vocab):
+            raise ValueError(
+                f"{self.name} weights for {config.target!r} (hidden {config.hidden_size}, vocab {config.vocab_size}) "
+                f"do not fit {model_name(model)!r} (hidden {hidden}, vocab {vocab})"
+            )
+
+
+def at_least_one(settings: Any, *names: str) -> None:
+    """Raise ValueError naming the first of the counts ``names`` (heads, slots, ...) below 1."""
+    for name in names:
+        if getattr(settings, name) < 1:
+            raise ValueError(f"{name} must be >= 1, got {getattr(settings, name)}")
+
+
+@dataclass(frozen=True)
+class WeightsSetting(Settings):
+    """Mixed into every trained drafter's settings."""
+
+    weights: str | None = None  # module directory; None: <target model dir>/<name>/, else untrained
+
+
+class TrainedDrafter(Drafter):
+    """Base of the trained drafters: subclasses set ``name``, ``Settings`` (with a
+    ``weights`` field), ``Module`` and ``Training`` and implement ``draft``; ``setup``
+    (per target) and ``start`` (per generation) are optional."""
+
+    Module: ClassVar[type[TrainedModule]]
+    # settings handed to Module.for_target to shape an untrained module (trained ones bring their own)
+    untrained_sizes: ClassVar[tuple[str, ...]] = ()
+    needs_features = True
+    encoder_decoder_ok = False
+
+    def __init__(self, settings=None, **kwargs):
+        super().__init__(settings, **kwargs)
+        self.module: TrainedModule | None = self.Module.load(self.settings.weights) if self.settings.weights else None
+        self.lm_head: nn.Module | None = None  # the target's, borrowed
+        self.embed: nn.Module | None = None  # the target's input embeddings, borrowed
+        self._target: PreTrainedModel | None = None  # the model the module is set up for
+
+    # ---- subclass hooks ------------------------------------------------------------
+    def untrained(self, model: PreTrainedModel) -> TrainedModule:
+        """The module to use when no weights were given or found beside ``model``."""
+        return self.Module.for_target(model, **{name: getattr(self.settings, name) for name in self.untrained_sizes})
+
+    def setup(self, model: PreTrainedModel) -> None:
+        """Per-target preparation (e.g. the candidate tree); self.module is ready."""
+
+    def start(self, ctx: DraftContext) -> Any:
+        """A new generation's state (kept in ``ctx.state``); None: the drafter needs none."""
+        return None
+
+    def draft(self, ctx: DraftContext) -> Draft:
+        raise NotImplementedError
+
+    # ---- the protocol ------------------------------------------------------------------
+    def begin(self, ctx: DraftContext) -> Any:
+        model = ctx.target.model
+        if model is not self._target:
+            self._prepare(model)
+        return self.start(ctx)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        with torch.no_grad():
+            return self.draft(ctx)
+
+    def _prepare(self, model: PreTrainedModel) -> None:
+        if not self.settings.weights:  # weights live beside each target
+            self.module = self._find(model)
+        self.module.check_fits(model)
+        self.lm_head, self.embed = model.get_output_embeddings(), model.get_input_embeddings()
+        self.module.to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype).eval()
+        self.setup(model)
+        self._target = model
+
+    def _find(self, model: PreTrainedModel) -> TrainedModule:
+        source = getattr(model.config, "_name_or_path", "")  # the directory the target was loaded from
+        beside = Path(source) / self.name if source else None
+        if beside is not None and (beside / f"{self.name}.json").is_file():
+            return self.Module.load(beside)  # raises if the weights file next to the config is missing
+        warnings.warn(
+            f"no {self.name} weights found for {model_name(model)!r} (looked in {beside}); using an untrained "
+            f"{self.name} drafter, which rarely guesses right: train one with `hasten train {self.name}`",
+            stacklevel=2,
+        )
+        return self.untrained(model).eval()
+
+
+class TopKTreeDrafter(TrainedDrafter):
+    """Trained drafters that guess every level at once (Medusa, Chimera, GAD): their draft
+    is a tree of top-k combinations (:class:`~.candidates.CombinationTree`) chosen once per
+    target from the settings' tree knobs and the module's measured rank accuracies.
+    Subclasses implement ``level_logits``."""
+
+    tree: CombinationTree
+
+    def levels(self) -> int:
+        """Levels the tree may use."""
+        return self.module.levels
+
+    def level_logits(self, ctx: DraftContext, depth: int) -> torch.Tensor | None:
+        """[depth, vocab] scores of the guesses for depths 1 .. depth; None: no guess yet."""
+        raise NotImplementedError
+
+    def setup(self, model: PreTrainedModel) -> None:
+        self.tree = CombinationTree.choose(self.settings, self.module.config.accuracy, self.levels())
+
+    def draft(self, ctx: DraftContext) -> Draft:
+        logits = self.level_logits(ctx, self.tree.depth)
+        if logits is None:
+            return EMPTY_DRAFT
+        return Draft(self.tree.tokens(self.tree.ranked(logits)), self.tree.tree)

@@ -1,0 +1,113 @@
+"""The house has floors: no module imports from a higher floor, and no imports run in circles.
+
+Floors, bottom up (a package may import only from strictly lower floors, or within itself):
+core and version; machine and the shared CLI arguments; models and the zoo; drafters and
+diffusion; the engine; lossy approximations; the API; training and the benchmark;
+the command line; the package's front door; the demo and `python -m hasten`, which use it as a user would.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+FLOORS = {
+    "core": 0, "version": 0,
+    "machine": 1, "arguments": 1,
+    "models": 2, "zoo": 2,
+    "drafters": 3, "diffusion": 3,
+    "engine": 4,
+    "approx": 5,
+    "api": 6,
+    "training": 7, "bench": 7,
+    "cli": 8,
+    "__init__": 9,
+    "__main__": 10, "demo": 10,  # the demo uses the public API as a user would
+}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def is_package(name: str) -> bool:
+    return (SRC / name.replace(".", "/") / "__init__.py").is_file()
+
+
+def exists(name: str) -> bool:
+    return is_package(name) or (SRC / (name.replace(".", "/") + ".py")).is_file()
+
+
+def imports_of(path: Path) -> set[str]:
+    """hasten modules imported anywhere in the file (function-local imports included)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.split(".")[0] == "hasten")
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.split(".")[0] != "hasten":
+                continue
+            for alias in node.names:  # `from pkg import submodule` imports the submodule
+                sub = f"{target}.{alias.name}"
+                found.add(sub if exists(sub) else target)
+    return {m for m in found if m != name}
+
+
+def floor_of(module: str) -> tuple[str, int]:
+    parts = module.split(".")
+    top = parts[1] if len(parts) > 1 else "__init__"
+    assert top in FLOORS, f"module {module} belongs to no floor: add its package to FLOORS"
+    return top, FLOORS[top]
+
+
+GRAPH = {module_name(p): imports_of(p) for p in sorted((SRC / "hasten").rglob("*.py"))}
+
+
+@pytest.mark.parametrize("module", sorted(GRAPH))
+def test_no_import_from_a_higher_floor(module):
+    home, floor = floor_of(module)
+    for target in sorted(GRAPH[module]):
+        where, target_floor = floor_of(target)
+        if where == home:
+            continue
+        assert target_floor < floor, f"{module} (floor {floor}, {home}) imports {target} (floor {target_floor}, {where})"
+
+
+def test_no_import_cycles():
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(GRAPH.get(module, ())):
+            if target not in GRAPH:
+                continue
+            if state.get(target) == 1:
+                cycle = path[path.index(target):] + [target] if target in path else [module, target]
+                pytest.fail("import cycle: " + " -> ".join(cycle))
+            if not state.get(target):
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in sorted(GRAPH):
+        if not state.get(module):
+            visit(module, [module])
+
+
+def test_the_graph_is_read():
+    """The checks above mean something only if imports are found."""
+    assert "hasten.core.tree" in GRAPH["hasten.drafters.candidates"]
+    assert "hasten.models.cache" in GRAPH["hasten.models.adapter"]
+    assert "hasten.drafters.base" in GRAPH["hasten.engine.loop"]
