@@ -50,6 +50,15 @@ def hf_greedy(model, input_ids, max_new_tokens, **kwargs) -> torch.Tensor:
     return model.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, **kwargs)
 
 
+def generate_exactly(model, prompt, reference, drafter, max_new_tokens):
+    """Greedy generation with ``drafter`` must reproduce ``reference`` token for token; returns its stats."""
+    import hasten
+
+    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=max_new_tokens)
+    assert out.sequences.tolist() == reference.tolist()
+    return out.stats
+
+
 class ScriptedDrafter(Drafter):
     """Proposes the reference continuation, optionally with a planted error.
 

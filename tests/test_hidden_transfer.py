@@ -5,6 +5,7 @@ after commit), their logits must be those of placeholders run the slow way, each
 must cost exactly one target forward, and the output must stay the target's own: greedy
 token for token, sampled in law.
 """
+from functools import partial
 import math
 import warnings
 from dataclasses import replace
@@ -24,7 +25,7 @@ from hasten.models.adapter import ModelAdapter, Riders
 from hasten.models.layers import (
     UnsupportedArchitecture, decoder_layers, placeholder_logits_batch, replaced_hidden,
 )
-from helpers import CAUSAL_CONFIGS, distill_tiny, hf_greedy, repetitive_prompt, tiny_model, train_briefly
+from helpers import generate_exactly, CAUSAL_CONFIGS, distill_tiny, hf_greedy, repetitive_prompt, tiny_model, train_briefly
 from test_sampling_distribution import PROMPT, TARGET, VOCAB
 
 ARCHS = sorted(CAUSAL_CONFIGS)
@@ -223,10 +224,7 @@ def setup(request, tmp_path_factory):
     return model, prompt, hf_greedy(model, prompt, NEW), {"trained": trained, "random": root / "random"}
 
 
-def check(model, prompt, reference, drafter):
-    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW)
-    assert out.sequences.tolist() == reference.tolist()
-    return out.stats
+check = partial(generate_exactly, max_new_tokens=NEW)
 
 
 def test_untrained_warns_and_stays_exact(setup):

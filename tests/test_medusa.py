@@ -1,6 +1,7 @@
 """Medusa: greedy output is token-identical to Hugging Face greedy generate whatever the
 heads guess (untrained, trained, scripted trees with the right branch anywhere), and
 sampled output keeps the target's law."""
+from functools import partial
 import warnings
 
 import pytest
@@ -13,6 +14,7 @@ from hasten.drafters.medusa import (
 )
 from hasten.core.sampling import Sampling
 from helpers import (
+    generate_exactly,
     CAUSAL_CONFIGS, ScriptedDrafter, distill_tiny, hf_greedy, repetitive_prompt, save_checkpoint, tiny_model, train_briefly,
 )
 from test_sampling_distribution import BOUND, PROMPT, empirical_tv, peaky_model
@@ -35,10 +37,7 @@ def setup(request, tmp_path_factory):
     return model, prompt, hf_greedy(model, prompt, NEW), heads_dir
 
 
-def check(model, prompt, reference, drafter):
-    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW)
-    assert out.sequences.tolist() == reference.tolist()
-    return out.stats
+check = partial(generate_exactly, max_new_tokens=NEW)
 
 
 # ---- real heads ------------------------------------------------------------------------------

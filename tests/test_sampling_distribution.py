@@ -22,7 +22,7 @@ from hasten.drafters import DraftModel, Lookahead, PromptLookup
 from hasten.engine import verify
 from hasten.engine.verify import SpeculativeSampling, Verdict
 from helpers import ScriptedDrafter, tiny_model
-from test_verify_law import bound
+from test_verify_law import bound, p_instead_of_the_residual_at_depth_2
 
 VOCAB = 8
 SAMPLES = 2500
@@ -152,29 +152,22 @@ def test_bound_catches_a_sampler_that_trusts_its_drafts(monkeypatch):
 
 
 def test_bound_catches_p_instead_of_the_residual_at_depth_2(monkeypatch):
-    right = verify._end_distribution
-
-    def p_after_a_depth_2_rejection(index, tokens, p, q, end_block):
-        block = int(end_block)
-        if block and int(index.depth[block - 1]) == 1:  # the walk ends at depth 1: its child was rejected
-            return p[block]
-        return right(index, tokens, p, q, end_block)
-
-    monkeypatch.setattr(verify, "_end_distribution", p_after_a_depth_2_rejection)
+    monkeypatch.setattr(verify, "_end_distribution", p_instead_of_the_residual_at_depth_2(verify._end_distribution))
     tv, limit = deep_tv(draft_model_3_deep(), DEEP_LAW_SAMPLING)
     assert tv > limit, f"TV {tv:.3f} <= bound {limit:.3f}"
 
 
-# ---- input-guided drafters, first 2 tokens ----------------------------------------------------------
+# ---- plain decoding and input-guided drafters, first 2 tokens ---------------------------------------
 SHALLOW_SAMPLES = 1200
 SHALLOW_CASES = {
+    "plain": (lambda: None, Sampling(0.9, top_p=0.8)),  # the sampler itself (warping, drawing) against the exact law
     "prompt_lookup": (lambda: PromptLookup(num_tokens=2), Sampling(1.3, top_k=5)),
     "lookahead": (lambda: Lookahead(draft_tokens=6, branch_length=2), Sampling(1.0, top_k=6)),
 }
 
 
 @pytest.mark.parametrize("case", sorted(SHALLOW_CASES))
-def test_input_guided_drafters_follow_the_target(case):
+def test_plain_and_input_guided_sampling_follow_the_target(case):
     make, sampling = SHALLOW_CASES[case]
     tv = sampled_law_tv(TARGET, make(), sampling, 2, 2, SHALLOW_SAMPLES)
     limit = bound(exact_law(TARGET, sampling, 2), SHALLOW_SAMPLES)

@@ -113,6 +113,17 @@ def test_the_nucleus_search_grows_past_its_first_candidates():
     assert_same_law(scores.masked_fill(~kept, float("-inf")).softmax(-1), theirs, scores, 0.9)
 
 
+@pytest.mark.parametrize("vocab", [40, 100, 3000])
+def test_both_searches_agree_on_rows_full_of_ties(vocab):
+    g = torch.Generator().manual_seed(vocab)
+    for _ in range(30):
+        levels = int(torch.randint(2, 12, (), generator=g))
+        scores = torch.randint(levels, (4, vocab), generator=g).float() * float(torch.rand((), generator=g) * 3)
+        top_p = float(torch.rand((), generator=g)) * 0.98 + 0.01
+        by_topk = sampling_module._nucleus_by_topk(scores, top_p)
+        assert torch.equal(by_topk, sampling_module._nucleus_by_sort(scores, top_p)), (levels, top_p)
+
+
 @pytest.mark.parametrize("search", ["_nucleus_by_topk", "_nucleus_by_sort"])
 def test_ties_at_the_cut_keep_the_higher_token_ids(search):
     scores = torch.tensor([[0.0] * 8, [1.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 0.0]])

@@ -23,7 +23,8 @@ def trees(draw, max_nodes=8, distinct_siblings=True):
     tree = TokenTree(parents)
     tokens = [0] * n
     for kids in tree.children:
-        picks = draw(st.lists(st.integers(0, VOCAB - 1), min_size=len(kids), max_size=len(kids), unique=distinct_siblings))
+        size = len(kids)
+        picks = draw(st.lists(st.integers(0, VOCAB - 1), min_size=size, max_size=size, unique=distinct_siblings))
         for kid, token in zip(kids, picks):
             tokens[kid] = token
     return tree, tokens
@@ -73,7 +74,8 @@ def test_sampling_output_is_a_path_plus_one_token_and_reproducible(tree_tokens, 
         parent_block = first.accepted[depth - 1] + 1 if depth else 0
         assert p[parent_block, tokens[node]] > 0
     # a repeat of an earlier sibling's token was zeroed out of the residual: never accepted
-    repeats = {kid for kids in tree.children for i, kid in enumerate(kids) if tokens[kid] in [tokens[k] for k in kids[:i]]}
+    repeats = {kid for kids in tree.children for i, kid in enumerate(kids)
+               if tokens[kid] in [tokens[k] for k in kids[:i]]}
     assert not repeats & set(first.accepted)
 
 

@@ -140,7 +140,8 @@ def test_one_host_transfer_per_step(monkeypatch, name, rule, sampling, tree, tok
     # Count the accelerator's path.
     monkeypatch.setattr(sampling_module, "_nucleus_by_topk", sampling_module._nucleus_by_sort)
     tree_logits, chain_logits, chain_q = step_inputs("cpu")
-    logits, q = {"tree": (tree_logits, None), "chain": (chain_logits, chain_q), "empty": (chain_logits[:1], None)}[logits_kind]
+    inputs = {"tree": (tree_logits, None), "chain": (chain_logits, chain_q), "empty": (chain_logits[:1], None)}
+    logits, q = inputs[logits_kind]
     g = torch.Generator().manual_seed(0)
     rule.verify(tree, tokens, logits, q, sampling, g)  # first sight of this tree: its index tensors are built
     with counted_transfers(monkeypatch) as calls:

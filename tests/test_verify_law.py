@@ -105,7 +105,10 @@ def ranked_tree(ranks: dict[tuple[int, ...], int]):
     for path in order:
         prefix = tuple(token_of[path[:i]] for i in range(1, len(path)))
         rank = ranks[path]
-        token_of[path] = token_of[path[:-1] + (path[-1] - 1,)] if rank < 0 else int(P[prefix].argsort(descending=True)[rank])
+        if rank < 0:  # the same token as the sibling before
+            token_of[path] = token_of[path[:-1] + (path[-1] - 1,)]
+        else:
+            token_of[path] = int(P[prefix].argsort(descending=True)[rank])
     tokens = [token_of[path] for path in order]
     return lambda rng: (tree, tokens, None)
 
@@ -171,16 +174,20 @@ def test_output_law_is_the_target_law(case):
     assert tv < limit, f"TV {tv:.4f} >= bound {limit:.4f}"
 
 
-def test_bound_catches_p_instead_of_the_residual_at_depth_2(monkeypatch):
-    right = verify._end_distribution
+def p_instead_of_the_residual_at_depth_2(right):
+    """A broken ``_end_distribution``: after a rejection at depth 2 it draws from ``p``."""
 
-    def p_after_a_depth_2_rejection(index, tokens, p, q, end_block):
+    def broken(index, tokens, p, q, end_block):
         block = int(end_block)
-        if block and int(index.depth[block - 1]) == 1:  # the end is at depth 1: its child was rejected
+        if block and int(index.depth[block - 1]) == 1:  # the walk ends at depth 1: its child was rejected
             return p[block]
         return right(index, tokens, p, q, end_block)
 
-    monkeypatch.setattr(verify, "_end_distribution", p_after_a_depth_2_rejection)
+    return broken
+
+
+def test_bound_catches_p_instead_of_the_residual_at_depth_2(monkeypatch):
+    monkeypatch.setattr(verify, "_end_distribution", p_instead_of_the_residual_at_depth_2(verify._end_distribution))
     tv, limit = empirical_tv(chain_from_q(2), 3)
     assert tv > limit, f"TV {tv:.4f} <= bound {limit:.4f}"
 

@@ -154,7 +154,7 @@ def test_recipe_trains_saves_and_resumes_a_minuscule_model(tmp_path):
     assert next(model.parameters()).dtype == torch.float32
     assert AutoTokenizer.from_pretrained(tmp_path / "out").decode(stream[:20].tolist()) == tokenizer.decode(stream[:20].tolist())
     saved = json.loads((tmp_path / "out" / "training.json").read_text())
-    assert saved["steps"] == 5 and saved["machine"]["cpu"] and saved["versions"]["torch"] == torch.__version__
+    assert saved["steps"] == 5 and saved["machine"]["cpu"] and saved["machine"]["torch"] == torch.__version__
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():

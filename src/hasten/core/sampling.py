@@ -7,14 +7,16 @@ same thing here as in ``model.generate(do_sample=True)``:
 * top-k keeps every token scoring at least the k-th best score (all ties at the k-th
   score stay);
 * top-p drops a token when the mass of the tokens ranked at or below it is at most
-  ``1 - top_p``, and always keeps the best token. Between equal scores the higher token
-  id ranks higher, as the stable ascending sort Hugging Face's warper relies on gives.
+  ``1 - top_p``, and always keeps the best token. Hugging Face leaves the order of equal
+  scores to ``torch.sort``'s unstable kernel; here the higher token id ranks higher, as a
+  stable ascending sort gives, so the set does not depend on the kernel.
 
 Neither sorts the whole vocabulary on the CPU: top-k is one ``torch.topk``, and the top-p
-nucleus is found with ``torch.topk`` over a growing number of candidates (64, doubled until
-the nucleus ends inside them), then masked on the full row. On an accelerator a sort is
-cheap, while deciding whether to grow would cost a host sync per row batch, so there the
-nucleus comes from one stable sort. Both give the same set.
+nucleus is found among a few candidates (the best 64 by ``torch.topk``, or, for a wider
+nucleus, the tokens above a probability floor lowered until what lies below it cannot be
+kept), then masked on the full row. On an accelerator a sort is cheap, while deciding
+whether the candidates suffice would cost a host sync, so there the nucleus comes from one
+stable sort. Both give the same set.
 
 Drawing is inverse-CDF sampling with one uniform per row (:func:`draw`), on the
 probabilities' device, from the caller's generator.
@@ -59,7 +61,7 @@ class Sampling(Settings):
         if self.top_p is not None and self.top_p < 1:
             rows = scores.reshape(-1, vocab)  # [rows, vocab]
             find = _nucleus_by_topk if rows.device.type == "cpu" else _nucleus_by_sort
-            scores = scores.masked_fill(~find(rows, self.top_p).view(scores.shape), float("-inf"))
+            scores = torch.where(find(rows, self.top_p).view(scores.shape), scores, float("-inf"))
         return scores.softmax(dim=-1)
 
 
@@ -74,37 +76,61 @@ def _nucleus_by_sort(rows: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def _nucleus_by_topk(rows: torch.Tensor, top_p: float) -> torch.Tensor:
-    """[rows, vocab] scores -> [rows, vocab] bool kept by top-p, without sorting the vocabulary."""
-    vocab = rows.shape[-1]
+    """[rows, vocab] scores -> [rows, vocab] bool kept by top-p, without sorting the vocabulary.
+
+    The candidates are the best 64 tokens or, when the nucleus reaches past them, every token
+    above a probability floor lowered until the tokens below it hold at most 1 - top_p (so
+    none of them can be kept). Host-side decisions: this runs on the CPU only.
+    """
+    vocab, limit = rows.shape[-1], 1 - top_p
     probs = rows.softmax(dim=-1)  # [rows, vocab]
-    total = probs.sum(-1, keepdim=True, dtype=torch.float64)  # [rows, 1]
-    count = min(_FIRST_CANDIDATES, vocab)
-    while True:
-        best_scores, best = rows.topk(count, dim=-1)  # [rows, count] best first
-        best_probs = probs.gather(-1, best)  # [rows, count]
-        best_probs_f64 = best_probs.double()
-        # mass outside the candidates (they rank below every candidate), then the cumulative
-        # mass from the bottom: summed in float64 and rounded once, like the sort search, so
-        # both searches agree even where a sum lands exactly on 1 - top_p
-        outside = torch.zeros_like(total) if count == vocab else (total - best_probs_f64.sum(-1, keepdim=True)).clamp_min(0)
-        ascending = torch.cat([outside, best_probs_f64.flip(-1)], dim=-1)  # [rows, 1 + count]
-        at_or_below = ascending.cumsum(dim=-1)[:, 1:].flip(-1).float()  # [rows, count]
-        kept = at_or_below > 1 - top_p
-        kept[:, 0] = True  # the best token always stays
-        if count == vocab or not bool(kept[:, -1].any()):  # host-side on the CPU: no device sync
-            break
-        # each token still missing weighs at most the last candidate's p: at least this many more
-        missing = ((at_or_below[:, -1:] - (1 - top_p)) / best_probs[:, -1:].clamp_min(1e-30)).max()
-        count = min(max(2 * count, count + int(missing) + 1), vocab)
+    best_scores, best = rows.topk(min(_FIRST_CANDIDATES, vocab), dim=-1)  # [rows, count] best first
+    best_probs = probs.gather(-1, best)
+    # mass below the candidates (a float32 sum over the vocabulary: converting it to float64 costs more)
+    below = probs.sum(-1, keepdim=True).double() - best_probs.sum(-1, keepdim=True, dtype=torch.float64)
+    whole_ties = best.shape[-1] == vocab  # whether every token tied with a candidate is a candidate too
+    if whole_ties:
+        below = torch.zeros_like(below)
+    floor = best_probs[:, -1:]  # [rows, 1]
+    while not bool((below.float() <= limit).all()):
+        floor = floor / 16
+        outside = probs < floor  # [rows, vocab]
+        below = torch.where(outside, probs, 0.0).sum(-1, keepdim=True).double()
+        if bool((below.float() <= limit).all()):
+            best_scores, best = _best_first(rows, ~outside)
+            best_probs = torch.where(best_scores > float("-inf"), probs.gather(-1, best), 0.0)  # padding weighs 0
+            whole_ties = True  # a token tied with a candidate has its probability: above the floor too
+    # cumulative mass from the bottom over the candidates: summed in float64 and rounded
+    # once, like the sort search, so both agree even where a sum lands exactly on 1 - top_p
+    ascending = torch.cat([below.clamp_min(0), best_probs.double().flip(-1)], dim=-1)  # [rows, 1 + count]
+    kept = ascending.cumsum(dim=-1)[:, 1:].flip(-1).float() > limit  # [rows, count]
+    kept[:, 0] = True  # the best token always stays
     kept_count = kept.sum(-1, keepdim=True)  # [rows, 1]
     cut = best_scores.gather(-1, kept_count - 1)  # [rows, 1] the lowest kept score
-    keep = rows >= cut  # [rows, vocab]
-    tied = rows == cut
-    tied_wanted = kept_count - (best_scores > cut).sum(-1, keepdim=True)  # [rows, 1]
-    if bool((tied.sum(-1, keepdim=True) > tied_wanted).any()):  # the cut splits a tie (rare but for flat rows)
-        rank_from_top_id = tied.flip(-1).cumsum(-1).flip(-1)  # [rows, vocab] 1 for the highest tied id
-        keep = (rows > cut) | (tied & (rank_from_top_id <= tied_wanted))
-    return keep
+    tied_wanted = kept_count - (best_scores > cut).sum(-1, keepdim=True)  # [rows, 1] how many at the cut stay
+    whole_ties = whole_ties or bool((best_scores[:, -1:] < cut).all())
+    tied_count = (best_scores == cut).sum(-1, keepdim=True) if whole_ties else (rows == cut).sum(-1, keepdim=True)
+    if not bool((tied_count > tied_wanted).any()):
+        return rows >= cut
+    # the cut splits a group of equal scores (flat rows): the higher token ids stay
+    tied = rows == cut  # [rows, vocab]
+    rank_from_top_id = tied.flip(-1).cumsum(-1).flip(-1)  # [rows, vocab] 1 for the highest tied id
+    return (rows > cut) | (tied & (rank_from_top_id <= tied_wanted))
+
+
+def _best_first(rows: torch.Tensor, candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The candidates of each row, best score first: ([rows, k] scores, [rows, k] token ids),
+    k the most candidates of any row, shorter rows padded with -inf scores."""
+    where = candidates.nonzero()  # [total, 2] (row, token), row by row
+    counts = candidates.sum(-1)  # [rows]
+    slot = torch.arange(where.shape[0]) - (counts.cumsum(0) - counts)[where[:, 0]]  # place within its row
+    width = int(counts.max())
+    scores = rows.new_full((rows.shape[0], width), float("-inf"))
+    tokens = torch.zeros(rows.shape[0], width, dtype=torch.long)
+    scores[where[:, 0], slot] = rows[where[:, 0], where[:, 1]]
+    tokens[where[:, 0], slot] = where[:, 1]
+    order = scores.argsort(dim=-1, descending=True)
+    return scores.gather(-1, order), tokens.gather(-1, order)
 
 
 def check_generator(generator: torch.Generator | None, device: torch.device) -> None:

@@ -19,7 +19,8 @@ guesses yet, verifies the root alone and carries riders). One target forward per
 ``tau`` counts everything.
 
 Verification cost: a draft of ``n`` nodes runs ``(n + 1) * (num_tokens + 1)`` positions,
-so the default tree is small (``tree_size`` 8).
+so the default tree is small (``tree_size`` 6); the riders skip the decoder layers below
+``L``, where whatever they held would be replaced anyway.
 """
 from __future__ import annotations
 
@@ -128,8 +129,9 @@ class HiddenTransferTraining(TrainedTraining):
 # ---- the drafter -------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class HiddenTransferSettings(TreeSettings, WeightsSetting):
-    # every draft node also verifies num_tokens riders, so a small tree pays best
-    tree_size: int = 8
+    # every node brings num_tokens riders: a draft of n nodes runs (n + 1) * (num_tokens + 1)
+    # positions, so a small tree pays best (6: 28 positions for 3 placeholders)
+    tree_size: int = 6
     num_tokens: int = 3  # placeholders, for untrained weights only (trained ones bring theirs)
     layer: int | None = None  # replaced layer, for untrained weights only; None: the middle one
 
@@ -146,7 +148,7 @@ class PendingGuesses:
     """One generation's state: the rider logits the last verification left at its
     accepted path's end; row j guesses depth j + 1 of the next draft."""
 
-    logits: torch.Tensor | None = None  # [num_tokens, vocab]; None before the first step
+    logits: torch.Tensor | None = None  # [tree depth, vocab]; None before the first step
 
 
 @register
@@ -170,7 +172,8 @@ class HiddenTransfer(TopKTreeDrafter):
             raise ValueError(f"hidden_transfer weights replace layer {config.layer}, "
                              f"but the target has {num_layers(model)} layers")
         super().setup(model)  # the tree, from the measured accuracy of each placeholder
-        # a shallower tree needs fewer placeholders; the ones kept see only each other
+        # a shallower tree needs fewer placeholders; placeholder j sees only 0 .. j, so
+        # dropping the later ones changes nothing
         depth = self.tree.depth
         self.riders = Riders(depth, config.layer, partial(self.module, count=depth))
 

@@ -61,7 +61,7 @@ class TreeIndex:
     depth: torch.Tensor  # [n] long: 1 for a child of the root
     only_child: torch.Tensor  # [n] bool: the node has no siblings
     earlier_siblings: torch.Tensor  # [n, n] bool: [j, i] node i shares j's parent and comes before j
-    earlier_siblings_f: torch.Tensor  # [n, n] float32, the same (counts by matrix product)
+    earlier_siblings_f: torch.Tensor  # [n, n] float32, the same
     ancestry: torch.Tensor  # [n, n] bool: [j, i] node i is j or one of j's ancestors
     ancestry_f: torch.Tensor  # [n, n] float32, the same
     lone_child_of: torch.Tensor  # [n + 1] long: block b's only child node (0 where b has none or several)
@@ -100,7 +100,8 @@ def tree_index(tree: TokenTree, device: torch.device) -> TreeIndex:
         has_lone_child=lone.float(),
         first_leaf=first_leaf,
     )
-    return TreeIndex(**{name: value.to(device) for name, value in tensors.items()}, no_siblings=bool(lone[parent_block].all()))
+    on_device = {name: value.to(device, non_blocking=True) for name, value in tensors.items()}  # no stream sync
+    return TreeIndex(**on_device, no_siblings=bool(lone[parent_block].all()))
 
 
 def draft_tensor(tokens, device: torch.device) -> torch.Tensor:
@@ -156,8 +157,9 @@ def accept_sampling(
     tokens = draft_tensor(draft, p.device)  # [n]
     tests = randoms[:n]
     p_draft = p[index.parent_block, tokens]  # [n] p of each draft token after its parent
-    accept = _point_mass_tests(index, tokens, p_draft, tests) if q is None else None
-    if q is not None:
+    if q is None:
+        accept = _point_mass_tests(index, tokens, p_draft, tests)
+    else:
         ratio = tests * q[index.node, tokens] < p_draft  # u < p/q, without dividing by a zero q
         accept = ratio if index.no_siblings else torch.where(
             index.only_child, ratio, _point_mass_tests(index, tokens, p_draft, tests))
@@ -177,7 +179,9 @@ def _point_mass_tests(index: TreeIndex, tokens, p_draft, tests) -> torch.Tensor:
     # an earlier sibling with the same token already zeroed it out of the residual: never accept
     repeated = (index.earlier_siblings & (tokens[:, None] == tokens[None, :])).any(-1)  # [n]
     fresh = p_draft.masked_fill(repeated, 0.0)  # [n] each distinct token's mass once
-    left = 1 - index.earlier_siblings_f @ fresh  # [n] mass not yet taken by rejected earlier siblings
+    # [n] mass not yet taken by rejected earlier siblings (a plain float32 sum: a matrix product
+    # may run in TF32 on a GPU, and these are probabilities, not counts)
+    left = 1 - (index.earlier_siblings_f * fresh).sum(-1)
     return tests * left.clamp_min(0.0) < fresh
 
 
@@ -187,7 +191,7 @@ def _walk(index: TreeIndex, accept: torch.Tensor) -> torch.Tensor:
     accepted with no accepted earlier sibling; the path is a chain, so its deepest node has
     the largest index."""
     taken = accept.float()  # [n]
-    if not index.no_siblings:
+    if not index.no_siblings:  # counts of 0/1 by matrix products: exact even in TF32
         taken = taken * (index.earlier_siblings_f @ taken == 0)
     on_path = index.ancestry_f @ (1 - taken) == 0  # [n] no ancestor (or itself) left untaken
     return (on_path * index.block).max()

@@ -26,8 +26,9 @@ class Riders:
     """Placeholder positions riding on a verification forward (hidden transfer): ``count``
     of them after every block position ``b``, in causal order, seeing what ``b`` sees plus
     ``b`` itself; their input to decoder layer ``layer`` is ``transfer(h_b)``, ``h_b`` being
-    ``b``'s input to that layer. Real tokens never see them, so verification is unchanged,
-    and their cache entries are dropped with the rejected nodes."""
+    ``b``'s input to that layer (the layers below never run them). Real tokens never see
+    them, so verification is unchanged, and their cache entries are dropped with the
+    rejected nodes."""
 
     count: int
     layer: int
