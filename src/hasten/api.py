@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import os
+import re
+import socket
+import urllib.parse
 import warnings
 from dataclasses import dataclass
 from typing import Iterator
@@ -14,6 +17,7 @@ from .drafters.base import REGISTRY, Drafter, create
 from .engine.inputs import check_inputs, eos_ids
 from .engine.loop import decode
 from .engine.verify import acceptance_rule
+from .models import gguf
 from .models.adapter import vocab_size
 from .core.sampling import Sampling
 from .core.stats import DecodeStats
@@ -21,14 +25,70 @@ from .core.stats import DecodeStats
 AUTOREGRESSIVE = "autoregressive"  # the plain baseline: the decode loop without a drafter
 
 
-def resolve_path(name_or_path: str) -> str:
-    """A zoo name ("zoo:code-tiny"), a local directory, or a Hugging Face hub id."""
-    if zoo.is_zoo_name(name_or_path):
-        return str(zoo.resolve(name_or_path))
-    return name_or_path
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2" or "org/name"; never a filesystem path
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> PreTrainedModel:
+def resolve_path(name_or_path: str | os.PathLike) -> str:
+    """The local directory (or hub id) holding a model's Hugging Face files.
+
+    Takes a zoo name ("zoo:code-tiny", "zoo:smollm2-135m"), a ``.gguf`` file or a directory
+    holding one (dequantised into the cache on first use), a local Hugging Face directory,
+    or a hub id; a hub id that is neither cached nor reachable fails here, at once.
+    """
+    path = os.fspath(name_or_path)
+    if zoo.is_zoo_name(path):
+        path = str(zoo.resolve(path, cache_dir=gguf.cache_root()))
+    if os.path.exists(path):
+        source = gguf.find_gguf(path)
+        return str(gguf.cached_checkpoint(source)) if source is not None else path
+    check_hub_id(path)
+    return path
+
+
+def check_hub_id(name: str) -> None:
+    """Raise ValueError for a name that is no local path unless the hub can serve it: from its
+    local cache or, failing that, over a network that answers (a quick connect, instead of
+    the hub client's ~27 s of retries before it reports the path missing)."""
+    if name.endswith(gguf.SUFFIX) or not HUB_ID.fullmatch(name) or name.startswith("."):
+        raise ValueError(f"model {name!r} could not be loaded: no such file or directory")
+    import huggingface_hub
+    from huggingface_hub import constants
+
+    if isinstance(huggingface_hub.try_to_load_from_cache(name, "config.json"), str):
+        return
+    offline = constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+    why = "HF_HUB_OFFLINE is set" if offline else hub_unreachable(constants.ENDPOINT)
+    if why:
+        raise ValueError(
+            f"model {name!r} could not be loaded: it is not a local path, and the Hugging Face hub is "
+            f"unreachable ({why}); pass a "
+            "local directory, a .gguf file or a zoo name (zoo:code-tiny, or zoo:smollm2-135m after `make real`)")
+
+
+def hub_unreachable(endpoint: str, timeout_s: float = 3.0) -> str | None:
+    """Why ``endpoint`` cannot be reached (None when a TCP connection opens)."""
+    url = urllib.parse.urlsplit(endpoint)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=timeout_s).close()
+    except OSError as err:
+        return f"{url.hostname}: {err.strerror or err}"
+    return None
+
+
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """torch.float32 or its name ("float32", "bfloat16", "float16"); None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype), None)
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is no floating-point torch dtype (try float32, bfloat16, float16)")
+    return found
+
+
+def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
+               device: str = "cpu") -> PreTrainedModel:
+    dtype = as_dtype(dtype)
     path = resolve_path(name_or_path)
     try:
         config = AutoConfig.from_pretrained(path)
@@ -89,28 +149,92 @@ class EngineOutput:
 
 
 class Engine:
-    """A model, its tokenizer and one acceleration method, ready to generate text."""
+    """A model, its tokenizer and one acceleration method, ready to generate text.
+
+    Plain prompts and chats share one path: text (:meth:`encode`) or messages
+    (:meth:`encode_chat`) become input ids, and :meth:`steps` turns input ids into text.
+    """
 
     def __init__(self, model: PreTrainedModel, tokenizer, drafter: Drafter | None, method: str):
         self.model, self.tokenizer, self.drafter, self.method = model, tokenizer, drafter, method
 
-    def stream(self, prompt: str, **kwargs) -> Iterator[str]:
-        """Yield text pieces as tokens are accepted (same keywords as :meth:`generate`)."""
-        for piece, _ in self.steps(prompt, DecodeStats(), **kwargs):
-            yield piece
-
+    # ---- plain text prompts ----------------------------------------------------------------
     def generate(self, prompt: str, **kwargs) -> EngineOutput:
         """Generate after ``prompt``; keywords: max_new_tokens, temperature, top_k, top_p, seed."""
+        return self._collect(self.encode(prompt), kwargs)
+
+    def stream(self, prompt: str, **kwargs) -> Iterator[str]:
+        """Yield text pieces as tokens are accepted (same keywords as :meth:`generate`)."""
+        return self._pieces(self.encode(prompt), kwargs)
+
+    # ---- chats -----------------------------------------------------------------------------
+    def chat(self, messages: list[dict[str, str]], **kwargs) -> EngineOutput:
+        """The assistant's reply to ``messages`` (``[{"role": "user", "content": "..."}, ...]``),
+        formatted by the tokenizer's chat template; same keywords as :meth:`generate`. As in
+        Hugging Face ``generate``, the generation config's EOS ids end the reply."""
+        return self._collect(self.encode_chat(messages), kwargs)
+
+    def chat_stream(self, messages: list[dict[str, str]], **kwargs) -> Iterator[str]:
+        """:meth:`chat`, yielding text pieces as tokens are accepted."""
+        return self._pieces(self.encode_chat(messages), kwargs)
+
+    # ---- text -> input ids -----------------------------------------------------------------
+    def encode(self, prompt: str) -> torch.Tensor:
+        """A plain prompt's ids [1, T], with whatever special tokens (BOS) the tokenizer adds."""
+        if not isinstance(prompt, str):
+            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, T]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> torch.Tensor:
+        """``messages`` through the chat template with the assistant's turn opened, as ids
+        [1, T]. Tokenized as Hugging Face's ``apply_chat_template`` does: the template writes
+        its own BOS where the model wants one, so the tokenizer must not add another."""
+        from jinja2.exceptions import TemplateError  # transformers' chat templates are jinja
+
+        self._check_messages(messages)
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(
+                "this model's tokenizer has no chat template, so it cannot format chat messages: "
+                "send plain text instead (generate(prompt), or hasten generate without --chat)"
+            )
+        try:
+            encoded = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+            )
+        except TemplateError as err:  # the template's own check, e.g. "roles must alternate"
+            raise ValueError(f"the chat template refused these messages: {err}") from err
+        return encoded["input_ids"]  # [1, T]
+
+    @staticmethod
+    def _check_messages(messages) -> None:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError(
+                f"messages must be a non-empty list of {{'role': str, 'content': str}} dicts, got {messages!r:.80}"
+            )
+        for i, message in enumerate(messages):
+            if not (isinstance(message, dict) and isinstance(message.get("role"), str) and message["role"]
+                    and isinstance(message.get("content"), str)):
+                raise ValueError(
+                    f"messages[{i}] must be a dict with a str 'role' and a str 'content', got {message!r:.80}"
+                )
+
+    # ---- input ids -> text -----------------------------------------------------------------
+    def _collect(self, input_ids: torch.Tensor, kwargs: dict) -> EngineOutput:
         stats = DecodeStats()
         text, ids = "", []
-        for piece, new in self.steps(prompt, stats, **kwargs):
+        for piece, new in self.steps(input_ids, stats, **kwargs):
             text += piece
             ids.extend(new)
         return EngineOutput(text, ids, stats)
 
+    def _pieces(self, input_ids: torch.Tensor, kwargs: dict) -> Iterator[str]:
+        return (piece for piece, _ in self.steps(input_ids, DecodeStats(), **kwargs))
+
     def steps(
         self,
-        prompt: str,
+        prompt: str | torch.Tensor,
         stats: DecodeStats,
         *,
         max_new_tokens: int = 128,
@@ -119,20 +243,18 @@ class Engine:
         top_p: float | None = None,
         seed: int | None = None,
     ) -> Iterator[tuple[str, list[int]]]:
-        """Yield (text piece, token ids) per decode step; ``stats`` fills in as it runs."""
-        if not isinstance(prompt, str):
-            raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError("prompt is empty")
+        """Yield (text piece, token ids) per decode step; ``stats`` fills in as it runs.
+        ``prompt`` is text (see :meth:`encode`) or input ids [1, T] (e.g. :meth:`encode_chat`'s)."""
+        input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         sampling = Sampling(temperature, top_k, top_p)
-        input_ids = self.tokenizer(prompt, return_tensors="pt").input_ids.to(self.model.device)
         check_inputs(self.model, input_ids, self.drafter, max_new_tokens, None)
+        input_ids = input_ids.to(self.model.device)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
-        eos = eos_ids(self.model, None)
+        eos = eos_ids(self.model, None)  # the generation config's, as in Hugging Face generate
         acceptance = acceptance_rule(sampling)
         new: list[int] = []
         shown = ""
@@ -150,34 +272,58 @@ class Engine:
 
 
 def load(
-    name_or_path: str,
+    name_or_path: str | os.PathLike | PreTrainedModel,
     method: str = "prompt_lookup",
     *,
-    draft: str | PreTrainedModel | None = None,
-    dtype: torch.dtype = torch.float32,
-    device: str = "cpu",
+    draft: str | os.PathLike | PreTrainedModel | None = None,
+    tokenizer=None,
+    dtype: torch.dtype | str | None = None,
+    device: str | torch.device | None = None,
     **method_kwargs,
 ) -> Engine:
-    """Load a model (zoo name, local directory or hub id) with an acceleration method.
+    """Load a model with an acceleration method.
 
+    ``name_or_path``: a zoo name, a ``.gguf`` file or a directory holding one, a local
+    Hugging Face directory, a hub id, or a model already in memory (a ``PreTrainedModel``;
+    then pass its ``tokenizer=`` too). ``tokenizer`` (an object or a path) replaces the
+    model's own. ``dtype`` and ``device`` default to float32 on the CPU for a model loaded
+    here; a model passed in is converted only when they are given.
     ``method`` is ``"autoregressive"`` or a registered drafter name; ``method_kwargs``
     are that drafter's settings, e.g. ``load(path, "prompt_lookup", num_tokens=8)``.
     """
     check_method(method, draft is not None)  # before the seconds spent loading models
-    model = load_model(name_or_path, dtype, device)
-    tokenizer = load_tokenizer(name_or_path)
+    dtype = as_dtype(dtype)
+    model = as_model(name_or_path, dtype, device)
+    if tokenizer is None and isinstance(name_or_path, PreTrainedModel):
+        raise ValueError("a model passed as an object needs its tokenizer: load(model, tokenizer=...)")
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(name_or_path if tokenizer is None else tokenizer)
     draft_model = draft
-    if isinstance(draft, str):
-        draft_model = load_model(draft, dtype, device)
+    if isinstance(draft, (str, os.PathLike)):
+        draft_model = as_model(draft, dtype, device)
         draft_tokenizer = _optional_tokenizer(draft)
         if draft_tokenizer is not None and vocab_size(draft_model) == vocab_size(model):
-            warn_if_tokenizers_differ(tokenizer, draft_tokenizer, draft)
+            warn_if_tokenizers_differ(tokenizer, draft_tokenizer, str(draft))
+    elif draft is not None:
+        draft_model = as_model(draft, dtype, device)
     return Engine(model, tokenizer, make_drafter(method, draft_model, **method_kwargs), method)
 
 
-def load_tokenizer(name_or_path: str):
+def as_model(model_or_path, dtype: torch.dtype | None, device) -> PreTrainedModel:
+    """Load a model from a path or name; a model object is moved/cast only where asked."""
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return load_model(model_or_path, dtype or torch.float32, device or "cpu")
+    if not isinstance(model_or_path, PreTrainedModel):
+        raise TypeError(f"expected a model name, path or PreTrainedModel, got {type(model_or_path).__name__}")
+    if dtype is not None or device is not None:
+        model_or_path = model_or_path.to(device=device, dtype=dtype)
+    return model_or_path.eval()
+
+
+def load_tokenizer(name_or_path: str | os.PathLike):
+    path = resolve_path(name_or_path)
     try:
-        return AutoTokenizer.from_pretrained(resolve_path(name_or_path))
+        return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise ValueError(f"model {name_or_path!r} has no usable tokenizer: {str(err).splitlines()[0]}") from err
 

@@ -1,19 +1,24 @@
-"""What every ``hasten`` subcommand shares: its argument parser, its user error, the model
-and sampling flags, the output-folder check and the one-line warning format.
+"""What every ``hasten`` subcommand shares: its argument parser, its user error, the model,
+sampling and runtime (device, dtype, threads) flags, the output-folder check and the
+one-line warning format.
 
-It sits on a low floor (it imports only :mod:`hasten.core`), so the subcommands that live
-beside the code they drive (``bench``, ``train``, ``diffusion``) import it, and the
-top-level :mod:`hasten.cli` imports them, with no circle.
+It sits on a low floor (of hasten it imports only :mod:`hasten.core`), so the subcommands
+that live beside the code they drive (``bench``, ``train``, ``diffusion``) import it, and
+the top-level :mod:`hasten.cli` imports them, with no circle.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import re
 import sys
 import tempfile
 import warnings
 from pathlib import Path
 from typing import Iterator
+
+import torch
 
 from .core import settings as settings_io
 
@@ -94,3 +99,47 @@ def readable_warnings() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.showwarning = show_warning
         yield
+
+
+# ---- where and how the model runs: --device, --dtype, --threads ------------------------------
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu (default), cuda, cuda:N or mps")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the weights (default float32)")
+    # On a shared 2-core CPU torch's default of 2 threads made generation 4-10x slower than
+    # 1 whenever anything else ran (issue 10), so the default is the count that never was the slow case.
+    parser.add_argument("--threads", type=int, default=1, metavar="N",
+                        help="CPU threads for torch (default 1, never the slow case on a busy machine; 0 = all cores)")
+
+
+def checked_device(name: str) -> str:
+    """``--device`` checked before any model loads: one line saying why it cannot be used."""
+    match = re.fullmatch(r"(cpu|mps|cuda)(?::(\d+))?", name)
+    if match is None or (match[2] is not None and match[1] != "cuda"):
+        raise UserError(f"--device {name}: unknown device; use cpu, cuda, cuda:N or mps")
+    kind, index = match[1], match[2]
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError(f"--device {name}: CUDA is not available here (no NVIDIA GPU, or a CPU-only torch); "
+                            "use --device cpu")
+        count = torch.cuda.device_count()
+        if index is not None and int(index) >= count:
+            raise UserError(f"--device {name}: this machine has {count} CUDA device(s), cuda:0 .. cuda:{count - 1}")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise UserError(f"--device {name}: Apple's MPS backend is not available here; use --device cpu")
+    return name
+
+
+def torch_dtype(name: str):
+    """``--dtype`` name -> torch dtype (argparse already limited it to :data:`DTYPES`)."""
+    return getattr(torch, name)
+
+
+def apply_threads(threads: int) -> int:
+    """Give torch ``threads`` CPU threads (0: one per core); returns the number it got."""
+    if threads < 0:
+        raise UserError(f"--threads must be >= 0 (0 = all cores), got {threads}")
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    return torch.get_num_threads()

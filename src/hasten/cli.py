@@ -16,7 +16,8 @@ import torch
 
 from .api import AUTOREGRESSIVE, check_method, load
 from .arguments import (
-    Parser, UserError, add_model_arguments, add_sampling_arguments, method_settings, one_line, readable_warnings,
+    Parser, UserError, add_model_arguments, add_runtime_arguments, add_sampling_arguments, apply_threads,
+    checked_device, method_settings, one_line, readable_warnings, torch_dtype,
 )
 from .bench import cli as bench_cli
 from .core import settings as settings_io
@@ -56,7 +57,11 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
     source.add_argument("--prompt-file", metavar="PATH", help="file holding the prompt text")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as one user message through the model's chat template")
+    parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
     add_sampling_arguments(parser)
+    add_runtime_arguments(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -70,34 +75,50 @@ def _read_prompt(args: argparse.Namespace) -> str:
         raise UserError(f"--prompt-file {args.prompt_file}: {getattr(err, 'strerror', None) or err}") from None
 
 
+def _messages(args: argparse.Namespace, prompt: str) -> list[dict[str, str]]:
+    """--chat: the prompt as one user turn, after the --system message if one is given."""
+    system = [] if args.system is None else [{"role": "system", "content": args.system}]
+    return [*system, {"role": "user", "content": prompt}]
+
+
 def _run_generate(args: argparse.Namespace) -> int:
     # Check what is cheap to check before spending seconds on loading models.
     prompt = _read_prompt(args)
     if not prompt:
         raise UserError("prompt is empty")
+    if args.system is not None and not args.chat:
+        raise UserError("--system needs --chat (a system message is part of a chat)")
     Sampling(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     method_kwargs = checked_method_settings(args.method, args.method_arg)
     check_method(args.method, args.draft is not None)
-    engine = load(args.model, args.method, draft=args.draft, **method_kwargs)
+    device = checked_device(args.device)
+    threads = apply_threads(args.threads)
+    engine = load(args.model, args.method, draft=args.draft, device=device, dtype=torch_dtype(args.dtype),
+                  **method_kwargs)
+    inputs = engine.encode_chat(_messages(args, prompt)) if args.chat else prompt
     options = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
     )
-    if args.json:
-        out = engine.generate(prompt, **options)
-        record = {"model": args.model, "method": args.method, "text": out.text, "token_ids": out.token_ids}
-        print(json.dumps({**record, "stats": out.stats.to_dict()}))
-        return 0
     stats = DecodeStats()
-    for piece, _ in engine.steps(prompt, stats, **options):
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    text, token_ids = "", []
+    for piece, new in engine.steps(inputs, stats, **options):
+        text += piece
+        token_ids.extend(new)
+        if not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    if args.json:
+        record = {"model": args.model, "method": args.method, "chat": args.chat, "text": text, "token_ids": token_ids}
+        runtime = {"device": device, "dtype": args.dtype, "threads": threads}
+        print(json.dumps({**record, **runtime, "stats": stats.to_dict()}))
+        return 0
     sys.stdout.write("\n")
     print(
         f"[{args.method}] tau {stats.mean_accepted:.2f} | {stats.tokens_per_second:.1f} tok/s | "
-        f"{stats.steps} steps | {stats.new_tokens} tokens",
+        f"{stats.steps} steps | {stats.new_tokens} tokens | {threads} thread{'' if threads == 1 else 's'}",
         file=sys.stderr,
     )
     return 0

