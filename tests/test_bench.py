@@ -184,6 +184,17 @@ def test_report_writes_json_markdown_and_charts(tmp_path, models):
         assert heading in md
     assert "| method | tok/s | vs AR | vs HF greedy | vs HF same path | tau | efficiency | note |" in md
     assert "draft_model (needs a draft model)" in md
+    # per category, hasten's fastest method against Hugging Face's fastest
+    from hasten.bench.report import best_per_category
+
+    best = {b["category"]: b for b in best_per_category(results)}
+    assert set(best) == {"repeat", "other", OVERALL}
+    for category, b in best.items():
+        rows = results["by_category"][category]
+        assert b["hasten"]["tokens_per_second"] == max(r["tokens_per_second"] for r in rows[:2])
+        assert b["hf"]["tokens_per_second"] == max(r["tokens_per_second"] for r in rows[2:])
+        assert b["ratio"] == pytest.approx(b["hasten"]["tokens_per_second"] / b["hf"]["tokens_per_second"])
+    assert "## hasten's best vs Hugging Face's best, per category" in md
     for png in paths[2:]:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -302,3 +313,130 @@ def test_cli_bench_fails_loudly_on_a_mismatch(tmp_path, checkpoints, capsys, mon
     assert main(args) == 1
     assert "LOSSLESSNESS FAILURE: corrupt differs" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
+
+
+# ---- chat tasks ----------------------------------------------------------------------------------
+BOS = 1
+CHAT_TEMPLATE = (  # writes its own BOS, as Llama's templates do, and EOS after each turn, as ChatML's do
+    "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def chat_tokenizer():
+    """The test tokenizer with a chat template, adding a BOS to plain text (as Llama's do)."""
+    from tokenizers import processors
+
+    tokenizer = tiny_tokenizer()
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", BOS)]
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def test_every_chat_category_has_conversations_ending_with_a_user_turn():
+    from hasten.bench.chat_tasks import CHAT_CATEGORIES, PROMPTS
+
+    assert set(CHAT_CATEGORIES) == {"conversation", "translation", "summary", "qa", "math", "rag", "code_edit",
+                                    "grammar"}
+    for category in CHAT_CATEGORIES:
+        assert len(PROMPTS[category]) >= 2, category
+        for messages in PROMPTS[category]:
+            roles = [m["role"] for m in messages]
+            assert roles == ["user", "assistant"] * (len(roles) // 2) + ["user"], category  # alternating
+            assert all(m["content"].strip() for m in messages)
+    # multi-turn: a prior exchange, then the new user turn
+    assert all(len(messages) == 3 for messages in PROMPTS["conversation"])
+    texts = [m["content"] for convs in PROMPTS.values() for ms in convs for m in ms]
+    assert len(set(texts)) == len(texts)
+
+
+def test_chat_tasks_go_through_the_chat_template():
+    from hasten.bench.chat_tasks import CHAT_CATEGORIES, chat_tasks, task_input_ids
+
+    tokenizer = chat_tokenizer()
+    tasks = chat_tasks(tokenizer, per_task=2)
+    assert [t.name for t in tasks] == [f"{c}-{j}" for c in CHAT_CATEGORIES for j in (1, 2)]
+    for t in tasks:
+        ids = task_input_ids(tokenizer, t)  # [1, T]
+        expected = tokenizer.apply_chat_template(list(t.messages), add_generation_prompt=True, return_dict=True,
+                                                 return_tensors="pt")["input_ids"]
+        assert ids.tolist() == expected.tolist() and t.prompt_tokens == ids.shape[1]
+        assert ids[0].tolist().count(BOS) == 1  # the template's BOS only, none added on top
+        assert t.prompt.endswith("assistant:") and t.messages[-1]["content"] in t.prompt
+    conversation = next(t for t in tasks if t.category == "conversation")
+    assert f"assistant: {conversation.messages[1]['content']}</s>" in conversation.prompt
+    # plain-text tasks keep the tokenizer's own encoding
+    plain = Task("x-1", "x", "def add(a, b):")
+    assert task_input_ids(tokenizer, plain).tolist() == [tokenizer("def add(a, b):").input_ids]
+    firsts = [t for t in tasks if t.name in ("rag-1", "grammar-1")]
+    assert chat_tasks(tokenizer, ["grammar", "rag"], per_task=1) == firsts
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"categories": ["poetry"]}, "unknown chat task categories"),
+    ({"per_task": 99}, "--per-task must be between 1 and"),
+])
+def test_chat_tasks_reject_bad_requests(kwargs, message):
+    from hasten.bench.chat_tasks import chat_tasks
+
+    with pytest.raises(ValueError, match=message):
+        chat_tasks(chat_tokenizer(), **kwargs)
+
+
+def test_chat_tasks_are_plain_transcripts_without_a_chat_template():
+    from hasten.bench.chat_tasks import PROMPTS, chat_tasks, task_input_ids
+
+    tokenizer = tiny_tokenizer()  # a base model's: no chat template
+    tasks = chat_tasks(tokenizer, ["conversation"], per_task=1)
+    messages = PROMPTS["conversation"][0]
+    assert [t.messages for t in tasks] == [()]
+    assert tasks[0].prompt == (f"User: {messages[0]['content']}\n\nAssistant: {messages[1]['content']}\n\n"
+                               f"User: {messages[2]['content']}\n\nAssistant:")
+    assert task_input_ids(tokenizer, tasks[0]).shape[1] == tasks[0].prompt_tokens
+
+
+def test_auto_tasks_are_chat_for_a_chat_model_and_code_otherwise():
+    from hasten.bench.chat_tasks import CHAT_CATEGORIES
+    from hasten.bench.cli import _builtin
+
+    assert [t.category for t in _builtin("auto", chat_tokenizer(), 1)] == list(CHAT_CATEGORIES)
+    assert [t.category for t in _builtin("auto", tiny_tokenizer(), 1)] == list(CATEGORIES)
+    mixed = _builtin("grammar,edit", chat_tokenizer(), 1)
+    assert [(t.name, bool(t.messages)) for t in mixed] == [("edit-1", False), ("grammar-1", True)]
+
+
+def test_cli_bench_chat_tasks_end_to_end(tmp_path):
+    path = tmp_path / "chat-model"
+    # chat prompts are long in the test tokenizer's tokens: give the model room for them
+    model = tiny_model("llama", max_position_embeddings=4096)
+    # pad = EOS, as SmolLM2's: Hugging Face generate without an attention mask would mask out
+    # the EOS tokens the template writes between turns, and differ from hasten
+    model.generation_config.pad_token_id = model.config.eos_token_id
+    model.save_pretrained(path)
+    chat_tokenizer().save_pretrained(path)
+    args = ["bench", "--model", str(path), "--tasks", "grammar,rag", "--per-task", "1", "--repeats", "1",
+            "--max-new-tokens", "6", "--threads", "1", "--out", str(tmp_path / "out"), "--no-progress",
+            "--methods", "autoregressive,prompt_lookup", "--baselines", "hf_generate,hf_prompt_lookup"]
+    assert main(args) == 0  # 1 (and no results) on any mismatch with hasten autoregressive
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [t["name"] for t in results["tasks"]] == ["rag-1", "grammar-1"]
+    assert all(t["messages"] and t["prompt"].endswith("assistant:") for t in results["tasks"])
+    assert results["settings"]["chat_template"] is True
+    assert set(results["by_category"]) == {"rag", "grammar", OVERALL}
+    assert [r["method"] for r in results["by_category"][OVERALL]] == [
+        AUTOREGRESSIVE, "prompt_lookup", "hf_generate", "hf_prompt_lookup"]
+    assert "chat template" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_hf_baselines_attend_to_prompt_tokens_equal_to_the_pad_id():
+    """Chat templates write EOS between turns, and SmolLM2's pad id is its EOS id: the
+    baselines must attend to those tokens as hasten does, not mask them out as padding."""
+    model = tiny_model("llama")
+    model.generation_config.pad_token_id = model.config.eos_token_id
+    ids = repetitive_prompt(24, 0).clone()  # [1, 24]
+    ids[0, 3::3] = model.config.eos_token_id  # as if every third token ended a turn
+    reference, _, _ = hasten_method(AUTOREGRESSIVE, model).run(ids, 12)
+    for name in ("hf_generate", "hf_prompt_lookup"):
+        assert hf_method(name, model).run(ids, 12)[0] == reference, name

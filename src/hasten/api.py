@@ -16,6 +16,7 @@ from . import zoo
 from .drafters.base import REGISTRY, Drafter, create
 from .engine.inputs import check_inputs, eos_ids
 from .engine.loop import decode
+from .engine.sizing import SizingRule, load_or_calibrate, sizing_rule
 from .engine.verify import acceptance_rule
 from .models import gguf
 from .models.adapter import vocab_size
@@ -155,8 +156,11 @@ class Engine:
     (:meth:`encode_chat`) become input ids, and :meth:`steps` turns input ids into text.
     """
 
-    def __init__(self, model: PreTrainedModel, tokenizer, drafter: Drafter | None, method: str):
+    def __init__(self, model: PreTrainedModel, tokenizer, drafter: Drafter | None, method: str,
+                 draft_size: str | SizingRule = "fixed"):
         self.model, self.tokenizer, self.drafter, self.method = model, tokenizer, drafter, method
+        self.draft_size = draft_size
+        sizing_rule(draft_size)  # a bad value fails here, not at the first generation
 
     # ---- plain text prompts ----------------------------------------------------------------
     def generate(self, prompt: str, **kwargs) -> EngineOutput:
@@ -259,7 +263,7 @@ class Engine:
         new: list[int] = []
         shown = ""
         for step in decode(self.model, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats,
-                           acceptance):
+                           acceptance, sizing_rule(self.draft_size)):
             new.extend(step)
             text = self.tokenizer.decode(new, skip_special_tokens=True)
             # Hold text back while it ends inside a multi-byte character.
@@ -279,6 +283,7 @@ def load(
     tokenizer=None,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
+    draft_size: str | SizingRule = "fixed",
     **method_kwargs,
 ) -> Engine:
     """Load a model with an acceleration method.
@@ -290,8 +295,12 @@ def load(
     here; a model passed in is converted only when they are given.
     ``method`` is ``"autoregressive"`` or a registered drafter name; ``method_kwargs``
     are that drafter's settings, e.g. ``load(path, "prompt_lookup", num_tokens=8)``.
+    ``draft_size``: ``"fixed"`` (each drafter's own depth) or ``"auto"`` (each step's depth
+    chosen from this machine's measured forward cost and the drafter's measured acceptance;
+    the cost is calibrated here, once per model and machine, and cached).
     """
     check_method(method, draft is not None)  # before the seconds spent loading models
+    sizing_rule(draft_size)
     dtype = as_dtype(dtype)
     model = as_model(name_or_path, dtype, device)
     if tokenizer is None and isinstance(name_or_path, PreTrainedModel):
@@ -306,7 +315,10 @@ def load(
             warn_if_tokenizers_differ(tokenizer, draft_tokenizer, str(draft))
     elif draft is not None:
         draft_model = as_model(draft, dtype, device)
-    return Engine(model, tokenizer, make_drafter(method, draft_model, **method_kwargs), method)
+    drafter = make_drafter(method, draft_model, **method_kwargs)
+    if draft_size == "auto" and drafter is not None:
+        load_or_calibrate(model)  # now, at load, rather than inside the first generation
+    return Engine(model, tokenizer, drafter, method, draft_size)
 
 
 def as_model(model_or_path, dtype: torch.dtype | None, device) -> PreTrainedModel:

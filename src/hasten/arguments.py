@@ -143,3 +143,17 @@ def apply_threads(threads: int) -> int:
         raise UserError(f"--threads must be >= 0 (0 = all cores), got {threads}")
     torch.set_num_threads(threads or os.cpu_count() or 1)
     return torch.get_num_threads()
+
+
+# ---- how deep drafts go: --draft-size ----------------------------------------------------------
+DRAFT_SIZES = ("auto", "fixed")
+DEFAULT_DRAFT_SIZE = "fixed"
+
+
+def add_draft_size_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--draft-size", default=DEFAULT_DRAFT_SIZE, choices=DRAFT_SIZES,
+        help="fixed: each method drafts as deep as its settings say; auto: each step's depth is chosen "
+        "from this machine's measured forward cost (calibrated once, cached under $HASTEN_CACHE/cost) "
+        f"and the method's measured acceptance (default {DEFAULT_DRAFT_SIZE})",
+    )

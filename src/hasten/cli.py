@@ -16,7 +16,7 @@ import torch
 
 from .api import AUTOREGRESSIVE, check_method, load
 from .arguments import (
-    Parser, UserError, add_model_arguments, add_runtime_arguments, add_sampling_arguments, apply_threads,
+    Parser, UserError, add_draft_size_argument, add_model_arguments, add_runtime_arguments, add_sampling_arguments, apply_threads,
     checked_device, method_settings, one_line, readable_warnings, torch_dtype,
 )
 from .bench import cli as bench_cli
@@ -62,6 +62,7 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
     add_sampling_arguments(parser)
     add_runtime_arguments(parser)
+    add_draft_size_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
 
@@ -96,7 +97,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     device = checked_device(args.device)
     threads = apply_threads(args.threads)
     engine = load(args.model, args.method, draft=args.draft, device=device, dtype=torch_dtype(args.dtype),
-                  **method_kwargs)
+                  draft_size=args.draft_size, **method_kwargs)
     inputs = engine.encode_chat(_messages(args, prompt)) if args.chat else prompt
     options = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
@@ -112,7 +113,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     if args.json:
         record = {"model": args.model, "method": args.method, "chat": args.chat, "text": text, "token_ids": token_ids}
-        runtime = {"device": device, "dtype": args.dtype, "threads": threads}
+        runtime = {"device": device, "dtype": args.dtype, "threads": threads, "draft_size": args.draft_size}
         print(json.dumps({**record, **runtime, "stats": stats.to_dict()}))
         return 0
     sys.stdout.write("\n")

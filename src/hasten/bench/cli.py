@@ -11,15 +11,18 @@ from datetime import datetime, timezone
 import torch
 
 from ..api import AUTOREGRESSIVE
-from ..arguments import UserError, add_model_arguments, method_settings, writable_directory
+from ..arguments import DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, method_settings, writable_directory
 from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
 from .runner import (
     HF_BASELINES, OVERALL, LosslessnessError, check_lengths, hasten_method, hasten_method_names, hf_method, run_bench,
 )
+from .chat_tasks import CHAT_CATEGORIES, chat_tasks, has_chat_template, task_input_ids
 from .tasks import CATEGORIES, builtin_tasks, read_prompts
 
 AUTO = "auto"
+# --tasks presets: "auto" is chat for a model whose tokenizer has a chat template, else code.
+TASK_PRESETS = {"code": CATEGORIES, "chat": CHAT_CATEGORIES}
 
 
 def _csv(text: str) -> list[str]:
@@ -39,11 +42,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated Hugging Face baselines, or none (default: all of {', '.join(HF_BASELINES)} "
         "that the given models allow)",
     )
-    parser.add_argument("--tasks", default=",".join(CATEGORIES), help="built-in task categories (default: all)")
+    parser.add_argument(
+        "--tasks", default=AUTO,
+        help="built-in task categories, comma-separated: code (= " + ",".join(CATEGORIES) + "), chat (= "
+        + ",".join(CHAT_CATEGORIES) + ", through the model's chat template), or single categories "
+        "(default auto: chat if the tokenizer has a chat template, else code)",
+    )
     parser.add_argument("--prompts", help="JSONL file of your own prompts ({prompt, category} or Spec-Bench turns)")
     parser.add_argument("--per-task", type=int, default=2, help="prompts per category (default 2)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method and prompt (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens every method generates (default 128)")
+    parser.add_argument(
+        "--draft-size", default=DEFAULT_DRAFT_SIZE, metavar="SIZES",
+        help=f"draft sizing, or several comma-separated to time each method with each ({', '.join(DRAFT_SIZES)}); "
+        "the first keeps the method's name, the others are timed as METHOD@SIZE, e.g. auto,fixed times "
+        f"prompt_lookup (auto) and prompt_lookup@fixed (default {DEFAULT_DRAFT_SIZE})",
+    )
     # One thread by default: small models gain nothing from more, and on a CPU shared with other
     # work, extra threads thrash (zoo:code-tiny, 2 cores, other jobs running: 128 tokens took
     # 1.1-3.4 s on 1 thread and 5.6-69 s on 2). Give 0 for all cores on a large model.
@@ -103,18 +117,47 @@ def _chosen(args) -> tuple[list[str], list[str]]:
     unknown = [n for n in baselines if n not in HF_BASELINES]
     if unknown:
         raise UserError(f"--baselines: unknown {unknown}; known: {', '.join(HF_BASELINES)}, none")
-    unknown = [c for c in _csv(args.tasks) if c not in CATEGORIES]
+    known = [AUTO, *TASK_PRESETS, *CATEGORIES, *CHAT_CATEGORIES]
+    unknown = [c for c in _csv(args.tasks) if c not in known]
     if unknown:
-        raise UserError(f"--tasks: unknown {unknown}; known: {', '.join(CATEGORIES)}")
+        raise UserError(f"--tasks: unknown {unknown}; known: {', '.join(known)}")
     return names, baselines
+
+
+def _builtin(spec: str, tokenizer, per_task: int) -> list:
+    """The built-in tasks --tasks names: presets expanded, code tasks first, then chat tasks."""
+    chosen = []
+    for name in _csv(spec):
+        if name == AUTO:
+            name = "chat" if has_chat_template(tokenizer) else "code"
+        chosen += TASK_PRESETS.get(name, (name,))
+    code = [c for c in CATEGORIES if c in chosen]
+    chat = [c for c in CHAT_CATEGORIES if c in chosen]
+    try:
+        return (builtin_tasks(tokenizer, code, per_task) if code else []) + (
+            chat_tasks(tokenizer, chat, per_task) if chat else [])
+    except ValueError as err:  # e.g. --per-task beyond the prompts a chat category has
+        raise UserError(str(err)) from None
+
+
+def draft_sizes(spec: str) -> list[str]:
+    """--draft-size auto,fixed -> ["auto", "fixed"], checked."""
+    sizes = _csv(spec)
+    unknown = [s for s in sizes if s not in DRAFT_SIZES]
+    if not sizes or unknown or len(set(sizes)) != len(sizes):
+        raise UserError(f"--draft-size {spec!r}: give one or more of {', '.join(DRAFT_SIZES)}, comma-separated")
+    return sizes
 
 
 def _build_methods(args, names, settings, baselines, model, draft, probe_ids) -> tuple[list, dict[str, str]]:
     """The methods to time, and why any default one was left out."""
     methods, skipped = [], {}
-    for name in names:
+    sizes = draft_sizes(args.draft_size)
+    variants = [(name, size) for name in names for size in (sizes[:1] if name == AUTOREGRESSIVE else sizes)]
+    for name, size in variants:
+        label = name if size == sizes[0] else f"{name}@{size}"
         try:
-            method = hasten_method(name, model, draft, **settings[name])
+            method = hasten_method(name, model, draft, size, label, **settings[name])
             if args.methods == AUTO:  # a registered method may not fit these models: try it on 2 tokens
                 with warnings.catch_warnings(record=True) as caught:
                     warnings.simplefilter("always")
@@ -124,7 +167,7 @@ def _build_methods(args, names, settings, baselines, model, draft, probe_ids) ->
         except (ValueError, TypeError, OSError) as err:
             if args.methods != AUTO:
                 raise
-            skipped[name] = str(err).splitlines()[0]
+            skipped[label] = str(err).splitlines()[0]
             continue
         methods.append(method)
     for name in baselines:
@@ -148,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         if getattr(args, flag) < low:
             raise UserError(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
     names, baselines = _chosen(args)
+    draft_sizes(args.draft_size)  # checked before any model loads
     settings = {name: _settings_for(name, args.method_arg) for name in names}
     writable_directory(args.out)  # now, not after the whole run
     torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
@@ -157,8 +201,8 @@ def run(args: argparse.Namespace) -> int:
     if args.prompts:
         tasks = read_prompts(args.prompts, tokenizer, args.per_task)
     else:
-        tasks = builtin_tasks(tokenizer, _csv(args.tasks), args.per_task)
-    input_ids = [tokenizer(t.prompt, return_tensors="pt").input_ids for t in tasks]
+        tasks = _builtin(args.tasks, tokenizer, args.per_task)
+    input_ids = [task_input_ids(tokenizer, t) for t in tasks]  # chat tasks through the template
     check_lengths(model, tasks, input_ids, args.max_new_tokens)
     methods, skipped = _build_methods(args, names, settings, baselines, model, draft, input_ids[0])
     print(
@@ -179,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
         "settings": {
             "model": args.model, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "per_task": args.per_task, "prompts": args.prompts,
+            "tasks": None if args.prompts else args.tasks, "chat_template": any(t.messages for t in tasks),
         },
         "tasks": [dataclasses.asdict(t) for t in tasks],
         "skipped": skipped,

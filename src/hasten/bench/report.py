@@ -34,6 +34,38 @@ def _note(row: dict, kinds: dict[str, str]) -> str:
     return "; ".join(f"**slower than {name}**" for name in slower)
 
 
+def best_per_category(results: dict) -> list[dict]:
+    """Per category, hasten's fastest method against Hugging Face's fastest path (None where a
+    side ran nothing): the comparison a user choosing between the two would make."""
+    kinds = {m["name"]: m["kind"] for m in results["methods"]}
+    table = []
+    for category, rows in results["by_category"].items():
+        best = {}
+        for kind in ("hasten", "hf"):
+            mine = [r for r in rows if kinds.get(r["method"]) == kind]
+            best[kind] = max(mine, key=lambda r: r["tokens_per_second"]) if mine else None
+        ours, theirs = best["hasten"], best["hf"]
+        table.append({
+            "category": category, "hasten": ours, "hf": theirs,
+            "ratio": ours["tokens_per_second"] / theirs["tokens_per_second"] if ours and theirs else None,
+        })
+    return table
+
+
+def _best_lines(results: dict) -> list[str]:
+    lines = ["", "## hasten's best vs Hugging Face's best, per category", "",
+             "| category | hasten best | tok/s | tau | HF best | tok/s | tau | hasten / HF |", "|---" * 8 + "|"]
+    for b in best_per_category(results):
+        ours, theirs = b["hasten"], b["hf"]
+        if not (ours and theirs):
+            continue
+        lines.append(
+            f"| {b['category']} | {ours['method']} | {ours['tokens_per_second']:.1f} | {_num(ours['tau'])} | "
+            f"{theirs['method']} | {theirs['tokens_per_second']:.1f} | {_num(theirs['tau'])} | {_x(b['ratio'])} |"
+        )
+    return lines if len(lines) > 5 else []
+
+
 def markdown(results: dict) -> str:
     kinds = {m["name"]: m["kind"] for m in results["methods"]}
     m, s = results["machine"], results["settings"]
@@ -48,7 +80,8 @@ def markdown(results: dict) -> str:
         f"- versions: python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, hasten {m['hasten']}",
         f"- model: {s['model']}, draft: {s['draft'] or '-'}; {s['max_new_tokens']} new tokens a prompt, greedy, "
         f"EOS ignored; median of {s['repeats']} interleaved repeats",
-        "- every method's tokens were checked equal to hasten autoregressive's",
+        "- every method's tokens were checked equal to hasten autoregressive's"
+        + (" (chat prompts formatted by the model's chat template)" if s.get("chat_template") else ""),
         "",
         "Speedups are ratios of the summed per-prompt median times, so a category's speedup is what "
         "running all its prompts would see. tau = new tokens per target forward (for Hugging Face, "
@@ -57,6 +90,7 @@ def markdown(results: dict) -> str:
     ]
     if results.get("skipped"):
         lines += ["", "Methods left out: " + "; ".join(f"{k} ({v})" for k, v in results["skipped"].items())]
+    lines += _best_lines(results)
     header = "| method | tok/s | vs AR | vs HF greedy | vs HF same path | tau | efficiency | note |"
     for category, rows in results["by_category"].items():
         count = sum(1 for t in results["tasks"] if category in (OVERALL, t["category"]))

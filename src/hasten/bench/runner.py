@@ -20,6 +20,7 @@ from ..api import AUTOREGRESSIVE, make_drafter
 from ..drafters.base import REGISTRY
 from ..engine.inputs import check_positions
 from ..engine.loop import generate
+from ..engine.sizing import load_or_calibrate, sizing_rule
 from ..core.stats import DecodeStats
 from .tasks import Task
 
@@ -49,23 +50,31 @@ class Method:
     kind: str  # "hasten" or "hf"
     run: RunFn
     settings: dict = field(default_factory=dict)  # recorded in results.json
+    draft_size: str | None = None  # hasten drafters: "fixed" or "auto" (recorded too)
 
 
-def hasten_method(name: str, model, draft=None, **settings) -> Method:
+def hasten_method(name: str, model, draft=None, draft_size: str = "fixed", label: str | None = None,
+                  **settings) -> Method:
     """A registered drafter (or "autoregressive"), a fresh drafter per run, EOS ignored.
-    ``draft`` goes only to methods that declare they need a draft model."""
+    ``draft`` goes only to methods that declare they need a draft model. ``draft_size``:
+    "fixed" or "auto" (see hasten.engine.sizing); ``label`` names the method in the results
+    (default ``name``), so one drafter can be timed with both sizings side by side."""
     if name not in REGISTRY or not REGISTRY[name].needs_draft_model:
         draft = None
     make_drafter(name, draft, **settings)  # fail now, not in the middle of the benchmark
+    sizing_rule(draft_size)
+    if draft_size == "auto" and name != AUTOREGRESSIVE:
+        load_or_calibrate(model)  # the machine's cost curve, measured (or read) before anything is timed
 
     def run(input_ids, max_new_tokens):
         drafter = make_drafter(name, draft, **settings)  # built outside the timed call
         clock = time.perf_counter()
-        out = generate(model, input_ids, drafter=drafter, max_new_tokens=max_new_tokens, eos_token_id=[])
+        out = generate(model, input_ids, drafter=drafter, max_new_tokens=max_new_tokens, eos_token_id=[],
+                       draft_size=draft_size)
         seconds = time.perf_counter() - clock
         return out.sequences[0, input_ids.shape[1] :].tolist(), out.stats, seconds
 
-    return Method(name, "hasten", run, settings)
+    return Method(label or name, "hasten", run, settings, None if name == AUTOREGRESSIVE else draft_size)
 
 
 def hf_method(name: str, model, draft=None) -> Method:
@@ -87,8 +96,11 @@ def hf_method(name: str, model, draft=None) -> Method:
             clock = time.perf_counter()
             # eos_token_id=None: no stopping, as eos_token_id=[] for hasten. (min_new_tokens would
             # instead mask EOS out of the logits and change the greedy output.)
+            # An explicit all-ones mask: without one, generate masks every prompt token equal to
+            # the pad id, and chat templates write the pad/EOS id (e.g. <|im_end|>) between turns.
             out = model.generate(
-                input_ids, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=pad, **kwargs
+                input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=max_new_tokens,
+                eos_token_id=None, pad_token_id=pad, **kwargs
             )
             seconds = time.perf_counter() - clock
         finally:
@@ -235,7 +247,8 @@ def run_bench(
         category: compare({m: [cells[t.name][m] for t in group] for m in names}) for category, group in groups.items()
     }
     return {
-        "methods": [{"name": m.name, "kind": m.kind, "settings": m.settings} for m in methods],
+        "methods": [{"name": m.name, "kind": m.kind, "settings": m.settings,
+                     **({"draft_size": m.draft_size} if m.draft_size else {})} for m in methods],
         "by_task": by_task,
         "by_category": by_category,
     }

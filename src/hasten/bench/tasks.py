@@ -34,6 +34,9 @@ class Task:
     prompt: str
     source: str = ""  # where the text came from, for the report
     prompt_tokens: int = 0  # measured with the model's tokenizer
+    # chat tasks: the conversation the model's chat template formats; ``prompt`` is then the
+    # templated text, kept for the report (see chat_tasks.py)
+    messages: tuple[dict[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ from ..core.stats import DecodeStats
 from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult
 from ..models.adapter import ModelAdapter, decoder_start_token
 from .inputs import check_inputs, eos_ids
+from .sizing import FixedSize, SizingRule, sizing_rule
 from .verify import Acceptance, acceptance_rule
 
 
@@ -38,12 +39,14 @@ def decode(
     generator: torch.Generator | None,
     stats: DecodeStats,
     acceptance: Acceptance,
+    sizing: SizingRule | None = None,
 ) -> Iterator[list[int]]:
     """Yield each step's committed tokens. Inputs are assumed validated (see generate).
 
     This loop owns the committed state: ``tokens`` (host list) and, for drafters that
     read them, the target's features (a doubling buffer). Drafters get read access through
-    the :class:`DraftContext` and keep per-generation state in ``ctx.state``.
+    the :class:`DraftContext` and keep per-generation state in ``ctx.state``. ``sizing``
+    (default :class:`FixedSize`) sets each step's deepest usable draft node; 0 skips drafting.
     """
     target = ModelAdapter(model)
     if drafter is not None:
@@ -57,8 +60,10 @@ def decode(
     source = input_ids[0].tolist() if target.encoder_decoder else None
     ctx = DraftContext(tokens, 0, sampling, generator, target, source, features)
     fit = Draft.limit_depth if target.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
+    sizing = sizing or FixedSize()
     if drafter is not None:
         ctx.state = drafter.begin(ctx)
+        size_state = sizing.begin(target)
     stats.prefill_seconds += time.perf_counter() - clock
 
     produced = 0
@@ -67,8 +72,9 @@ def decode(
         clock = time.perf_counter()
         draft = EMPTY_DRAFT
         if drafter is not None and budget > 1:
-            ctx.max_depth = budget - 1  # the bonus token needs the last slot
-            draft = fit(drafter.propose(ctx), budget - 1)
+            ctx.max_depth = sizing.depth(size_state, budget - 1)  # the bonus token needs the last slot
+            if ctx.max_depth > 0:
+                draft = fit(drafter.propose(ctx), ctx.max_depth)
         drafted_at = time.perf_counter()
 
         start = target.cache_length  # == len(tokens) - 1
@@ -91,11 +97,13 @@ def decode(
             target.crop(len(tokens) - 1)
             if features is not None:
                 features.truncate(len(tokens) - 1)
+        verified_at = time.perf_counter()
         stats.draft_seconds += drafted_at - clock
-        stats.verify_seconds += time.perf_counter() - drafted_at
+        stats.verify_seconds += verified_at - drafted_at
         max_depth = max(draft.tree.depths, default=0)
         stats.record(max_depth, len(draft), len(verdict.accepted), len(new))
         if drafter is not None:
+            sizing.observe(size_state, draft.tree, len(verdict.accepted), drafted_at - clock, verified_at - drafted_at)
             riders = None if out.riders is None else out.riders[kept_blocks[-1]]
             drafter.observe(ctx, StepResult(len(draft), len(verdict.accepted), max_depth, riders))
         yield new
@@ -115,12 +123,15 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
     lossy_acceptance: Acceptance | None = None,
+    draft_size: str | SizingRule = "fixed",
 ) -> GenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
 
     Greedy (temperature 0) output is token-identical to the plain model's; sampled output
     is distributed exactly as the plain model samples with the same temperature, top-k and
-    top-p, whichever drafter is used. ``lossy_acceptance`` (e.g.
+    top-p, whichever drafter is used. ``draft_size`` is ``"fixed"`` (each drafter's own
+    depth) or ``"auto"`` (each step's depth chosen from the target's measured forward cost
+    and the drafter's measured acceptance; see :mod:`hasten.engine.sizing`). ``lossy_acceptance`` (e.g.
     ``hasten.approx.TypicalAcceptance()``) replaces the exact rule and gives that up.
     """
     sampling = Sampling(temperature, top_k, top_p)
@@ -128,8 +139,10 @@ def generate(
     stats = DecodeStats()
     eos = eos_ids(model, eos_token_id)
     acceptance = acceptance_rule(sampling, lossy_acceptance)
+    sizing = sizing_rule(draft_size)
     new: list[int] = []
-    for piece in decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance):
+    for piece in decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance,
+                        sizing):
         new.extend(piece)
     head = [decoder_start_token(model)] if model.config.is_encoder_decoder else input_ids[0].tolist()
     return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats)

@@ -1,0 +1,348 @@
+"""Sizing rules: how deep each step's draft may go.
+
+Cutting a draft's depth is always lossless (the loop verifies whatever is left), so the
+depth is purely a speed decision. :class:`FixedSize` lets every drafter draft as deep as
+it likes (the token budget permitting). :class:`CostAwareSize` picks, each step, the depth
+``k`` that maximises expected tokens per second::
+
+    (1 + sum_{d<=k} prod_{i<=d} a_i) / (forward(nodes at depth <= k, + 1) + draft(k))
+
+from the target's forward cost per block size *on this machine* (a short calibration,
+cached on disk per model, device, dtype, threads and machine), the drafter's acceptance
+per depth (``a_d``: P(depth d accepted | depth d drafted and depth d - 1 accepted),
+measured online per generation) and its measured drafting seconds. ``k = 0`` (a plain
+step, no proposal at all) is allowed when drafting does not pay; a small probe now and
+then re-measures acceptance.
+
+A rule is chosen once per generation (like the acceptance rule); its per-generation
+state comes from ``begin`` and lives with the loop.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PreTrainedModel
+
+from ..core.tree import TokenTree
+from ..models.adapter import ModelAdapter
+from ..models.gguf import cache_root
+
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32)  # block sizes timed (positions per forward)
+CALIBRATION_CONTEXT = 96  # cached tokens before each timed block
+CALIBRATION_REPS = 5  # timed reps per size (median kept), after one warm-up round
+
+
+class SizingRule:
+    """Decides each step's deepest usable draft node. ``begin`` returns per-generation state."""
+
+    name: str = "fixed"
+
+    def begin(self, target: ModelAdapter) -> Any:
+        return None
+
+    def depth(self, state: Any, limit: int) -> int:
+        """The max draft depth for this step, at most ``limit`` (0: do not draft)."""
+        return limit
+
+    def observe(self, state: Any, tree: TokenTree, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        """The step's verified (already cut) draft tree, its accepted path length and timings."""
+
+
+class FixedSize(SizingRule):
+    """Today's behaviour: each drafter drafts as deep as its own settings say (budget permitting)."""
+
+    name = "fixed"
+
+
+# ---- the target's forward cost on this machine --------------------------------------------------
+@dataclass(frozen=True)
+class CostCurve:
+    """Seconds of one target forward over ``sizes[i]`` positions (after a cached context)."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not self.sizes or len(self.sizes) != len(self.seconds) or list(self.sizes) != sorted(set(self.sizes)):
+            raise ValueError(f"CostCurve needs increasing sizes, one time each: {self.sizes}, {self.seconds}")
+
+    def __call__(self, positions: float) -> float:
+        """Linear interpolation; linear extrapolation from the last two points past the end."""
+        sizes, seconds = self.sizes, self.seconds
+        if len(sizes) == 1 or positions <= sizes[0]:
+            return seconds[0]
+        i = min(max(bisect_left(sizes, positions), 1), len(sizes) - 1)
+        x0, x1, y0, y1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
+        return max(y0 + (y1 - y0) * (positions - x0) / (x1 - x0), seconds[0])
+
+    @classmethod
+    def flat(cls) -> "CostCurve":
+        return cls((1,), (1.0,))
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_name() -> str:
+    from ..machine import cpu_model
+
+    return cpu_model()
+
+
+def calibration_key(model: PreTrainedModel) -> dict:
+    """What a forward's cost depends on: the model, where and how it runs, and the machine."""
+    device = model.device
+    config = model.config.to_json_string(use_diff=False)
+    return {
+        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
+        "config": hashlib.sha256(config.encode()).hexdigest()[:16],
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "threads": torch.get_num_threads(),
+        "machine": f"{_cpu_name()} x{os.cpu_count()} {platform.node()}",
+        "torch": torch.__version__,
+    }
+
+
+def cost_file(key: dict, root: Path | None = None) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]
+    return (root or cache_root()) / "cost" / f"{digest}.json"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def calibrate(model: PreTrainedModel, sizes=CALIBRATION_SIZES, context: int = CALIBRATION_CONTEXT,
+              reps: int = CALIBRATION_REPS) -> CostCurve:
+    """Time the target's forward over each block size after ``context`` cached tokens
+    (median of ``reps``, sizes interleaved so drift falls on all alike)."""
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    if limit:  # leave room for the largest block
+        context = max(1, min(context, limit - 2 - max(sizes)))
+        sizes = tuple(s for s in sizes if context + 2 + s <= limit) or (1,)
+    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 64
+    tokens = [3 + (7 * i) % max(vocab - 3, 1) for i in range(context + 2 + max(sizes))]  # any ids will do
+    adapter = ModelAdapter(model)
+    adapter.start(torch.tensor([tokens[:2]]))
+    adapter.forward(tokens[2 : context + 2], tree=None)
+    base = adapter.cache_length
+    times: dict[int, list[float]] = {s: [] for s in sizes}
+    for rep in range(reps + 1):  # the first round warms up
+        for size in sizes:
+            _sync(adapter.device)
+            clock = time.perf_counter()
+            adapter.forward(tokens[base : base + size], tree=None)
+            _sync(adapter.device)
+            if rep:
+                times[size].append(time.perf_counter() - clock)
+            adapter.crop(base)
+    return CostCurve(tuple(sizes), tuple(statistics.median(times[s]) for s in sizes))
+
+
+_MEMO: dict[Path, CostCurve] = {}
+
+
+def load_or_calibrate(model: PreTrainedModel, root: Path | None = None) -> CostCurve:
+    """The model's cost curve from the disk cache, calibrating (and saving) on first use."""
+    key = calibration_key(model)
+    path = cost_file(key, root)
+    if path in _MEMO:
+        return _MEMO[path]
+    curve = None
+    if path.is_file():
+        try:
+            saved = json.loads(path.read_text())
+            if saved.get("key") == key:
+                curve = CostCurve(tuple(saved["sizes"]), tuple(saved["seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            curve = None  # a damaged file is measured again
+    if curve is None:
+        curve = calibrate(model)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            scratch = path.with_suffix(".tmp")
+            scratch.write_text(json.dumps({"key": key, "sizes": curve.sizes, "seconds": curve.seconds}, indent=1))
+            scratch.replace(path)
+        except OSError:
+            pass  # an unwritable cache only costs a calibration next time
+    _MEMO[path] = curve
+    return curve
+
+
+# ---- the cost-aware rule ------------------------------------------------------------------------
+@dataclass
+class SizingState:
+    """One generation's measurements (counts decay, so the rule follows drift within a generation)."""
+
+    curve: CostCurve
+    trials: list[float] = field(default_factory=list)  # index d - 1: steps that drafted depth d with d - 1 accepted
+    hits: list[float] = field(default_factory=list)  # ... of which depth d was accepted
+    width: list[float] = field(default_factory=list)  # index d - 1: mean nodes at depth d when drafted
+    reach: int | None = None  # deepest depth the drafter has drafted (None: not yet known)
+    most_nodes: int = 0  # largest draft seen: drafters with a node budget never exceed it, however deep
+    # drafting seconds ~ fixed + per_depth * depth, fitted by decayed least squares over
+    # (depth drafted, seconds) of the steps that proposed: [weight, sum k, sum k^2, sum t, sum k t]
+    draft_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    scale: float | None = None  # observed verify seconds / calibrated forward seconds
+    skipped: int = 0  # plain steps in a row since the last draft
+    probe_gap: int = 0  # plain steps before the next probe (at least; doubled after each failed probe)
+    probing: bool = False  # this step is a probe
+    chosen: int = 0  # the depth chosen for the step under way
+
+
+class CostAwareSize(SizingRule):
+    """Pick each step's depth to maximise expected tokens per second (see the module doc).
+
+    ``curve``: the target's forward cost (None: measured on first use via
+    :func:`load_or_calibrate`). For trees, the node count at each depth is estimated from
+    recent drafts (a decaying mean of the nodes proposed at that depth, when it was reached),
+    capped by the largest draft seen, since tree drafters with a node budget (lookahead,
+    eagle) spend it whatever the depth. The measured verify time rescales the calibrated
+    curve (a longer context, a busier machine), so forward and drafting seconds stay comparable.
+    """
+
+    name = "auto"
+
+    def __init__(self, curve: CostCurve | None = None, prior: float = 0.5, prior_weight: float = 3.0,
+                 decay: float = 0.9, probe_gap: int = 4, max_probe_gap: int = 64, probe_share: float = 0.03):
+        self.curve, self.prior, self.prior_weight, self.decay = curve, prior, prior_weight, decay
+        self.probe_share = probe_share
+        self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
+
+    def begin(self, target: ModelAdapter) -> SizingState:
+        curve = self.curve if self.curve is not None else load_or_calibrate(target.model)
+        return SizingState(curve, probe_gap=self.first_probe_gap)
+
+    # estimates ----------------------------------------------------------------------------------
+    def acceptances(self, state: SizingState, deepest: int) -> list[float]:
+        """a_1 .. a_deepest, each with a prior worth ``prior_weight`` steps: ``prior`` at depth
+        1, deeper the larger of ``prior`` and the estimate one level up (once a draft has
+        matched for a while, the next token tends to match as well, so unexplored depths get
+        tried). Real counts decay and the prior does not, so a drafter that is never right
+        keeps an estimate of ``prior * prior_weight / (prior_weight + 1 / (1 - decay))``
+        (0.115 by default): optimism that measured better than letting it reach 0, which
+        starved copy drafters whose acceptance starts low and rises."""
+        found, prior = [], self.prior
+        for d in range(deepest):
+            trials = state.trials[d] if d < len(state.trials) else 0.0
+            hits = state.hits[d] if d < len(state.hits) else 0.0
+            estimate = (hits + prior * self.prior_weight) / (trials + self.prior_weight)
+            found.append(estimate)
+            prior = max(estimate, self.prior)
+        return found
+
+    def rates(self, state: SizingState, deepest: int) -> list[float]:
+        """Expected tokens per second when drafting k = 0 .. ``deepest`` deep."""
+        scale = state.scale or 1.0
+        fixed, per_depth = self.draft_cost(state)
+        tokens, survive, nodes = 1.0, 1.0, 0.0
+        found = [tokens / (state.curve(1) * scale)]
+        for d, accept in enumerate(self.acceptances(state, deepest), start=1):
+            survive *= accept
+            tokens += survive
+            nodes += state.width[d - 1] if d <= len(state.width) else (state.width[-1] if state.width else 1.0)
+            positions = min(nodes, max(state.most_nodes, d)) + 1
+            found.append(tokens / (state.curve(positions) * scale + fixed + per_depth * d))
+        return found
+
+    def affordable_gap(self, state: SizingState, depth: int) -> int:
+        """Plain steps between probes ``depth`` deep such that probing costs at most
+        ``probe_share`` of the time."""
+        fixed, per_depth = self.draft_cost(state)
+        scale = state.scale or 1.0
+        plain = state.curve(1) * scale
+        nodes = min(sum(state.width[:depth]) + max(depth - len(state.width), 0), max(state.most_nodes, depth))
+        extra = state.curve(nodes + 1) * scale + fixed + per_depth * depth - plain
+        return min(int(extra / (self.probe_share * plain)), self.max_probe_gap)
+
+    @staticmethod
+    def draft_cost(state: SizingState) -> tuple[float, float]:
+        """(fixed seconds, seconds per depth) of one proposal. Until depths have varied,
+        all of it is charged per depth (a guess that errs towards shallower drafts, which
+        then vary the depth and reveal the fixed part)."""
+        weight, k, kk, t, kt = state.draft_sums
+        if weight <= 0:
+            return 0.0, 0.0
+        spread = weight * kk - k * k
+        if spread > 1e-6 * weight * weight:
+            slope = max((weight * kt - k * t) / spread, 0.0)
+            fixed = max((t - slope * k) / weight, 0.0)
+            return fixed, slope
+        return 0.0, t / k
+
+    # the rule ------------------------------------------------------------------------------------
+    def depth(self, state: SizingState, limit: int) -> int:
+        if state.reach is None:  # nothing drafted yet: see how deep the drafter goes
+            state.chosen = limit
+            return limit
+        top = min(limit, state.reach + 1)  # one level past the deepest seen, so reach can grow
+        rates = self.rates(state, top)
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        state.probing = False
+        if best == 0:
+            state.skipped += 1
+            # now and then a probe one deep re-measures a_1 (full-depth probes measured no better)
+            if state.skipped > max(state.probe_gap, self.affordable_gap(state, 1)):
+                best, state.probing = 1, True
+        state.chosen = best
+        return best
+
+    def observe(self, state: SizingState, tree: TokenTree, accepted: int, draft_seconds: float,
+                verify_seconds: float) -> None:
+        depths = tree.depths
+        drafted = max(depths, default=0)
+        positions = len(tree) + 1
+        if verify_seconds > 0:
+            ratio = verify_seconds / state.curve(positions)
+            state.scale = ratio if state.scale is None else 0.8 * state.scale + 0.2 * ratio
+        if state.chosen == 0:
+            return
+        state.skipped = 0
+        if state.probing:  # a failed probe doubles the wait for the next one
+            state.probe_gap = self.first_probe_gap if accepted else min(2 * state.probe_gap, self.max_probe_gap)
+        if drafted == 0:
+            return
+        state.reach = max(state.reach or 0, drafted)
+        state.most_nodes = max(state.most_nodes, len(tree))
+        sums = state.draft_sums
+        for i, value in enumerate((1.0, drafted, drafted * drafted, draft_seconds, drafted * draft_seconds)):
+            sums[i] = sums[i] * self.decay + value
+        counts = [0] * drafted
+        for depth in depths:
+            counts[depth - 1] += 1
+        for d in range(1, drafted + 1):
+            while len(state.width) < d:
+                state.width.append(float(counts[d - 1]))
+                state.trials.append(0.0)
+                state.hits.append(0.0)
+            state.width[d - 1] = 0.8 * state.width[d - 1] + 0.2 * counts[d - 1]
+            if accepted >= d - 1:  # depth d was tried: its parent was accepted
+                state.trials[d - 1] = state.trials[d - 1] * self.decay + 1.0
+                state.hits[d - 1] = state.hits[d - 1] * self.decay + (1.0 if accepted >= d else 0.0)
+
+
+SIZES = ("auto", "fixed")
+
+
+def sizing_rule(draft_size: str | SizingRule) -> SizingRule:
+    """``"auto"`` (:class:`CostAwareSize`), ``"fixed"`` (:class:`FixedSize`) or a rule object."""
+    if isinstance(draft_size, SizingRule):
+        return draft_size
+    if draft_size == "auto":
+        return CostAwareSize()
+    if draft_size == "fixed":
+        return FixedSize()
+    raise ValueError(f"draft_size must be 'auto' or 'fixed' (or a SizingRule), got {draft_size!r}")

@@ -1,0 +1,326 @@
+"""Hardware-aware draft sizing (engine/sizing.py): the rule's choices on injected cost
+curves, the calibration cache, and losslessness (greedy equality, sampled law) with auto
+sizing. No test times anything: cost curves are given, and the one real calibration's
+numbers are never asserted."""
+import functools
+
+import pytest
+import torch
+
+import hasten
+from hasten.core.sampling import Sampling
+from hasten.core.tree import TokenTree
+from hasten.drafters import DraftModel, Lookahead, PromptLookup
+from hasten.engine import sizing
+from hasten.engine.sizing import CostAwareSize, CostCurve, FixedSize, SizingState, sizing_rule
+from helpers import ScriptedDrafter, TreeScriptedDrafter, hf_greedy, repetitive_prompt, tiny_model
+from test_sampling_distribution import TARGET, bound, exact_law, peaky_model, sampled_law_tv
+
+FLAT = CostCurve((1, 64), (1.0, 1.0))
+STEEP = CostCurve((1, 2, 4, 8, 16), (1.0, 1.1, 1.4, 2.5, 5.0))  # a CPU-like curve: deep drafts cost
+LINEAR = CostCurve((1, 2, 4, 8, 16), (1.0, 2.0, 4.0, 8.0, 16.0))  # every position costs a full forward
+
+
+def observe_steps(rule, state, steps, depth, accepted, seconds_per_depth=0.0):
+    """``steps`` steps of a chain drafter whose drafts are accepted ``accepted`` deep."""
+    for _ in range(steps):
+        chosen = rule.depth(state, depth)
+        rule.observe(state, TokenTree.chain(chosen), min(accepted, chosen), seconds_per_depth * chosen, 1.0)
+
+
+def known_state(curve, acceptance, depth=8):
+    """A state as if ``acceptance`` had been measured at every depth over many steps."""
+    return SizingState(curve, trials=[1000.0] * depth, hits=[1000.0 * acceptance] * depth, width=[1.0] * depth,
+                       reach=depth, scale=1.0, probe_gap=4)
+
+
+def test_zero_acceptance_and_costly_drafting_means_no_draft():
+    rule = CostAwareSize(FLAT)
+    state = rule.begin(None)
+    chosen = []
+    for _ in range(60):  # a drafter that is never right and costs 0.2 forwards per level
+        depth = rule.depth(state, 10)
+        chosen.append(depth)
+        rule.observe(state, TokenTree.chain(depth), 0, 0.2 * depth, 1.0)
+    rates = rule.rates(state, 10)
+    assert max(range(len(rates)), key=rates.__getitem__) == 0
+    assert chosen[-30:].count(0) >= 27  # plain steps but for a rare probe
+
+
+def test_plain_steps_probe_now_and_then_and_back_off_after_failures():
+    rule = CostAwareSize(FLAT, probe_gap=3)
+    state = rule.begin(None)
+    chosen = []
+    for _ in range(160):  # a drafter that is never right
+        depth = rule.depth(state, 10)
+        chosen.append(depth)
+        rule.observe(state, TokenTree.chain(depth), 0, 0.2 * depth, 1.0)
+    assert set(chosen[20:]) == {0, 1}  # plain steps, and probes one deep
+    probes = [i for i, depth in enumerate(chosen) if depth and i >= 20]
+    gaps = [b - a - 1 for a, b in zip(probes, probes[1:])]  # plain steps between probes
+    assert len(gaps) >= 2 and min(gaps) >= 3
+    assert gaps == sorted(gaps) and gaps[-1] >= 2 * gaps[0]  # a failed probe doubles the gap
+
+
+def test_a_successful_probe_brings_drafting_back():
+    rule = CostAwareSize(FLAT, probe_gap=2)
+    state = rule.begin(None)
+    observe_steps(rule, state, 10, depth=4, accepted=0, seconds_per_depth=0.05)
+    depths = []
+    for _ in range(40):  # the drafter now guesses right whenever it drafts
+        depth = rule.depth(state, 4)
+        depths.append(depth)
+        rule.observe(state, TokenTree.chain(depth), depth, 0.05 * depth, 1.0)
+    assert depths[-1] == 4
+
+
+def test_full_acceptance_on_a_flat_curve_drafts_as_deep_as_allowed():
+    rule = CostAwareSize(FLAT)
+    state = rule.begin(None)
+    assert rule.depth(state, 6) == 6  # the first step sees how deep the drafter goes
+    observe_steps(rule, state, 10, depth=6, accepted=6)
+    assert rule.depth(state, 6) == 6
+    assert rule.depth(state, 20) == 7  # one level past the deepest seen: reach can grow
+
+
+def test_a_steep_cost_curve_picks_an_intermediate_depth():
+    rule = CostAwareSize(STEEP)
+    chosen = rule.depth(known_state(STEEP, 0.8), 8)
+    assert 1 < chosen < 8
+    rates = rule.rates(known_state(STEEP, 0.8), 8)
+    assert rates[chosen] == max(rates)
+    assert rule.depth(known_state(LINEAR, 0.8), 8) == 0  # a full forward per node never pays at 0.8
+    assert rule.depth(known_state(FLAT, 0.8), 8) == 8
+
+
+def test_acceptance_is_conditional_on_the_parent_depth():
+    rule = CostAwareSize(FLAT, decay=1.0, prior_weight=0.0)  # counts only, no pseudo-steps
+    state = rule.begin(None)
+    rule.depth(state, 4)
+    rule.observe(state, TokenTree.chain(4), 1, 0.0, 1.0)  # depth 1 accepted, depth 2 rejected
+    assert state.trials == [1.0, 1.0, 0.0, 0.0]  # depths 3 and 4 were never tried
+    assert state.hits == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_tree_widths_are_estimated_per_depth():
+    rule = CostAwareSize(FLAT)
+    state = rule.begin(None)
+    tree = TokenTree.from_paths([(0,), (1,), (2,), (0, 0), (0, 1)])  # 3 nodes at depth 1, 2 at depth 2
+    for _ in range(30):
+        rule.depth(state, 2)
+        rule.observe(state, tree, 1, 0.0, 1.0)
+    assert state.width == pytest.approx([3.0, 2.0], abs=0.01)
+
+
+def test_a_drafter_with_a_node_budget_is_charged_at_most_its_largest_draft():
+    rule = CostAwareSize(LINEAR)
+    state = known_state(LINEAR, 0.9, depth=2)
+    state.width, state.most_nodes = [6.0, 6.0], 12  # drafts cut at depth 2 spent a 12-node budget there
+    rates = rule.rates(state, 6)
+    accept = rule.acceptances(state, 6)
+    assert accept == pytest.approx([0.9] * 6, abs=0.01)  # measured at depths 1-2; deeper ones borrow depth 2's
+    tokens = 1 + sum(torch.tensor(accept).cumprod(0).tolist())
+    assert rates[6] == pytest.approx(tokens / LINEAR(13))  # 12 nodes + the root, not 36 + 1
+
+
+def test_drafting_cost_is_fitted_as_fixed_plus_per_depth():
+    rule = CostAwareSize(FLAT)
+    state = rule.begin(None)
+    rule.depth(state, 4)
+    rule.observe(state, TokenTree.chain(4), 0, 0.7, 1.0)
+    assert rule.draft_cost(state) == pytest.approx((0.0, 0.7 / 4))  # one depth seen: all of it per depth
+    for depth in (1, 2, 3, 4, 2, 1):
+        rule.observe(state, TokenTree.chain(depth), 0, 0.3 + 0.1 * depth, 1.0)
+    assert rule.draft_cost(state) == pytest.approx((0.3, 0.1))
+
+
+def test_cost_curve_interpolates_and_extrapolates():
+    curve = CostCurve((1, 2, 4), (1.0, 2.0, 3.0))
+    assert curve(3) == pytest.approx(2.5)
+    assert curve(8) == pytest.approx(5.0)
+    assert curve(0) == 1.0
+
+
+def test_sizing_rule_names():
+    assert isinstance(sizing_rule("fixed"), FixedSize)
+    assert isinstance(sizing_rule("auto"), CostAwareSize)
+    with pytest.raises(ValueError, match="auto"):
+        sizing_rule("deep")
+
+
+# ---- the calibration cache -------------------------------------------------------------------------------
+def test_calibration_is_written_once_and_reused_per_model_and_threads(tmp_path, monkeypatch):
+    monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(sizing, "_MEMO", {})
+    runs = []
+    real = sizing.calibrate
+    monkeypatch.setattr(sizing, "calibrate", lambda model: runs.append(model) or real(model, sizes=(1, 4), reps=1))
+    model = tiny_model("llama")
+    first = sizing.load_or_calibrate(model)
+    files = list((tmp_path / "cost").glob("*.json"))
+    assert len(runs) == 1 and len(files) == 1
+    stamp = files[0].stat().st_mtime_ns
+    sizing._MEMO.clear()  # as a new process would: the file alone must answer
+    assert sizing.load_or_calibrate(model) == first
+    assert len(runs) == 1 and files[0].stat().st_mtime_ns == stamp
+    sizing.load_or_calibrate(tiny_model("llama", num_hidden_layers=1))  # another model: its own curve
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # other threads: another curve
+        sizing.load_or_calibrate(model)
+    finally:
+        torch.set_num_threads(threads)
+    assert len(runs) == 3 and len(list((tmp_path / "cost").glob("*.json"))) == 3
+
+
+def test_a_damaged_cache_file_is_measured_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(sizing, "_MEMO", {})
+    monkeypatch.setattr(sizing, "calibrate", lambda model: STEEP)
+    model = tiny_model("llama")
+    path = sizing.cost_file(sizing.calibration_key(model))
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    assert sizing.load_or_calibrate(model) == STEEP
+    assert '"sizes"' in path.read_text()
+
+
+# ---- losslessness with auto sizing -----------------------------------------------------------------------
+NEW = 40
+
+
+def auto(curve=STEEP):
+    return CostAwareSize(curve, probe_gap=2)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama")
+
+
+@pytest.fixture(scope="module")
+def prompt():
+    return repetitive_prompt(24)
+
+
+@pytest.fixture(scope="module")
+def reference(target, prompt):
+    return hf_greedy(target, prompt, NEW)
+
+
+def drafters(reference):
+    ref = reference[0].tolist()
+    return {
+        "prompt_lookup": PromptLookup(num_tokens=8),
+        "lookahead": Lookahead(),
+        "draft_model": DraftModel(tiny_model("llama", seed=1), num_tokens=5),
+        "oracle": ScriptedDrafter(ref, 8, "oracle"),
+        "adversarial": ScriptedDrafter(ref, 8, "adversarial"),
+        "error_at_2": ScriptedDrafter(ref, 8, 2),
+        "tree": TreeScriptedDrafter(ref, depth=4, width=3, error_at=3),
+    }
+
+
+@pytest.mark.parametrize("name", ["prompt_lookup", "lookahead", "draft_model", "oracle", "adversarial",
+                                  "error_at_2", "tree"])
+@pytest.mark.parametrize("curve", [FLAT, STEEP, LINEAR], ids=["flat", "steep", "linear"])
+def test_greedy_output_is_unchanged_by_auto_sizing(target, prompt, reference, name, curve):
+    drafter = drafters(reference)[name]
+    out = hasten.generate(target, prompt, drafter=drafter, max_new_tokens=NEW, draft_size=auto(curve))
+    assert out.sequences.tolist() == reference.tolist()
+
+
+def test_auto_sizing_skips_drafting_for_a_drafter_that_is_always_wrong(target, prompt, reference):
+    drafter = ScriptedDrafter(reference[0].tolist(), 8, "adversarial")
+    rule = CostAwareSize(LINEAR, probe_gap=4)
+    out = hasten.generate(target, prompt, drafter=drafter, max_new_tokens=NEW, draft_size=rule)
+    assert out.sequences.tolist() == reference.tolist()
+    assert drafter.calls < out.stats.steps // 2  # most steps were plain: no proposal at all
+    fixed = ScriptedDrafter(reference[0].tolist(), 8, "adversarial")
+    hasten.generate(target, prompt, drafter=fixed, max_new_tokens=NEW, draft_size="fixed")
+    assert fixed.calls == NEW - 1  # every step but the last (whose budget is 1) drafted
+
+
+def test_auto_sizing_drafts_the_whole_budget_for_an_oracle_on_a_flat_curve(target, prompt, reference):
+    drafter = ScriptedDrafter(reference[0].tolist(), 8, "oracle")
+    out = hasten.generate(target, prompt, drafter=drafter, max_new_tokens=NEW, draft_size=auto(FLAT))
+    assert out.sequences.tolist() == reference.tolist()
+    # deep drafts from the first step on (8 + the bonus: 5 steps), a little shallower while
+    # the acceptance estimate climbs from its prior, never a plain step
+    assert out.stats.steps <= 7 and out.stats.drafted_at_depth[0] == out.stats.steps
+
+
+def test_sampled_law_is_unchanged_by_auto_sizing(monkeypatch):
+    sampling = Sampling(1.0, top_k=3)
+    rule = CostAwareSize(STEEP, probe_gap=1)
+    monkeypatch.setattr(hasten, "generate", functools.partial(hasten.generate, draft_size=rule))
+    samples = 600
+    tv = sampled_law_tv(TARGET, DraftModel(peaky_model(5), num_tokens=3), sampling, 2, 4, samples)
+    assert tv < bound(exact_law(TARGET, sampling, 2), samples)
+
+
+def test_engine_and_load_take_draft_size(tmp_path, monkeypatch):
+    from hasten.api import Engine
+    from helpers import tiny_tokenizer
+
+    monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(sizing, "_MEMO", {})
+    monkeypatch.setattr(sizing, "calibrate", lambda model: STEEP)  # no timing in tests
+    model, tokenizer = tiny_model("llama"), tiny_tokenizer()
+    fixed = hasten.load(model, "prompt_lookup", tokenizer=tokenizer)
+    engine = hasten.load(model, "prompt_lookup", tokenizer=tokenizer, draft_size="auto")
+    assert fixed.draft_size == "fixed" and engine.draft_size == "auto"
+    assert list((tmp_path / "cost").glob("*.json"))  # calibrated at load
+    prompt = "def add(a, b):\n    return a + b\n" * 3
+    assert engine.generate(prompt, max_new_tokens=24).token_ids == fixed.generate(prompt, max_new_tokens=24).token_ids
+    with pytest.raises(ValueError, match="draft_size"):
+        Engine(model, tokenizer, None, "autoregressive", draft_size="deep")
+
+
+# ---- the command line and the benchmark ------------------------------------------------------------------
+@pytest.fixture
+def no_calibration(tmp_path, monkeypatch):
+    """Auto sizing with a given cost curve (tests never time the machine) and a private cache."""
+    monkeypatch.setenv("HASTEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(sizing, "_MEMO", {})
+    monkeypatch.setattr(sizing, "calibrate", lambda model: STEEP)
+
+
+def test_generate_takes_draft_size(tmp_path, no_calibration, capsys):
+    import json
+
+    from hasten.cli import main
+    from helpers import save_checkpoint
+
+    checkpoint = save_checkpoint(tmp_path / "ckpt")
+    outputs = {}
+    for size in ("auto", "fixed"):
+        code = main(["generate", "--model", checkpoint, "--prompt", "def add(a, b):\n    return a + b\n" * 2,
+                     "--max-new-tokens", "12", "--draft-size", size, "--json"])
+        record = json.loads(capsys.readouterr().out)
+        assert code == 0 and record["draft_size"] == size
+        outputs[size] = record["token_ids"]
+    assert outputs["auto"] == outputs["fixed"]
+    with pytest.raises(SystemExit) as exited:
+        main(["generate", "--model", checkpoint, "--prompt", "x", "--draft-size", "deep"])
+    assert exited.value.code == 2 and "--draft-size" in capsys.readouterr().err
+
+
+def test_bench_times_each_method_with_each_sizing(target, prompt, no_calibration):
+    from hasten.bench.cli import draft_sizes
+    from hasten.bench.runner import hasten_method, run_bench
+    from hasten.bench.tasks import Task
+    from hasten.arguments import UserError
+
+    sizes = draft_sizes("auto,fixed")
+    assert sizes == ["auto", "fixed"]
+    with pytest.raises(UserError, match="draft-size"):
+        draft_sizes("auto,deep")
+    methods = [hasten_method("autoregressive", target)]
+    methods += [hasten_method("prompt_lookup", target, None, size, "prompt_lookup" if size == "auto" else
+                              "prompt_lookup@fixed") for size in sizes]
+    results = run_bench(methods, [Task("t-1", "copy", "")], [prompt], 16, repeats=1, progress=False)
+    rows = {row["method"]: row for row in results["by_task"][0]["rows"]}
+    assert set(rows) == {"autoregressive", "prompt_lookup", "prompt_lookup@fixed"}
+    assert {m["name"]: m.get("draft_size") for m in results["methods"]} == {
+        "autoregressive": None, "prompt_lookup": "auto", "prompt_lookup@fixed": "fixed"}
