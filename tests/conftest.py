@@ -10,3 +10,19 @@ torch.set_num_threads(1)
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the hasten command in-process (fast); returns (exit status, stdout, stderr)."""
+    from hasten.cli import main
+
+    def run(*args):
+        try:
+            code = main(list(args))
+        except SystemExit as exit:  # argparse's own errors
+            code = exit.code
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run

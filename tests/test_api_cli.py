@@ -111,20 +111,6 @@ def test_a_draft_with_another_tokenizer_warns(checkpoint, draft_checkpoint, fore
         hasten.load(checkpoint, "draft_model", draft=draft_checkpoint)
 
 
-@pytest.fixture
-def cli(capsys):
-    """Run the command in-process (fast); returns (exit status, stdout, stderr)."""
-    from hasten.cli import main
-
-    def run(*args):
-        try:
-            code = main(list(args))
-        except SystemExit as exit:  # argparse's own errors
-            code = exit.code
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return run
 
 
 def test_cli_streams_text_and_stats(checkpoint, cli):

@@ -130,20 +130,6 @@ def chat_checkpoint(tmp_path_factory):
     return path
 
 
-@pytest.fixture
-def cli(capsys):
-    """Run the command in-process; returns (exit status, stdout, stderr)."""
-    from hasten.cli import main
-
-    def run(*args):
-        try:
-            code = main(list(args))
-        except SystemExit as exit:  # argparse's own errors
-            code = exit.code
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return run
 
 
 def test_a_saved_checkpoint_keeps_its_template_and_bos(chat_checkpoint, tokenizer):

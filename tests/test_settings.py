@@ -235,19 +235,6 @@ def test_one_flag_sets_every_class_that_has_the_field():
 
 
 # ---- the command line: one line, exit status 2 ------------------------------------------------------
-@pytest.fixture
-def cli(capsys):
-    from hasten.cli import main
-
-    def run(*args):
-        try:
-            code = main(list(args))
-        except SystemExit as exit:  # argparse's own errors
-            code = exit.code
-        out = capsys.readouterr()
-        return code, out.out, out.err
-
-    return run
 
 
 @pytest.mark.parametrize("args, match", [
