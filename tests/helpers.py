@@ -50,6 +50,31 @@ def hf_greedy(model, input_ids, max_new_tokens, **kwargs) -> torch.Tensor:
     return model.generate(input_ids, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0, **kwargs)
 
 
+def assert_tree_matches_branches(model, prompt: list[int], tokens, tree) -> None:
+    """Tree attention over ``[root] + tokens`` gives, on every root-to-leaf path, the logits
+    of running that branch alone after the prompt."""
+    from hasten.models.adapter import ModelAdapter
+
+    adapter = ModelAdapter(model)
+    adapter.start(torch.tensor([prompt]))
+    logits = adapter.forward([prompt[-1], *tokens], tree).logits  # [1 + nodes, vocab]
+    for path in tree.leaf_paths:
+        plain = model(torch.tensor([prompt + [tokens[n] for n in path]])).logits[0]  # [T + depth, vocab]
+        block = [0] + [n + 1 for n in path]
+        torch.testing.assert_close(logits[block], plain[len(prompt) - 1 :], rtol=1e-4, atol=1e-4)
+
+
+def assert_scripted_stats(stats, mode, draft_len: int) -> None:
+    """What a scripted drafter's mode implies: an oracle commits draft + bonus every step,
+    an adversary gets nothing accepted, an error at j accepts at most j tokens a step."""
+    if mode == "oracle":
+        assert stats.steps == -(-stats.new_tokens // (draft_len + 1))
+    elif mode == "adversarial":
+        assert stats.accepted_tokens == 0
+    else:
+        assert 0 < stats.mean_accepted <= mode + 1
+
+
 def generate_exactly(model, prompt, reference, drafter, max_new_tokens):
     """Greedy generation with ``drafter`` must reproduce ``reference`` token for token; returns its stats."""
     import hasten

@@ -5,7 +5,7 @@ import torch
 from hasten.models import cache as kv
 from hasten.core.tree import TokenTree
 from hasten.models.adapter import ModelAdapter
-from helpers import CAUSAL_CONFIGS, repetitive_prompt, tiny_model
+from helpers import CAUSAL_CONFIGS, assert_tree_matches_branches, repetitive_prompt, tiny_model
 
 TREE = TokenTree.from_paths([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (2,)])
 TOKENS = [11, 12, 13, 14, 15, 16, 17]
@@ -20,15 +20,8 @@ def _model(arch):
 @pytest.mark.parametrize("prompt_len", [12, 40])  # 40 outruns the sliding windows (16, 8)
 @pytest.mark.parametrize("arch", sorted(CAUSAL_CONFIGS) + ["qwen2_mixed_sliding"])
 def test_tree_attention_equals_each_branch_run_alone(arch, prompt_len):
-    model = _model(arch)
     prompt = repetitive_prompt(prompt_len)[0].tolist()
-    tree_run = ModelAdapter(model)
-    tree_run.start(torch.tensor([prompt]))
-    logits = tree_run.forward([prompt[-1], *TOKENS], TREE).logits  # [1 + nodes, vocab]
-    for path in TREE.leaf_paths:
-        plain = model(torch.tensor([prompt + [TOKENS[n] for n in path]])).logits[0]  # [T + depth, vocab]
-        block = [0] + [n + 1 for n in path]
-        torch.testing.assert_close(logits[block], plain[len(prompt) - 1 :], rtol=1e-4, atol=1e-4)
+    assert_tree_matches_branches(_model(arch), prompt, TOKENS, TREE)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "gpt_neox"])
