@@ -121,6 +121,20 @@ def test_cli_streams_text_and_stats(checkpoint, cli):
     assert out == expected.text + "\n"
 
 
+def test_stop_strings_cut_the_text_in_the_library_the_stream_and_the_cli(checkpoint, cli):
+    engine = hasten.load(checkpoint, "prompt_lookup")
+    full = engine.generate(PROMPT, max_new_tokens=24).text
+    stop = full[len(full) // 2 : len(full) // 2 + 2]  # two characters of what it writes
+    expected = full[: full.index(stop)]
+    out = engine.generate(PROMPT, max_new_tokens=24, stop=[stop, "never written"])
+    assert out.text == expected and len(out.token_ids) < 24
+    assert "".join(engine.stream(PROMPT, max_new_tokens=24, stop=[stop])) == expected
+    code, printed, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "24",
+                             "--stop", stop.replace("\n", "\\n"), "--json")
+    assert code == 0, err
+    assert json.loads(printed)["text"] == expected
+
+
 def test_python_dash_m_hasten_prints_the_version():
     run = subprocess.run([sys.executable, "-m", "hasten", "--version"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr

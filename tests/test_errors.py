@@ -18,7 +18,7 @@ PROMPT = repetitive_prompt(10)
         (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), ValueError, "empty"),
         (dict(input_ids=torch.tensor([[1, 999]])), ValueError, "999.*vocabulary"),
         (dict(input_ids=torch.tensor([[1, -1]])), ValueError, "-1.*vocabulary"),
-        (dict(input_ids=torch.ones(2, 5, dtype=torch.long)), ValueError, "batch of 2"),
+        (dict(input_ids=torch.ones(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 4)), ValueError, "shape"),
         (dict(input_ids=torch.ones(5, dtype=torch.long)), ValueError, r"\[1, T\]"),
         (dict(input_ids=[[1, 2]]), TypeError, "input_ids"),
         (dict(input_ids=torch.ones(1, 3)), TypeError, "LongTensor"),

@@ -1,8 +1,8 @@
 """The house has floors: no module imports from a higher floor, and no imports run in circles.
 
 Floors, bottom up (a package may import only from strictly lower floors, or within itself):
-core and version; machine and the shared CLI arguments; models and the zoo; drafters and
-diffusion; the engine; lossy approximations; the API; training and the benchmark;
+core and version; machine and the shared CLI arguments; models and the zoo; drafters,
+diffusion and diffusion LMs; the engine; lossy approximations; the API; training, the benchmark and the server;
 the command line; the package's front door; the demo and `python -m hasten`, which use it as a user would.
 """
 from __future__ import annotations
@@ -17,11 +17,11 @@ FLOORS = {
     "core": 0, "version": 0,
     "machine": 1, "arguments": 1,
     "models": 2, "zoo": 2,
-    "drafters": 3, "diffusion": 3,
+    "drafters": 3, "diffusion": 3, "dlm": 3,
     "engine": 4,
     "approx": 5,
     "api": 6,
-    "training": 7, "bench": 7,
+    "training": 7, "bench": 7, "serve": 7,
     "cli": 8,
     "__init__": 9,
     "__main__": 10, "demo": 10,  # the demo uses the public API as a user would

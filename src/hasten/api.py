@@ -17,6 +17,7 @@ from .drafters.base import REGISTRY, Drafter, create
 from .engine.inputs import check_inputs, eos_ids
 from .engine.loop import decode
 from .engine.sizing import SizingRule, load_or_calibrate, sizing_rule
+from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
 from .models import gguf
 from .models.adapter import vocab_size
@@ -164,7 +165,7 @@ class Engine:
 
     # ---- plain text prompts ----------------------------------------------------------------
     def generate(self, prompt: str, **kwargs) -> EngineOutput:
-        """Generate after ``prompt``; keywords: max_new_tokens, temperature, top_k, top_p, seed."""
+        """Generate after ``prompt``; keywords: max_new_tokens, temperature, top_k, top_p, seed, stop."""
         return self._collect(self.encode(prompt), kwargs)
 
     def stream(self, prompt: str, **kwargs) -> Iterator[str]:
@@ -246,13 +247,17 @@ class Engine:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        stop: str | list[str] | None = None,
     ) -> Iterator[tuple[str, list[int]]]:
         """Yield (text piece, token ids) per decode step; ``stats`` fills in as it runs.
-        ``prompt`` is text (see :meth:`encode`) or input ids [1, T] (e.g. :meth:`encode_chat`'s)."""
+        ``prompt`` is text (see :meth:`encode`) or input ids [1, T] (e.g. :meth:`encode_chat`'s).
+        ``stop``: stop strings; generation ends at the token that completes one, and the
+        text ends before it (as OpenAI's ``stop``)."""
         input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         sampling = Sampling(temperature, top_k, top_p)
+        stops = StopStrings(self.tokenizer, stop or [])
         check_inputs(self.model, input_ids, self.drafter, max_new_tokens, None)
         input_ids = input_ids.to(self.model.device)
         generator = None
@@ -260,17 +265,11 @@ class Engine:
             generator = torch.Generator(device=self.model.device).manual_seed(seed)
         eos = eos_ids(self.model, None)  # the generation config's, as in Hugging Face generate
         acceptance = acceptance_rule(sampling)
-        new: list[int] = []
-        shown = ""
+        text = TextStream(self.tokenizer, stops)
         for step in decode(self.model, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats,
-                           acceptance, sizing_rule(self.draft_size)):
-            new.extend(step)
-            text = self.tokenizer.decode(new, skip_special_tokens=True)
-            # Hold text back while it ends inside a multi-byte character.
-            piece = text[len(shown) :] if text.startswith(shown) and not text.endswith("\ufffd") else ""
-            shown += piece
-            yield piece, step
-        tail = self.tokenizer.decode(new, skip_special_tokens=True)[len(shown) :]
+                           acceptance, sizing_rule(self.draft_size), stops):
+            yield text.push(step), step
+        tail = text.finish()
         if tail:
             yield tail, []
 

@@ -25,6 +25,7 @@ from .core.sampling import Sampling
 from .core.stats import DecodeStats
 from .diffusion import cli as diffusion_cli
 from .drafters.base import REGISTRY
+from .serve import cli as serve_cli
 from .training import cli as training_cli
 from .version import __version__
 
@@ -61,6 +62,9 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
                         help="send the prompt as one user message through the model's chat template")
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
     add_sampling_arguments(parser)
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="stop string (repeatable): generation ends at it and the text stops before it; "
+                             r"\n and \t are read as newline and tab")
     add_runtime_arguments(parser)
     add_draft_size_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -102,6 +106,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     options = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+        stop=[text.replace("\\n", "\n").replace("\\t", "\t") for text in args.stop],
     )
     stats = DecodeStats()
     text, token_ids = "", []
@@ -131,6 +136,7 @@ COMMANDS: list[Command] = [
     *bench_cli.COMMANDS,
     *training_cli.COMMANDS,
     *diffusion_cli.COMMANDS,
+    *serve_cli.COMMANDS,
 ]
 
 

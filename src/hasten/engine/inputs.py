@@ -16,7 +16,8 @@ def check_inputs(model, input_ids, drafter, max_new_tokens, generator) -> None:
     if input_ids.ndim != 2:
         raise ValueError(f"input_ids must have shape [1, T], got {list(input_ids.shape)}")
     if input_ids.shape[0] != 1:
-        raise ValueError(f"input_ids has a batch of {input_ids.shape[0]} rows; hasten decodes one sequence at a time")
+        raise ValueError(f"input_ids has a batch of {input_ids.shape[0]} rows where one sequence is decoded; "
+                         "hasten.generate takes a batch (a list of prompts, or [B, T] with an attention_mask)")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: the prompt needs at least one token")
     vocab = vocab_size(model)

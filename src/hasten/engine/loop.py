@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Generator
 
 import torch
 from transformers import PreTrainedModel
 
 from ..core.sampling import Sampling
-from ..core.state import GrowingBuffer
 from ..core.stats import DecodeStats
-from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult
+from ..drafters.base import Drafter
 from ..models.adapter import ModelAdapter, decoder_start_token
+from .batch import Request, Scheduler
 from .inputs import check_inputs, eos_ids
-from .sizing import FixedSize, SizingRule, sizing_rule
+from .sequence import Sequence, step
+from .sizing import SizingRule, sizing_rule
+from .stops import StopStrings
 from .verify import Acceptance, acceptance_rule
 
 
@@ -27,6 +29,18 @@ from .verify import Acceptance, acceptance_rule
 class GenerationOutput:
     sequences: torch.Tensor  # [1, T + n] prompt (decoder start for seq2seq) + new tokens
     stats: DecodeStats
+    finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+
+
+@dataclass
+class BatchGenerationOutput:
+    rows: list[GenerationOutput]  # one per prompt, in order; each row's sequences is [1, T_i + n_i]
+    stats: DecodeStats  # summed over the rows
+
+    @property
+    def sequences(self) -> list[torch.Tensor]:
+        """Each row's [T_i + n_i] tokens (rows differ in length, so no padded tensor)."""
+        return [row.sequences[0] for row in self.rows]
 
 
 def decode(
@@ -40,81 +54,32 @@ def decode(
     stats: DecodeStats,
     acceptance: Acceptance,
     sizing: SizingRule | None = None,
-) -> Iterator[list[int]]:
-    """Yield each step's committed tokens. Inputs are assumed validated (see generate).
-
-    This loop owns the committed state: ``tokens`` (host list) and, for drafters that
-    read them, the target's features (a doubling buffer). Drafters get read access through
-    the :class:`DraftContext` and keep per-generation state in ``ctx.state``. ``sizing``
-    (default :class:`FixedSize`) sets each step's deepest usable draft node; 0 skips drafting.
-    """
+    stop: StopStrings | None = None,
+) -> Generator[list[int], None, str | None]:
+    """Yield each step's committed tokens of one sequence, then return why it ended. Inputs are assumed validated
+    (see generate). The step itself, shared with batched decoding, is
+    :func:`hasten.engine.sequence.step`; the :class:`Sequence` owns the committed state
+    (tokens, target features, the drafter's per-generation state)."""
     target = ModelAdapter(model)
     if drafter is not None:
         drafter.check_target(target)
     clock = time.perf_counter()
     want_features = drafter is not None and drafter.needs_features
     tokens, prefilled = target.start(input_ids, hidden=want_features)
-    features = GrowingBuffer() if want_features else None
-    if prefilled is not None:
-        features.extend(prefilled)
     source = input_ids[0].tolist() if target.encoder_decoder else None
-    ctx = DraftContext(tokens, 0, sampling, generator, target, source, features)
-    fit = Draft.limit_depth if target.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
-    sizing = sizing or FixedSize()
-    if drafter is not None:
-        ctx.state = drafter.begin(ctx)
-        size_state = sizing.begin(target)
+    sequence = Sequence(target, tokens, prefilled, drafter, sampling, generator, acceptance, eos_token_ids,
+                        max_new_tokens, stats, sizing, source, stop)
     stats.prefill_seconds += time.perf_counter() - clock
-
-    produced = 0
-    while produced < max_new_tokens:
-        budget = max_new_tokens - produced
-        clock = time.perf_counter()
-        draft = EMPTY_DRAFT
-        if drafter is not None and budget > 1:
-            ctx.max_depth = sizing.depth(size_state, budget - 1)  # the bonus token needs the last slot
-            if ctx.max_depth > 0:
-                draft = fit(drafter.propose(ctx), ctx.max_depth)
-        drafted_at = time.perf_counter()
-
-        start = target.cache_length  # == len(tokens) - 1
-        block = [tokens[-1], *draft.tokens]
-        out = target.forward(block, draft.tree, want_features, riders=draft.riders)  # logits: [1 + nodes, vocab]
-        verdict = acceptance.verify(draft.tree, draft.tokens, out.logits, draft.probs, sampling, generator)
-        target.commit(start, draft.tree, verdict.accepted)
-        kept_blocks = [0, *(node + 1 for node in verdict.accepted)]  # the root and the accepted path
-        if features is not None:
-            features.extend(out.hidden[kept_blocks])
-
-        new = [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]
-        new = new[:budget]
-        stop = next((i for i, token in enumerate(new) if token in eos_token_ids), None)
-        if stop is not None:
-            new = new[: stop + 1]
-        tokens.extend(new)
-        produced += len(new)
-        if target.cache_length > len(tokens) - 1:  # a stop rule cut inside the accepted path
-            target.crop(len(tokens) - 1)
-            if features is not None:
-                features.truncate(len(tokens) - 1)
-        verified_at = time.perf_counter()
-        stats.draft_seconds += drafted_at - clock
-        stats.verify_seconds += verified_at - drafted_at
-        max_depth = max(draft.tree.depths, default=0)
-        stats.record(max_depth, len(draft), len(verdict.accepted), len(new))
-        if drafter is not None:
-            sizing.observe(size_state, draft.tree, len(verdict.accepted), drafted_at - clock, verified_at - drafted_at)
-            riders = None if out.riders is None else out.riders[kept_blocks[-1]]
-            drafter.observe(ctx, StepResult(len(draft), len(verdict.accepted), max_depth, riders))
-        yield new
-        if stop is not None:
-            return
+    while not sequence.finished:
+        yield step(target, [sequence])[0]
+    return sequence.finish_reason
 
 
 def generate(
     model: PreTrainedModel,
-    input_ids: torch.Tensor,
+    input_ids: torch.Tensor | list[torch.Tensor],
     *,
+    attention_mask: torch.Tensor | None = None,
     drafter: Drafter | None = None,
     max_new_tokens: int = 64,
     temperature: float = 0.0,
@@ -124,7 +89,9 @@ def generate(
     generator: torch.Generator | None = None,
     lossy_acceptance: Acceptance | None = None,
     draft_size: str | SizingRule = "fixed",
-) -> GenerationOutput:
+    stop_strings: str | list[str] | None = None,
+    tokenizer=None,
+) -> GenerationOutput | BatchGenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
 
     Greedy (temperature 0) output is token-identical to the plain model's; sampled output
@@ -133,17 +100,86 @@ def generate(
     depth) or ``"auto"`` (each step's depth chosen from the target's measured forward cost
     and the drafter's measured acceptance; see :mod:`hasten.engine.sizing`). ``lossy_acceptance`` (e.g.
     ``hasten.approx.TypicalAcceptance()``) replaces the exact rule and gives that up.
+    ``stop_strings`` (with the ``tokenizer`` that reads the text) end generation after the
+    token that completes one of them, as Hugging Face ``generate`` does.
+
+    A batch (a list of 1-D prompts of any lengths, or ``[B, T]`` with an ``attention_mask``
+    marking each row's real tokens) is decoded together, one target forward per step for
+    all rows, each row exactly as it would be alone; it returns a
+    :class:`BatchGenerationOutput`. Batches need a causal LM.
     """
     sampling = Sampling(temperature, top_k, top_p)
+    stop = StopStrings(tokenizer, stop_strings or [])
+    prompts = batch_prompts(input_ids, attention_mask)
+    if prompts is not None:
+        return _generate_batch(model, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
+                               lossy_acceptance, draft_size, stop)
     check_inputs(model, input_ids, drafter, max_new_tokens, generator)
     stats = DecodeStats()
     eos = eos_ids(model, eos_token_id)
     acceptance = acceptance_rule(sampling, lossy_acceptance)
     sizing = sizing_rule(draft_size)
     new: list[int] = []
-    for piece in decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance,
-                        sizing):
-        new.extend(piece)
+    pieces = decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance, sizing,
+                    stop)
+    while True:
+        try:
+            new.extend(next(pieces))
+        except StopIteration as end:
+            reason = end.value
+            break
     head = [decoder_start_token(model)] if model.config.is_encoder_decoder else input_ids[0].tolist()
-    return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats)
+    return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason)
 
+
+def batch_prompts(input_ids, attention_mask) -> list[torch.Tensor] | None:
+    """The prompts of a batch as [1, T_i] tensors, or None for a single [1, T] prompt."""
+    if isinstance(input_ids, (list, tuple)):
+        if attention_mask is not None:
+            raise ValueError("attention_mask goes with a [B, T] tensor; a list of prompts needs none")
+        if not input_ids:
+            raise ValueError("input_ids is an empty list: give at least one prompt")
+        prompts = []
+        for i, prompt in enumerate(input_ids):
+            if not isinstance(prompt, torch.Tensor) or prompt.dtype != torch.long or prompt.ndim != 1:
+                raise TypeError(f"input_ids[{i}] must be a 1-D torch.LongTensor (one prompt)")
+            prompts.append(prompt[None])
+        return prompts
+    if attention_mask is None:
+        if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 and input_ids.shape[0] > 1:
+            return [row[None] for row in input_ids]
+        return None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        raise TypeError("input_ids must be a [B, T] torch.LongTensor when an attention_mask is given")
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask must have input_ids' shape {list(input_ids.shape)}, got "
+                         f"{list(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask!r}")
+    return [row[mask.bool()][None] for row, mask in zip(input_ids, attention_mask)]
+
+
+def _generate_batch(model, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator, lossy_acceptance,
+                    draft_size, stop) -> BatchGenerationOutput:
+    for prompt in prompts:
+        check_inputs(model, prompt, drafter, max_new_tokens, generator)
+    eos = eos_ids(model, eos_token_id)
+    scheduler = Scheduler(model, drafter, max_batch=len(prompts), draft_size=draft_size,
+                          lossy_acceptance=lossy_acceptance)
+    row_ids = [
+        scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, None, eos, stop, generator))
+        for prompt in prompts
+    ]
+    new: dict[int, list[int]] = {row_id: [] for row_id in row_ids}
+    stats: dict[int, DecodeStats] = {row_id: DecodeStats() for row_id in row_ids}
+    reasons: dict[int, str | None] = {}
+    while scheduler.has_work():
+        for update in scheduler.step():
+            new[update.row_id].extend(update.tokens)
+            stats[update.row_id] = update.stats
+            if update.finished:
+                reasons[update.row_id] = update.finish_reason
+    rows = [
+        GenerationOutput(torch.tensor([prompt[0].tolist() + new[row_id]], dtype=torch.long), stats[row_id],
+                         reasons.get(row_id))
+        for prompt, row_id in zip(prompts, row_ids)
+    ]
+    return BatchGenerationOutput(rows, sum((row.stats for row in rows), DecodeStats()))

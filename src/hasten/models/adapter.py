@@ -127,6 +127,14 @@ class ModelAdapter:
             states = (out.decoder_hidden_states if self.encoder_decoder else out.hidden_states)[-1][0]
         return ForwardOutput(out.logits[0].float(), states)
 
+    def forward_rows(self, rows: list["ModelAdapter"], blocks: list[list[int]], trees: list[TokenTree | None],
+                     hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]:
+        """The decode step's interface (see :mod:`hasten.engine.sequence`): this adapter is
+        one sequence, its own row."""
+        if len(rows) != 1 or rows[0] is not self:
+            raise ValueError("a ModelAdapter runs one sequence; use hasten.models.batch.BatchAdapter for several")
+        return [self.forward(blocks[0], trees[0], hidden, riders=riders[0])]
+
     def _forward_with_riders(self, block: list[int], tree: TokenTree | None, hidden: bool,
                              riders: Riders) -> ForwardOutput:
         """The block as a tree (a chain is one), with ``riders.count`` placeholders after

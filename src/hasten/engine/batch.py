@@ -1,0 +1,239 @@
+"""Continuous batching: sequences join the running batch at step boundaries and leave when done.
+
+A :class:`Scheduler` holds a queue of :class:`Request`\\ s and a batch of running
+sequences over one :class:`~hasten.models.batch.BatchAdapter`. Each :meth:`Scheduler.step`
+first applies cancellations, then admits waiting requests (first come, first served) while
+the batch has fewer than ``max_batch`` rows and the tokens in flight (every running row's
+prompt plus its token budget: the most KV it may hold) stay within ``max_tokens_in_flight``,
+then runs one decode step (:func:`hasten.engine.sequence.step`) for every running row.
+Each row keeps its own sampling settings, generator, stop rules and statistics, and its
+output is exactly what it would be decoded alone.
+
+``submit`` and ``cancel`` may be called from any thread; ``step`` from one thread only
+(the server's decode thread).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from ..core.sampling import Sampling
+from ..core.stats import DecodeStats
+from ..drafters.base import Drafter
+from ..models.adapter import vocab_size
+from ..models.batch import BatchAdapter, BatchRow
+from .inputs import check_positions, eos_ids
+from .sequence import Sequence, step
+from .sizing import SizingRule, sizing_rule
+from .stops import StopStrings
+from .verify import Acceptance, acceptance_rule
+
+
+@dataclass
+class Request:
+    input_ids: list[int]  # prompt ids, at least one
+    max_new_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    seed: int | None = None  # seeds this row's own generator (sampling); ignored when generator is given
+    eos_token_ids: frozenset[int] | None = None  # None: the model's generation config
+    stop: StopStrings | None = None  # ends the row after the token that completes a stop string
+    generator: torch.Generator | None = None  # a generator shared with other rows (hasten.generate's)
+
+
+@dataclass
+class RowUpdate:
+    row_id: int
+    tokens: list[int]  # tokens committed this step ([] for a cancel)
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS or a stop string), "length", "cancelled"
+    stats: DecodeStats  # the row's statistics so far
+    queued_seconds: float  # from submit to admission
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    batch_size: int  # rows that ran this step
+    admitted: int  # rows that joined before it
+    seconds: float  # the whole step, prefills of joining rows included
+    draft_seconds: float = 0.0  # every row's proposal
+    verify_seconds: float = 0.0  # the shared target forward, acceptance and commits
+
+
+@dataclass
+class _Running:
+    sequence: Sequence
+    row: BatchRow
+    queued_seconds: float
+    reserved: int  # prompt + budget: what it counts against max_tokens_in_flight
+
+
+class Scheduler:
+    def __init__(self, model: PreTrainedModel, drafter: Drafter | None = None, *, max_batch: int = 8,
+                 max_tokens_in_flight: int | None = None, draft_size: str | SizingRule = "fixed",
+                 lossy_acceptance: Acceptance | None = None):
+        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if max_tokens_in_flight is not None and (
+                isinstance(max_tokens_in_flight, bool) or not isinstance(max_tokens_in_flight, int)
+                or max_tokens_in_flight < 1):
+            raise ValueError(f"max_tokens_in_flight must be an integer >= 1 or None, got {max_tokens_in_flight!r}")
+        if drafter is not None and not isinstance(drafter, Drafter):
+            raise TypeError(f"drafter must be a hasten Drafter or None, got {type(drafter).__name__}")
+        self.target = BatchAdapter(model)
+        if drafter is not None:
+            drafter.check_target(self.target)
+        self.model = model
+        self.drafter = drafter
+        self.max_batch = max_batch
+        self.max_tokens_in_flight = max_tokens_in_flight
+        self.sizing = sizing_rule(draft_size)
+        self.lossy_acceptance = lossy_acceptance
+        self.last_step: StepInfo | None = None
+        self._default_eos = eos_ids(model, None)
+        self._lock = threading.Lock()
+        self._waiting: deque[tuple[int, Request, float]] = deque()
+        self._cancelled: set[int] = set()
+        self._running: dict[int, _Running] = {}  # in admission order
+        self._next_id = 0
+
+    # ---- any thread ---------------------------------------------------------------------
+    def submit(self, request: Request) -> int:
+        """Queue a request; returns its row id. Bad requests raise ValueError/TypeError."""
+        self.check(request)
+        acceptance_rule(request.sampling, self.lossy_acceptance)  # a lossy rule with greedy sampling fails here
+        with self._lock:
+            row_id = self._next_id
+            self._next_id += 1
+            self._waiting.append((row_id, request, time.perf_counter()))
+        return row_id
+
+    def cancel(self, row_id: int) -> None:
+        """End a row at the next step boundary (waiting or running; unknown ids are ignored)."""
+        with self._lock:
+            self._cancelled.add(row_id)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_work(self) -> bool:
+        return bool(self._running or self._waiting or self._cancelled)
+
+    def check(self, request: Request) -> None:
+        if not isinstance(request, Request):
+            raise TypeError(f"expected a Request, got {type(request).__name__}")
+        ids = request.input_ids
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("input_ids must be a non-empty list of token ids")
+        vocab = vocab_size(self.model)
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"input_ids contains token id {bad}, outside the model's vocabulary [0, {vocab})")
+        budget = request.max_new_tokens
+        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {budget!r}")
+        check_positions(self.model, len(ids), budget)
+        if not isinstance(request.sampling, Sampling):
+            raise TypeError(f"sampling must be a hasten Sampling, got {type(request.sampling).__name__}")
+        if request.seed is not None and (isinstance(request.seed, bool) or not isinstance(request.seed, int)):
+            raise ValueError(f"seed must be an integer or None, got {request.seed!r}")
+        if self.max_tokens_in_flight is not None and len(ids) + budget > self.max_tokens_in_flight:
+            raise ValueError(f"the prompt ({len(ids)} tokens) and max_new_tokens ({budget}) exceed "
+                             f"max_tokens_in_flight={self.max_tokens_in_flight}")
+
+    # ---- the decode thread ----------------------------------------------------------------
+    def step(self) -> list[RowUpdate]:
+        """Apply cancellations, admit waiting rows, run one decode step; every row that
+        committed tokens or ended gets an update."""
+        began = time.perf_counter()
+        updates = self._apply_cancellations()
+        admitted = self._admit(updates)
+        running = list(self._running.items())
+        draft_seconds = verify_seconds = 0.0
+        if running:
+            sequences = [entry.sequence for _, entry in running]
+            news = step(self.target, sequences)
+            draft_seconds = sequences[-1].draft_ended - sequences[0].draft_began
+            verify_seconds = time.perf_counter() - sequences[-1].draft_ended
+            for (row_id, entry), new in zip(running, news):
+                sequence = entry.sequence
+                updates.append(RowUpdate(row_id, new, sequence.finished, sequence.finish_reason, sequence.stats,
+                                         entry.queued_seconds))
+                if sequence.finished:
+                    self._finish(row_id)
+        self.last_step = StepInfo(len(running), admitted, time.perf_counter() - began, draft_seconds, verify_seconds)
+        return updates
+
+    def _apply_cancellations(self) -> list[RowUpdate]:
+        with self._lock:
+            cancelled, self._cancelled = self._cancelled, set()
+            gone = [(row_id, request) for row_id, request, _ in self._waiting if row_id in cancelled]
+            self._waiting = deque(item for item in self._waiting if item[0] not in cancelled)
+        updates = [RowUpdate(row_id, [], True, "cancelled", DecodeStats(), 0.0) for row_id, _ in gone]
+        for row_id in cancelled & self._running.keys():
+            entry = self._running[row_id]
+            entry.sequence.cancel()
+            updates.append(RowUpdate(row_id, [], True, "cancelled", entry.sequence.stats, entry.queued_seconds))
+            self._finish(row_id)
+        return updates
+
+    def _admit(self, updates: list[RowUpdate]) -> int:
+        admitted = 0
+        while len(self._running) < self.max_batch:
+            with self._lock:
+                if not self._waiting:
+                    break
+                row_id, request, submitted = self._waiting[0]
+                need = len(request.input_ids) + request.max_new_tokens
+                in_flight = sum(entry.reserved for entry in self._running.values())
+                if (self.max_tokens_in_flight is not None and self._running
+                        and in_flight + need > self.max_tokens_in_flight):
+                    break
+                self._waiting.popleft()
+            entry = self._start(request, time.perf_counter() - submitted, need)
+            admitted += 1
+            if entry.sequence.finished:  # nothing to generate (max_new_tokens=0)
+                updates.append(RowUpdate(row_id, [], True, entry.sequence.finish_reason, entry.sequence.stats,
+                                         entry.queued_seconds))
+                self.target.remove(entry.row)
+            else:
+                self._running[row_id] = entry
+        return admitted
+
+    def _start(self, request: Request, queued_seconds: float, reserved: int) -> _Running:
+        clock = time.perf_counter()
+        stats = DecodeStats()
+        want_features = self.drafter is not None and self.drafter.needs_features
+        row, prefilled = self.target.add(request.input_ids, hidden=want_features)
+        generator = request.generator
+        if generator is None and request.seed is not None:
+            generator = torch.Generator(self.target.device).manual_seed(request.seed)
+        eos = self._default_eos if request.eos_token_ids is None else frozenset(request.eos_token_ids)
+        sequence = Sequence(
+            row, list(request.input_ids), prefilled, self.drafter, request.sampling, generator,
+            acceptance_rule(request.sampling, self.lossy_acceptance), eos, request.max_new_tokens, stats,
+            self.sizing, stop=request.stop,
+        )
+        stats.prefill_seconds += time.perf_counter() - clock
+        return _Running(sequence, row, queued_seconds, reserved)
+
+    def _finish(self, row_id: int) -> None:
+        entry = self._running.pop(row_id)
+        self.target.remove(entry.row)
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until every submitted row has ended; returns each row's new tokens."""
+        out: dict[int, list[int]] = {}
+        while self.has_work():
+            for update in self.step():
+                out.setdefault(update.row_id, []).extend(update.tokens)
+        return out

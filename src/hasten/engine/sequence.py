@@ -1,0 +1,184 @@
+"""One sequence in flight, and the one decode step every sequence goes through.
+
+A :class:`Sequence` owns what one generation commits (its tokens, the target's features
+for drafters that read them, the drafter's per-generation state, its stop rules and
+stats). :func:`step` is the loop's body: every sequence proposes, one target forward
+verifies all their blocks, every sequence settles its own verdict. One sequence through a
+:class:`~hasten.models.adapter.ModelAdapter` is ``hasten.generate``; many through a
+:class:`~hasten.models.batch.BatchAdapter` are the batched decoder and the server's
+scheduler. The step is the same code either way.
+"""
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+import torch
+
+from ..core.sampling import Sampling
+from ..core.state import GrowingBuffer
+from ..core.stats import DecodeStats
+from ..core.tree import TokenTree
+from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult
+from ..models.adapter import ForwardOutput, Riders
+from .sizing import FixedSize, SizingRule
+from .stops import StopStrings
+from .verify import Acceptance
+
+
+class RowCache(Protocol):
+    """One sequence's view of the target: its model, and its rows of the KV cache. A
+    ModelAdapter is one; so is a BatchRow. Drafters see it as ``ctx.target``."""
+
+    model: object
+    vocab_size: int
+    encoder_decoder: bool
+    trees_ok: bool
+
+    @property
+    def cache_length(self) -> int: ...
+
+    def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None: ...
+
+    def crop(self, new_length: int) -> None: ...
+
+
+class Target(Protocol):
+    """Runs one block per sequence, all in one forward."""
+
+    def forward_rows(self, rows: list[RowCache], blocks: list[list[int]], trees: list[TokenTree],
+                     hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]: ...
+
+
+class Sequence:
+    """Cache invariant: the target caches every committed token but the newest (the root)."""
+
+    def __init__(
+        self,
+        cache: RowCache,
+        tokens: list[int],
+        prefilled: torch.Tensor | None,  # [len(tokens) - 1, hidden] features of the prefilled tokens
+        drafter: Drafter | None,
+        sampling: Sampling,
+        generator: torch.Generator | None,
+        acceptance: Acceptance,
+        eos_token_ids: frozenset[int],
+        max_new_tokens: int,
+        stats: DecodeStats,
+        sizing: SizingRule | None = None,
+        source: list[int] | None = None,
+        stop: StopStrings | None = None,
+    ):
+        self.cache = cache
+        self.drafter = drafter
+        self.acceptance = acceptance
+        self.eos_token_ids = eos_token_ids
+        self.max_new_tokens = max_new_tokens
+        self.stats = stats
+        self.stop = stop if stop else None
+        self.generated: list[int] = []
+        self.finish_reason: str | None = "length" if max_new_tokens == 0 else None
+        self.want_features = drafter is not None and drafter.needs_features
+        features = None
+        if self.want_features:
+            features = GrowingBuffer()
+            if prefilled is not None:
+                features.extend(prefilled)
+        self.ctx = DraftContext(tokens, 0, sampling, generator, cache, source, features)
+        self.fit = Draft.limit_depth if cache.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
+        self.sizing = sizing or FixedSize()
+        if drafter is not None:
+            self.ctx.state = drafter.begin(self.ctx)
+            self.size_state = self.sizing.begin(cache)
+        self.draft_began = self.draft_ended = 0.0
+        self._start = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.ctx.tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def propose(self) -> Draft:
+        """This step's draft (empty without a drafter or when only the bonus token fits)."""
+        self.draft_began = time.perf_counter()
+        budget = self.max_new_tokens - len(self.generated)
+        draft = EMPTY_DRAFT
+        if self.drafter is not None and budget > 1:
+            self.ctx.max_depth = self.sizing.depth(self.size_state, budget - 1)  # the bonus token needs the last slot
+            if self.ctx.max_depth > 0:
+                draft = self.fit(self.drafter.propose(self.ctx), self.ctx.max_depth)
+        self.draft_ended = time.perf_counter()
+        self._start = self.cache.cache_length  # == len(tokens) - 1, before the forward caches the block
+        return draft
+
+    def block(self, draft: Draft) -> list[int]:
+        return [self.tokens[-1], *draft.tokens]
+
+    def settle(self, draft: Draft, out: ForwardOutput) -> list[int]:
+        """Verify this sequence's part of the forward, commit it, apply the stop rules;
+        returns the newly committed tokens."""
+        ctx, cache, stats = self.ctx, self.cache, self.stats
+        start = self._start
+        verdict = self.acceptance.verify(draft.tree, draft.tokens, out.logits, draft.probs, ctx.sampling, ctx.generator)
+        cache.commit(start, draft.tree, verdict.accepted)
+        kept_blocks = [0, *(node + 1 for node in verdict.accepted)]  # the root and the accepted path
+        if ctx.feature_buffer is not None:
+            ctx.feature_buffer.extend(out.hidden[kept_blocks])
+
+        new = [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]
+        new = self._apply_stop_rules(new)
+        self.tokens.extend(new)
+        if cache.cache_length > len(self.tokens) - 1:  # a stop rule cut inside the accepted path
+            cache.crop(len(self.tokens) - 1)
+            if ctx.feature_buffer is not None:
+                ctx.feature_buffer.truncate(len(self.tokens) - 1)
+        verified_at = time.perf_counter()
+        stats.draft_seconds += self.draft_ended - self.draft_began
+        stats.verify_seconds += verified_at - self.draft_ended
+        max_depth = max(draft.tree.depths, default=0)
+        stats.record(max_depth, len(draft), len(verdict.accepted), len(new))
+        if self.drafter is not None and not self.finished:
+            self.sizing.observe(self.size_state, draft.tree, len(verdict.accepted), self.draft_ended - self.draft_began,
+                                verified_at - self.draft_ended)
+            riders = None if out.riders is None else out.riders[kept_blocks[-1]]
+            self.drafter.observe(ctx, StepResult(len(draft), len(verdict.accepted), max_depth, riders))
+        return new
+
+    def _apply_stop_rules(self, new: list[int]) -> list[int]:
+        """Cut ``new`` at the budget, the first EOS token or the token completing a stop
+        string, whichever comes first, and record why the sequence ends."""
+        budget = self.max_new_tokens - len(self.generated)
+        reason = None
+        if len(new) >= budget:
+            new, reason = new[:budget], "length"
+        eos = next((i for i, token in enumerate(new) if token in self.eos_token_ids), None)
+        if eos is not None:
+            new, reason = new[: eos + 1], "stop"
+        if self.stop is not None:
+            checked = len(self.generated)
+            at = self.stop.stop_index(self.generated + new, checked)
+            if at is not None:
+                new, reason = new[: at + 1 - checked], "stop"
+        self.generated.extend(new)
+        self.finish_reason = reason
+        return new
+
+    def cancel(self) -> None:
+        self.finish_reason = "cancelled"
+
+
+def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
+    """One decode step for every sequence: propose, one verification forward, settle.
+    Returns each sequence's newly committed tokens."""
+    drafts = [sequence.propose() for sequence in sequences]
+    outs = target.forward_rows(
+        [sequence.cache for sequence in sequences],
+        [sequence.block(draft) for sequence, draft in zip(sequences, drafts)],
+        [draft.tree for draft in drafts],
+        any(sequence.want_features for sequence in sequences),
+        [draft.riders for draft in drafts],
+    )
+    return [sequence.settle(draft, out) for sequence, draft, out in zip(sequences, drafts, outs)]

@@ -1,0 +1,122 @@
+"""Stop strings: end a sequence once its text contains one of them (as OpenAI's ``stop`` and
+Hugging Face's ``stop_strings`` do).
+
+The decode loop works on tokens, the rule on text, so a :class:`StopStrings` holds the
+tokenizer. Token side (:meth:`StopStrings.stop_index`): the sequence ends after the
+token whose text completes a stop string; that token is kept, as in Hugging Face
+``generate``. Text side (:meth:`StopStrings.cut`, :meth:`StopStrings.safe_length`): the
+returned text ends *before* the stop string, and a stream holds back any tail that could
+still grow into one.
+"""
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class StopStrings:
+    def __init__(self, tokenizer, strings: Iterable[str]):
+        strings = [strings] if isinstance(strings, str) else list(strings)
+        if not all(isinstance(s, str) for s in strings):
+            raise TypeError(f"stop strings must be strings, got {strings!r}")
+        if any(s == "" for s in strings):
+            raise ValueError("a stop string cannot be empty")
+        if strings and tokenizer is None:
+            raise ValueError("stop strings need a tokenizer to read the generated text")
+        self.tokenizer = tokenizer
+        self.strings = tuple(dict.fromkeys(strings))  # unique, order kept
+
+    def __bool__(self) -> bool:
+        return bool(self.strings)
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def find(self, text: str) -> int | None:
+        """Character index of the earliest stop string in ``text``, or None."""
+        hits = [i for i in (text.find(s) for s in self.strings) if i >= 0]
+        return min(hits) if hits else None
+
+    def stop_index(self, generated: list[int], checked: int) -> int | None:
+        """Index of the token whose text completes a stop string, looking only at tokens
+        from ``checked`` on (the earlier ones were checked by an earlier call), or None."""
+        if not self.strings or len(generated) <= checked:
+            return None
+        if self.find(self.decode(generated)) is None:
+            return None
+        for end in range(checked, len(generated)):  # the first prefix that contains one
+            if self.find(self.decode(generated[: end + 1])) is not None:
+                return end
+        return len(generated) - 1  # the text only matches as a whole (a token merge): stop at the end
+
+    def cut(self, text: str) -> tuple[str, bool]:
+        """``text`` up to (not including) the earliest stop string, and whether one was found."""
+        at = self.find(text)
+        return (text, False) if at is None else (text[:at], True)
+
+    def safe_length(self, text: str) -> int:
+        """How much of ``text`` a stream may emit now: all but a tail that is the start of a
+        stop string (it may still complete), and nothing from a complete one on."""
+        at = self.find(text)
+        if at is not None:
+            return at
+        hold = 0
+        for s in self.strings:
+            for size in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:size]):
+                    hold = max(hold, size)
+                    break
+        return len(text) - hold
+
+
+
+class TextStream:
+    """Token ids in, text a user may see out (streams, servers): the text ends *before* the
+    first stop string (as OpenAI's ``stop``), and while a sequence runs a tail that could
+    still grow into a stop string, or that ends inside a multi-byte character, is held
+    back until the next tokens settle it. Every :meth:`push` and the :meth:`finish` joined
+    are the final text."""
+
+    def __init__(self, tokenizer, stop: StopStrings | Iterable[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = stop if isinstance(stop, StopStrings) else StopStrings(tokenizer, stop)
+        self.token_ids: list[int] = []
+        self.shown = ""  # text handed out so far
+        self.stopped = False  # a stop string was found: the text is final
+
+    def push(self, tokens: list[int]) -> str:
+        """The new text these tokens make visible ('' while it is held back)."""
+        if self.stopped or not tokens:
+            return ""
+        self.token_ids.extend(tokens)
+        text = self._decode()
+        if self.stop.find(text) is not None:
+            return self._final(text)
+        if text.endswith(_UNFINISHED):
+            return ""
+        return self._show(text[: self.stop.safe_length(text)])
+
+    def finish(self) -> str:
+        """The rest of the text once the sequence has ended (a held-back tail that never
+        became a stop string)."""
+        return "" if self.stopped else self._final(self._decode())
+
+    def _decode(self) -> str:
+        # The whole sequence each time: a token's text can depend on its neighbours
+        # (byte-level merges, leading spaces), so pieces decoded alone need not add up.
+        return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+
+    def _final(self, text: str) -> str:
+        cut, self.stopped = self.stop.cut(text)
+        return self._show(cut)
+
+    def _show(self, visible: str) -> str:
+        # Text already shown is never taken back; a decode that rewrites it (rare: some
+        # tokenizers' clean-up rules) shows nothing new until it grows past it again.
+        if not visible.startswith(self.shown):
+            return ""
+        piece = visible[len(self.shown):]
+        self.shown = visible
+        return piece
+
+
+_UNFINISHED = "\ufffd"  # what a tokenizer decodes an unfinished multi-byte character to

@@ -1,0 +1,401 @@
+"""The HTTP layer of ``hasten serve``: OpenAI's completions and chat routes, ``/v1/models``,
+``/metrics`` and ``/health`` on Starlette.
+
+A request is checked (:mod:`.schema`), tokenized, and submitted to the decode thread
+(:mod:`.worker`) as one scheduler row; the row's updates arrive on an asyncio queue and
+leave as one JSON answer or as server-sent events ending in ``data: [DONE]``. A client that
+goes away cancels its row; so does a stop string found in the text.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request as HTTPRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from ..core.sampling import Sampling
+from ..engine.inputs import max_positions
+from ..models.adapter import vocab_size
+from .metrics import CONTENT_TYPE, Metrics
+from .schema import APIError, Params, invalid, parse_body, parse_messages, parse_params, parse_prompt
+from ..engine.stops import TextStream
+from .worker import RowError, Sink, Worker
+
+OPEN_PATHS = ("/health",)  # answered without an API key, for load balancers' probes
+DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
+UNBOUNDED_MAX_TOKENS = 1 << 16  # the cap on max_tokens for a model whose config sets no context
+DISCONNECT_POLL_SECONDS = 0.5  # how often a non-streaming request checks that its client is still there
+ROUTES = ("/health", "/metrics", "/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+@dataclass(frozen=True)
+class ServeOptions:
+    model_name: str  # what clients pass as "model"
+    api_key: str | None = None  # None: no authentication
+    max_body_bytes: int = 1 << 20
+
+
+@dataclass
+class Generation:
+    """One request's row as it decodes."""
+
+    row_id: int
+    prompt_tokens: int
+    text: TextStream
+    queue: asyncio.Queue
+
+
+class Service:
+    def __init__(self, engine, worker: Worker, metrics: Metrics, options: ServeOptions):
+        self.engine, self.worker, self.metrics, self.options = engine, worker, metrics, options
+        self.context = max_positions(engine.model)
+        self.vocab = vocab_size(engine.model)
+        self.created = int(time.time())
+
+    # ---- routes ----------------------------------------------------------------------------------
+    async def health(self, request: HTTPRequest) -> Response:
+        if not self.worker.alive:
+            return JSONResponse({"status": "decode thread not running"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics_text(self, request: HTTPRequest) -> Response:
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def models(self, request: HTTPRequest) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: HTTPRequest) -> Response:
+        self._check_model(request.path_params["name"])
+        return JSONResponse(self._model_card())
+
+    async def completions(self, request: HTTPRequest) -> Response:
+        body = await self._read_json(request)
+        params = parse_params(body)
+        self._check_model(params.model)
+        prompt = parse_prompt(body)
+        if isinstance(prompt, str):
+            input_ids = self.engine.encode(prompt)[0].tolist()
+        else:
+            input_ids = self._checked_ids(prompt)
+        max_tokens = self._budget(len(input_ids), params.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
+        return await self._answer(request, "completion", input_ids, max_tokens, params)
+
+    async def chat_completions(self, request: HTTPRequest) -> Response:
+        body = await self._read_json(request)
+        params = parse_params(body, ("max_tokens", "max_completion_tokens"))
+        self._check_model(params.model)
+        messages = parse_messages(body)
+        try:
+            input_ids = self.engine.encode_chat(messages)[0].tolist()
+        except ValueError as err:  # no chat template, or the template refused the messages
+            raise invalid("messages", str(err)) from None
+        asked_as = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        max_tokens = self._budget(len(input_ids), params.max_tokens, None, "messages", asked_as)
+        return await self._answer(request, "chat", input_ids, max_tokens, params)
+
+    # ---- checks ------------------------------------------------------------------------------------
+    async def _read_json(self, request: HTTPRequest) -> dict:
+        limit = self.options.max_body_bytes
+        too_large = APIError(413, f"the request body is larger than this server's limit of {limit} bytes", None,
+                             "request_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return parse_body(b"".join(chunks))
+
+    def _check_model(self, name: str) -> None:
+        if name != self.options.model_name:
+            raise APIError(404, f"the model {name!r} does not exist here; this server serves "
+                                f"{self.options.model_name!r}", "model", "model_not_found")
+
+    def _checked_ids(self, ids: list[int]) -> list[int]:
+        bad = [t for t in ids if not 0 <= t < self.vocab]
+        if bad:
+            raise invalid("prompt", f"token id {bad[0]} is outside the model's vocabulary [0, {self.vocab})")
+        return ids
+
+    def _budget(self, prompt_tokens: int, asked: int | None, default: int | None, prompt_param: str,
+                max_param: str) -> int:
+        """max_tokens checked against the model's context; a default is cut to the room left."""
+        if self.context is None:
+            room = UNBOUNDED_MAX_TOKENS
+        elif self.engine.model.config.is_encoder_decoder:  # the prompt is read by the encoder
+            room = self.context - 1
+        else:
+            room = self.context - prompt_tokens
+        if room < 1:
+            raise invalid(prompt_param, f"the prompt has {prompt_tokens} tokens, and the model's context of "
+                                        f"{self.context} positions leaves no room for a new one",
+                          "context_length_exceeded")
+        if asked is None:
+            return room if default is None else min(default, room)
+        if asked > room:
+            raise invalid(max_param, f"'{max_param}' is {asked}, but the prompt has {prompt_tokens} tokens and the "
+                                     f"model's context leaves room for at most {room} new tokens",
+                          "context_length_exceeded")
+        return asked
+
+    # ---- decoding ----------------------------------------------------------------------------------
+    def _submit(self, input_ids: list[int], max_tokens: int, params: Params) -> Generation:
+        from ..engine.batch import Request  # the scheduler's request type, beside the scheduler
+
+        stop = None
+        if params.stop:
+            from ..engine.stops import StopStrings
+
+            stop = StopStrings(self.engine.tokenizer, list(params.stop))
+        # Greedy decoding ignores top_k and top_p (OpenAI accepts them with temperature 0).
+        sampling = Sampling(params.temperature, params.top_k, params.top_p) if params.temperature > 0 else Sampling()
+        request = Request(input_ids=input_ids, max_new_tokens=max_tokens, sampling=sampling, seed=params.seed,
+                          stop=stop)
+        queue: asyncio.Queue = asyncio.Queue()
+        try:
+            row_id = self.worker.submit(request, Sink(asyncio.get_running_loop(), queue))
+        except ValueError as err:  # e.g. over --max-tokens-in-flight
+            raise invalid(*in_api_terms(str(err))) from None
+        self.metrics.prompt_tokens.inc(len(input_ids))
+        return Generation(row_id, len(input_ids), TextStream(self.engine.tokenizer, params.stop), queue)
+
+    async def _events(self, gen: Generation, disconnected: Callable | None = None) -> AsyncIterator[tuple]:
+        """(text piece, update, finish_reason or None) as the row decodes; the last one has its
+        finish reason. Leaving early (a client gone, an error) cancels the row."""
+        done = False
+        try:
+            while True:
+                item = await self._next(gen.queue, disconnected)
+                if isinstance(item, RowError):
+                    done = True  # the worker already dropped the row
+                    raise APIError(500, item.message, None, "decode_failed")
+                piece = gen.text.push(item.tokens)
+                if item.finished:
+                    done = True
+                    piece += gen.text.finish()
+                    yield piece, item, "stop" if gen.text.stopped else item.finish_reason
+                    return
+                if gen.text.stopped:  # a stop string in text the scheduler's token rule did not end
+                    yield piece, item, "stop"
+                    return
+                if piece:
+                    yield piece, item, None
+        finally:
+            if not done:
+                self.worker.cancel(gen.row_id)
+
+    @staticmethod
+    async def _next(queue: asyncio.Queue, disconnected: Callable | None):
+        if disconnected is None:
+            return await queue.get()
+        while True:
+            try:
+                return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
+            except asyncio.TimeoutError:
+                if await disconnected():
+                    raise ConnectionAbortedError("the client went away") from None
+
+    async def _answer(self, request: HTTPRequest, kind: str, input_ids: list[int], max_tokens: int,
+                      params: Params) -> Response:
+        gen = self._submit(input_ids, max_tokens, params)
+        ids = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        head = {"id": ids, "created": int(time.time()), "model": self.options.model_name}
+        if params.stream:
+            return EventStream(self._stream(gen, kind, head, params.include_usage), media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
+        text, last, reason = "", None, None
+        try:
+            async with aclosing(self._events(gen, request.is_disconnected)) as events:
+                async for piece, last, reason in events:
+                    text += piece
+        except ConnectionAbortedError:
+            return Response(status_code=499)  # nobody reads it; the row is already cancelled
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                      "logprobs": None}
+            body = {**head, "object": "chat.completion", "choices": [choice]}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+            body = {**head, "object": "text_completion", "choices": [choice]}
+        return JSONResponse({**body, "usage": self._usage(gen), "hasten": self._stats(last)})
+
+    async def _stream(self, gen: Generation, kind: str, head: dict, include_usage: bool) -> AsyncIterator[str]:
+        chat = kind == "chat"
+        head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+        extra = {"usage": None} if include_usage else {}
+
+        def chunk(piece: str | None, reason: str | None, **more) -> str:
+            if chat:
+                delta = {} if piece is None else {"content": piece}
+                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+            return sse({**head, "choices": [choice], **extra, **more})
+
+        if chat:  # OpenAI opens a chat stream with the assistant's role
+            yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                            "finish_reason": None, "logprobs": None}], **extra})
+        last = None
+        try:
+            # aclosing: when the client leaves, the row's generator closes (and cancels) at once
+            async with aclosing(self._events(gen)) as events:
+                async for piece, last, reason in events:
+                    if piece:
+                        yield chunk(piece, None)
+                    if reason is not None:
+                        yield chunk(None if chat else "", reason, hasten=self._stats(last))
+        except APIError as err:
+            yield sse(err.body())
+            yield "data: [DONE]\n\n"
+            return
+        if include_usage:
+            yield sse({**head, "choices": [], "usage": self._usage(gen), "hasten": self._stats(last)})
+        yield "data: [DONE]\n\n"
+
+    def _usage(self, gen: Generation) -> dict:
+        completion = len(gen.text.token_ids)
+        return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": gen.prompt_tokens + completion}
+
+    def _stats(self, update) -> dict:
+        """hasten's own numbers for this request, under the extra field ``hasten``."""
+        if update is None:
+            return {"method": self.engine.method, "tau": 0.0, "steps": 0, "acceptance_by_position": []}
+        stats = update.stats
+        return {"method": self.engine.method, "tau": round(stats.mean_accepted, 4), "steps": stats.steps,
+                "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position],
+                "queued_seconds": round(update.queued_seconds, 6)}
+
+    def _model_card(self) -> dict:
+        return {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "hasten",
+                "method": self.engine.method}
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose generator is always closed when the response ends, however it
+    ends, so the row's ``finally`` (cancel) runs at once rather than when the garbage is collected."""
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# The scheduler names the Request field it refuses; clients know the API's name for it.
+REQUEST_FIELDS = {"input_ids": "prompt", "max_new_tokens": "max_tokens", "temperature": "temperature",
+                  "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop"}
+
+
+def in_api_terms(message: str) -> tuple[str | None, str]:
+    """(the API field a scheduler's refusal names, the message in the API's words)."""
+    param = next((api for field, api in REQUEST_FIELDS.items() if field in message), None)
+    for field, api in REQUEST_FIELDS.items():
+        message = message.replace(field, api)
+    return param, message
+
+
+class Guard:
+    """ASGI middleware: bearer-key check on every route but ``/health``, and the request counter."""
+
+    def __init__(self, app, api_key: str | None, metrics: Metrics):
+        self.app, self.api_key, self.metrics = app, api_key, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else ("/v1/models/{name}" if path.startswith("/v1/models/") else "other")
+        status = {"code": 500}
+
+        async def counted_send(message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if self.api_key is not None and path not in OPEN_PATHS and not self._authorized(scope):
+                error = APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                                 None, "invalid_api_key")
+                await JSONResponse(error.body(), status_code=401)(scope, receive, counted_send)
+                return
+            await self.app(scope, receive, counted_send)
+        finally:
+            self.metrics.requests.labels(route, str(status["code"])).inc()
+
+    def _authorized(self, scope) -> bool:
+        headers = dict(scope["headers"])
+        scheme, _, key = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(key.strip().encode(), self.api_key.encode())
+
+
+async def api_error(request: HTTPRequest, err: APIError) -> Response:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+async def http_error(request: HTTPRequest, err: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(err.status_code)
+    return JSONResponse(APIError(err.status_code, str(err.detail), None, code).body(), status_code=err.status_code)
+
+
+async def server_error(request: HTTPRequest, err: Exception) -> Response:
+    body = APIError(500, f"internal error: {type(err).__name__}: {err}", None, "internal_error").body()
+    return JSONResponse(body, status_code=500)
+
+
+def create_app(engine, make_scheduler: Callable[[], object], options: ServeOptions,
+               metrics: Metrics | None = None) -> Starlette:
+    """The ASGI app; its lifespan starts and stops the decode thread that steps the scheduler."""
+    metrics = metrics or Metrics()
+    worker = Worker(make_scheduler, metrics)
+    service = Service(engine, worker, metrics, options)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        worker.start()
+        try:
+            yield
+        finally:
+            worker.stop()
+
+    routes = [
+        Route("/health", service.health, methods=["GET"]),
+        Route("/metrics", service.metrics_text, methods=["GET"]),
+        Route("/v1/models", service.models, methods=["GET"]),
+        Route("/v1/models/{name:path}", service.model, methods=["GET"]),
+        Route("/v1/completions", service.completions, methods=["POST"]),
+        Route("/v1/chat/completions", service.chat_completions, methods=["POST"]),
+    ]
+    handlers = {APIError: api_error, HTTPException: http_error, Exception: server_error}
+    app = Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+    app.add_middleware(Guard, api_key=options.api_key, metrics=metrics)
+    app.state.service = service
+    return app
+
+
+def scheduler_factory(engine, max_batch: int = 8, max_tokens_in_flight: int | None = None) -> Callable[[], object]:
+    """Builds the continuous-batching scheduler over the engine's model and drafter."""
+    from ..engine.batch import Scheduler
+
+    def make():
+        return Scheduler(engine.model, engine.drafter, max_batch=max_batch, max_tokens_in_flight=max_tokens_in_flight,
+                         draft_size=engine.draft_size)
+
+    return make

@@ -1,0 +1,163 @@
+"""``hasten serve`` (the OpenAI-compatible server) and ``hasten serve-bench`` (its load generator)."""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import ipaddress
+import os
+import sys
+
+from ..api import AUTOREGRESSIVE, check_method
+from ..arguments import (
+    UserError, add_draft_size_argument, add_model_arguments, add_runtime_arguments, apply_threads, checked_device,
+    method_settings, torch_dtype,
+)
+from ..core import settings as settings_io
+from ..drafters.base import REGISTRY
+
+EXTRA = "pip install 'hasten[serve]'"
+SERVER_MODULES = ("starlette", "uvicorn", "prometheus_client")
+CLIENT_MODULES = ("openai",)
+API_KEY_ENV = "HASTEN_API_KEY"
+
+
+def require_extra(command: str, modules: tuple[str, ...]) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"hasten {command} needs {', '.join(missing)}, which the serve extra installs: {EXTRA}")
+
+
+def at_least(args: argparse.Namespace, flag: str, low: int) -> None:
+    value = getattr(args, flag)
+    if value is not None and value < low:
+        raise UserError(f"--{flag.replace('_', '-')} must be >= {low}, got {value}")
+
+
+# ---- hasten serve ------------------------------------------------------------------------------
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--method", default="prompt_lookup", choices=[AUTOREGRESSIVE, *sorted(REGISTRY)],
+                        help="acceleration method (default prompt_lookup; autoregressive = plain decoding)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to all)")
+    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                        help=f"require 'Authorization: Bearer KEY' on every route but /health "
+                        f"(default: ${API_KEY_ENV}, else no key)")
+    parser.add_argument("--served-model-name", metavar="NAME",
+                        help="the name clients pass as 'model' (default: the --model argument)")
+    parser.add_argument("--max-batch", type=int, default=8, metavar="N",
+                        help="rows decoded together at most; more requests wait their turn (default 8)")
+    parser.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="N",
+                        help="admit a request only while the running rows' prompts plus token budgets stay within N "
+                        "(default: no limit but --max-batch)")
+    parser.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
+                        help="largest request body accepted; larger ones get 413 (default 1 MiB)")
+    parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                        help="uvicorn's log level (default warning; info logs every request)")
+    add_runtime_arguments(parser)
+    add_draft_size_argument(parser)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    require_extra("serve", SERVER_MODULES)
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be in [0, 65535], got {args.port}")
+    for flag in ("max_batch", "max_tokens_in_flight", "max_body_bytes"):
+        at_least(args, flag, 1)
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key is empty")
+    settings_cls = getattr(REGISTRY.get(args.method), "Settings", None)
+    method_kwargs = method_settings(args.method, settings_cls, args.method_arg)
+    if method_kwargs:
+        settings_io.build(settings_cls, **method_kwargs)  # a bad value fails before any model loads
+    check_method(args.method, args.draft is not None)
+    device = checked_device(args.device)
+    apply_threads(args.threads)
+
+    import uvicorn
+
+    from ..api import load
+    from .app import ServeOptions, create_app, scheduler_factory
+
+    engine = load(args.model, args.method, draft=args.draft, device=device, dtype=torch_dtype(args.dtype),
+                  draft_size=args.draft_size, **method_kwargs)
+    name = args.served_model_name or args.model
+    options = ServeOptions(name, args.api_key, args.max_body_bytes)
+    app = create_app(engine, scheduler_factory(engine, args.max_batch, args.max_tokens_in_flight), options)
+    if args.api_key is None and not is_loopback(args.host):
+        print(f"hasten serve: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
+              file=sys.stderr)
+    print(f"hasten serve: model {name!r}, method {args.method}, max batch {args.max_batch}; "
+          f"OpenAI API at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+# ---- hasten serve-bench --------------------------------------------------------------------------
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's API base URL "
+                        "(default http://127.0.0.1:8000/v1)")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                        help=f"the server's API key (default: ${API_KEY_ENV})")
+    parser.add_argument("--model", metavar="NAME", help="model name to ask for (default: the one the server lists)")
+    parser.add_argument("--concurrency", default="1,4,16", metavar="LIST",
+                        help="comma-separated numbers of requests in flight at once, each measured in turn "
+                        "(default 1,4,16)")
+    parser.add_argument("--requests", type=int, default=None, metavar="N",
+                        help="requests per concurrency level (default: 4 x the level, at least 8)")
+    parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (default 0)")
+    parser.add_argument("--chat", action="store_true", help="send each prompt as a user message to /chat/completions")
+    parser.add_argument("--prompts", metavar="PATH", help="JSONL file of prompts ({prompt} or Spec-Bench turns)")
+    parser.add_argument("--num-prompts", type=int, default=16, metavar="N",
+                        help="without --prompts: up to N built-in prompts, held-out standard-library code ending at a "
+                        "function's signature (default 16)")
+    parser.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed requests first (default 1)")
+    parser.add_argument("--out", metavar="PATH", help="also write the results as JSON here")
+
+
+def concurrency_levels(text: str) -> list[int]:
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        levels = []
+    if not levels or any(level < 1 for level in levels):
+        raise UserError(f"--concurrency {text!r}: give positive integers, comma-separated (e.g. 1,4,16)")
+    return levels
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    require_extra("serve-bench", CLIENT_MODULES)
+    levels = concurrency_levels(args.concurrency)
+    for flag, low in (("requests", 1), ("max_tokens", 1), ("num_prompts", 1), ("warmup", 0)):
+        at_least(args, flag, low)
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    from . import load
+
+    prompts = load.read_prompts(args.prompts) if args.prompts else load.builtin_prompts(args.num_prompts)
+    results = load.run(args.url, args.api_key, args.model, prompts, levels, args.requests, args.max_tokens,
+                       args.temperature, args.chat, args.warmup)
+    print(load.table(results))
+    if args.out:
+        load.write_json(results, args.out)
+        print(f"hasten serve-bench: wrote {args.out}", file=sys.stderr)
+    return 0 if not any(level["errors"] for level in results["levels"]) else 1
+
+
+COMMANDS = [
+    ("serve", "serve a model with an acceleration method over an OpenAI-compatible HTTP API",
+     add_serve_arguments, run_serve),
+    ("serve-bench", "measure a running hasten serve (or any OpenAI-compatible server) under concurrent load",
+     add_bench_arguments, run_bench),
+]

@@ -1,0 +1,218 @@
+"""``hasten serve-bench``: concurrent streaming requests with the official ``openai`` client.
+
+For each concurrency level C it sends N requests, C at a time, and reports:
+
+* throughput: output tokens per second of wall time (the usage the server reports);
+* TTFT: time from sending a request to its first non-empty text chunk;
+* inter-token latency (ITL): per request, the time from the first to the last text chunk
+  divided by the tokens after the first. A speculative server sends several tokens in one
+  chunk, so gaps between chunks would misstate it; this is the time a token costs once the
+  stream has begun (what vLLM calls TPOT);
+* tau: tokens per target forward, from the ``hasten`` field hasten's server adds.
+
+Percentiles are p50, p90 and p99 over the requests of a level.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class Outcome:
+    """What one streamed request measured."""
+
+    ttft: float | None = None  # seconds to the first text
+    latency: float = 0.0  # seconds to the end of the stream
+    completion_tokens: int = 0
+    itl: float | None = None  # seconds per token after the first
+    tau: float | None = None
+    error: str | None = None
+    text: str = field(default="", repr=False)
+
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a JSONL file: ``{"prompt": str}`` a line, or Spec-Bench's ``{"turns": [str, ...]}`` (first turn)."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"--prompts {path}: {getattr(err, 'strerror', None) or err}") from None
+    prompts = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not valid JSON ({err.msg})") from None
+        turns = record.get("turns") if isinstance(record, dict) else None
+        prompt = record.get("prompt", turns[0] if isinstance(turns, list) and turns else None) \
+            if isinstance(record, dict) else None
+        if not isinstance(prompt, str) or not prompt:
+            raise ValueError(f"{path}:{number}: expected {{\"prompt\": non-empty string}} (or Spec-Bench 'turns')")
+        prompts.append(prompt)
+    if not prompts:
+        raise ValueError(f"--prompts {path}: no prompts in the file")
+    return prompts
+
+
+def builtin_prompts(count: int, context_chars: int = 1500) -> list[str]:
+    """``count`` pieces of held-out standard-library code (never in the zoo models' training
+    data), each ending after a function's signature line, so the answer is that function's body."""
+    from ..zoo.corpus import heldout_files, read_text
+
+    prompts = []
+    for path in heldout_files():
+        text = read_text(path)
+        start = text.find("\ndef ", len(text) // 3)  # a function well inside the file: context before it
+        end = text.find("\n", start + 1)
+        if start < 0 or end < 0:
+            continue
+        prompts.append(text[max(0, start + 1 - context_chars) : end + 1])
+        if len(prompts) == count:
+            break
+    if not prompts:
+        raise ValueError("no held-out standard-library files to build prompts from: pass --prompts FILE")
+    return prompts
+
+
+async def one_request(client, model: str, prompt: str, chat: bool, max_tokens: int, temperature: float) -> Outcome:
+    outcome = Outcome()
+    options = dict(model=model, max_tokens=max_tokens, temperature=temperature, stream=True,
+                   stream_options={"include_usage": True})
+    began = time.perf_counter()
+    first = last = None
+    try:
+        if chat:
+            stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **options)
+        else:
+            stream = await client.completions.create(prompt=prompt, **options)
+        async for chunk in stream:
+            piece = ""
+            if chunk.choices:
+                choice = chunk.choices[0]
+                piece = (choice.delta.content or "") if chat else (choice.text or "")
+            if piece:
+                last = time.perf_counter()
+                first = first or last
+                outcome.text += piece
+            if chunk.usage is not None:
+                outcome.completion_tokens = chunk.usage.completion_tokens
+            stats = (chunk.model_extra or {}).get("hasten")
+            if isinstance(stats, dict) and "tau" in stats:
+                outcome.tau = stats["tau"]
+    except Exception as err:  # noqa: BLE001 - a failed request is counted and reported, not fatal to the run
+        outcome.error = f"{type(err).__name__}: {err}"
+    outcome.latency = time.perf_counter() - began
+    if first is not None:
+        outcome.ttft = first - began
+        if outcome.completion_tokens > 1:
+            outcome.itl = (last - first) / (outcome.completion_tokens - 1)
+    return outcome
+
+
+async def run_level(client, model: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
+                    temperature: float, chat: bool) -> dict:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def gated(prompt: str) -> Outcome:
+        async with gate:
+            return await one_request(client, model, prompt, chat, max_tokens, temperature)
+
+    began = time.perf_counter()
+    outcomes = await asyncio.gather(*(gated(prompts[i % len(prompts)]) for i in range(requests)))
+    return summarize(outcomes, concurrency, time.perf_counter() - began)
+
+
+def summarize(outcomes: list[Outcome], concurrency: int, wall_seconds: float) -> dict:
+    done = [o for o in outcomes if o.error is None]
+    tokens = sum(o.completion_tokens for o in done)
+    taus = [o.tau for o in done if o.tau is not None]
+    return {
+        "concurrency": concurrency,
+        "requests": len(outcomes),
+        "errors": len(outcomes) - len(done),
+        "first_error": next((o.error for o in outcomes if o.error), None),
+        "wall_seconds": round(wall_seconds, 4),
+        "output_tokens": tokens,
+        "output_tokens_per_second": round(tokens / wall_seconds, 3) if wall_seconds > 0 else 0.0,
+        "requests_per_second": round(len(done) / wall_seconds, 4) if wall_seconds > 0 else 0.0,
+        "ttft_seconds": percentiles([o.ttft for o in done if o.ttft is not None]),
+        "itl_seconds": percentiles([o.itl for o in done if o.itl is not None]),
+        "latency_seconds": percentiles([o.latency for o in done]),
+        "mean_tau": round(float(np.mean(taus)), 4) if taus else None,
+    }
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {f"p{q}": None for q in PERCENTILES}
+    return {f"p{q}": round(float(np.percentile(values, q)), 6) for q in PERCENTILES}
+
+
+def run(url: str, api_key: str | None, model: str | None, prompts: list[str], levels: list[int],
+        requests: int | None, max_tokens: int, temperature: float, chat: bool, warmup: int = 1) -> dict:
+    """Every concurrency level in turn against the server at ``url``; raises ValueError when it cannot be reached."""
+    return asyncio.run(_run(url, api_key, model, prompts, levels, requests, max_tokens, temperature, chat, warmup))
+
+
+async def _run(url, api_key, model, prompts, levels, requests, max_tokens, temperature, chat, warmup) -> dict:
+    import openai
+
+    if not prompts:
+        raise ValueError("no prompts to send")
+    client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "none", max_retries=0, timeout=600.0)
+    try:
+        listed = await client.models.list()
+    except openai.APIConnectionError as err:
+        raise ValueError(f"cannot reach a server at {url}: {err}; start one with `hasten serve`") from None
+    except openai.APIStatusError as err:
+        raise ValueError(f"{url}/models answered {err.status_code}: {err.message}") from None
+    cards = list(listed.data)
+    name = model or (cards[0].id if cards else None)
+    if name is None:
+        raise ValueError(f"{url} lists no model; pass --model")
+    method = next(((c.model_extra or {}).get("method") for c in cards if c.id == name), None)
+    for i in range(warmup):
+        outcome = await one_request(client, name, prompts[i % len(prompts)], chat, max_tokens, temperature)
+        if outcome.error:
+            raise ValueError(f"the warm-up request failed: {outcome.error}")
+    results = []
+    for level in levels:
+        count = requests or max(8, 4 * level)
+        results.append(await run_level(client, name, prompts, level, count, max_tokens, temperature, chat))
+    await client.close()
+    return {"url": url, "model": name, "method": method, "chat": chat, "max_tokens": max_tokens,
+            "temperature": temperature, "prompts": len(prompts), "levels": results}
+
+
+def table(results: dict) -> str:
+    """A Markdown table of the levels, times in milliseconds."""
+    ms = lambda value: "-" if value is None else f"{value * 1000:.1f}"  # noqa: E731
+    lines = [
+        f"model {results['model']}, method {results['method'] or '?'}, max_tokens {results['max_tokens']}",
+        "",
+        "| concurrency | requests | errors | out tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | tau |",
+        "| ---: | ---: | ---: | ---: | --- | --- | ---: |",
+    ]
+    for level in results["levels"]:
+        ttft = "/".join(ms(level["ttft_seconds"][f"p{q}"]) for q in PERCENTILES)
+        itl = "/".join(ms(level["itl_seconds"][f"p{q}"]) for q in PERCENTILES)
+        tau = "-" if level["mean_tau"] is None else f"{level['mean_tau']:.2f}"
+        lines.append(f"| {level['concurrency']} | {level['requests']} | {level['errors']} | "
+                     f"{level['output_tokens_per_second']:.1f} | {ttft} | {itl} | {tau} |")
+    return "\n".join(lines)
+
+
+def write_json(results: dict, path: str) -> None:
+    from ..machine import machine_info
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({**results, "machine": machine_info()}, indent=2) + "\n")

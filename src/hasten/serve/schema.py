@@ -1,0 +1,212 @@
+"""OpenAI request bodies -> checked parameters, and OpenAI-style errors.
+
+Every refusal is an :class:`APIError` whose JSON is OpenAI's ``{"error": {"message", "type",
+"param", "code"}}`` with ``param`` naming the offending field, so a client library shows
+the user which field to fix. Fields hasten does not know are ignored (clients send extras);
+known fields of the wrong type or out of range are refused.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+MAX_STOP_STRINGS = 4  # as OpenAI
+MAX_SEED = 2**63 - 1
+TEMPERATURE_RANGE = (0.0, 2.0)  # as OpenAI; hasten itself would take any temperature >= 0
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind = kind or ("server_error" if status >= 500 else "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+def invalid(param: str, message: str, code: str | None = "invalid_value") -> APIError:
+    return APIError(400, message, param, code)
+
+
+@dataclass(frozen=True)
+class Params:
+    """What both endpoints share, checked."""
+
+    model: str
+    max_tokens: int | None  # None: the endpoint's default
+    temperature: float
+    top_p: float | None
+    top_k: int | None
+    stop: tuple[str, ...]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+
+
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body (400 for anything else, NaN and Infinity included)."""
+    def no_constants(name: str):
+        raise ValueError(f"{name} is not valid JSON")
+
+    try:
+        body = json.loads(raw, parse_constant=no_constants)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise APIError(400, f"the request body is not valid JSON: {err}", None, "invalid_json") from None
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
+    return body
+
+
+def is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value) -> bool:
+    return (is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+def optional(body: dict, name: str, check, expected: str, default=None):
+    """``body[name]`` if present and not null, checked by ``check``; else ``default``."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not check(value):
+        raise invalid(name, f"'{name}' must be {expected}, got {json.dumps(value)[:80]}", "invalid_type")
+    return value
+
+
+def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)) -> Params:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid("model", "'model' is required: the name GET /v1/models lists", "missing_required_parameter")
+    max_tokens = None
+    for name in max_tokens_names:  # chat also takes OpenAI's newer name, max_completion_tokens
+        value = optional(body, name, is_int, "an integer")
+        if value is not None:
+            if value < 1:
+                raise invalid(name, f"'{name}' must be at least 1, got {value}")
+            max_tokens = value
+    temperature = optional(body, "temperature", is_number, "a number", 1.0)
+    low, high = TEMPERATURE_RANGE
+    if not low <= temperature <= high:
+        raise invalid("temperature", f"'temperature' must be in [{low:g}, {high:g}] (0 is greedy), got {temperature}")
+    top_p = optional(body, "top_p", is_number, "a number")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise invalid("top_p", f"'top_p' must be in (0, 1], got {top_p}")
+    top_k = optional(body, "top_k", is_int, "an integer")  # an extension, as in vLLM
+    if top_k is not None and top_k < 1:
+        raise invalid("top_k", f"'top_k' must be at least 1, got {top_k}")
+    seed = optional(body, "seed", is_int, "an integer")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise invalid("seed", f"'seed' must be in [0, 2^63 - 1], got {seed}")
+    stream = optional(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
+    include_usage = parse_stream_options(body, stream)
+    check_unsupported(body)
+    return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
+                  parse_stop(body), seed, stream, include_usage)
+
+
+def parse_stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise invalid("stop", "'stop' must be a string or a list of strings", "invalid_type")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"'stop' takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    if any(not s for s in stops):
+        raise invalid("stop", "'stop' strings must not be empty")
+    return tuple(stops)
+
+
+def parse_stream_options(body: dict, stream: bool) -> bool:
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not isinstance(options, dict):
+        raise invalid("stream_options", "'stream_options' must be an object", "invalid_type")
+    if not stream:
+        raise invalid("stream_options", "'stream_options' is only allowed with 'stream': true")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise invalid("stream_options.include_usage", "'stream_options.include_usage' must be true or false",
+                      "invalid_type")
+    return include
+
+
+# Fields hasten knows and cannot honour: refused rather than silently ignored, since the
+# client would otherwise get an answer to a question it did not ask. Each maps to a test
+# of the values that are the same as leaving it out.
+UNSUPPORTED = {
+    "logprobs": lambda v: v in (None, False),
+    "top_logprobs": lambda v: v is None,
+    "echo": lambda v: v in (None, False),
+    "suffix": lambda v: v is None,
+    "best_of": lambda v: v in (None, 1),
+    "presence_penalty": lambda v: v in (None, 0),
+    "frequency_penalty": lambda v: v in (None, 0),
+    "logit_bias": lambda v: v in (None, {}),
+    "tools": lambda v: v in (None, []),
+}
+
+
+def check_unsupported(body: dict) -> None:
+    n = body.get("n")
+    if n is not None and (not is_int(n) or n != 1):
+        raise invalid("n", f"'n' must be 1 (hasten returns one choice per request), got {json.dumps(n)[:40]}")
+    for name, harmless in UNSUPPORTED.items():
+        if name in body and not harmless(body[name]):
+            raise invalid(name, f"'{name}' is not supported by hasten serve", "unsupported_parameter")
+
+
+def parse_prompt(body: dict) -> str | list[int]:
+    """A completion's prompt: a string or a list of token ids (or a list holding one of them)."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise invalid("prompt", "'prompt' is empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise invalid("prompt", "one prompt per request: send a batch of prompts as separate requests")
+    if prompt is None:
+        raise invalid("prompt", "'prompt' is required", "missing_required_parameter")
+    raise invalid("prompt", "'prompt' must be a non-empty string or a list of token ids", "invalid_type")
+
+
+def parse_messages(body: dict) -> list[dict[str, str]]:
+    """Chat messages with their content as plain text (OpenAI's text parts are joined)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "'messages' must be a non-empty list of {role, content} objects",
+                      "missing_required_parameter" if messages is None else "invalid_type")
+    plain = []
+    for i, message in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
+            raise invalid(where, f"'{where}' must be an object with a string 'role'", "invalid_type")
+        plain.append({"role": message["role"], "content": content_text(message.get("content"), where)})
+    return plain
+
+
+def content_text(content, where: str) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise invalid(f"{where}.content[{j}]", "only text content parts ({type: text, text}) are supported",
+                              "invalid_type")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise invalid(f"{where}.content", f"'{where}.content' must be a string or a list of text parts", "invalid_type")

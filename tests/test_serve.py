@@ -1,0 +1,505 @@
+"""``hasten serve`` and ``hasten serve-bench``, end to end over HTTP.
+
+One server runs in this process (uvicorn in a thread, 127.0.0.1, a free port) over a tiny
+random Llama with prompt lookup, the continuous-batching scheduler and an API key; the
+tests talk to it with the official ``openai`` client, and with raw HTTP where they need to
+send what no client would. Its outputs are compared with ``Engine.generate`` / ``chat``.
+"""
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+openai = pytest.importorskip("openai", reason="hasten[serve] is not installed (pip install 'hasten[serve]')")
+uvicorn = pytest.importorskip("uvicorn", reason="hasten[serve] is not installed (pip install 'hasten[serve]')")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from hasten.api import Engine, make_drafter  # noqa: E402
+from hasten.engine.batch import Scheduler  # noqa: E402
+from hasten.serve.app import ServeOptions, create_app  # noqa: E402
+from hasten.engine.stops import TextStream  # noqa: E402
+from helpers import save_checkpoint, tiny_model, tiny_tokenizer  # noqa: E402
+
+KEY = "sk-test"
+NAME = "tiny"
+MAX_BATCH = 4  # below the 8 concurrent requests, so some wait for a free row
+BODY_LIMIT = 8192
+NEW = 24
+TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i)\n",
+    "def add(a, b):\n",
+    "for i in range(3):\n",
+    "return a + b\n\ndef",
+    "print(i)\nprint(",
+    "def range(a):\n    return a\n",
+    "for a in b:\n    add(a, b)\n",
+]
+
+
+class PacedScheduler(Scheduler):
+    """The real scheduler, made to take at least ``PACE["seconds"]`` a step, so a test can
+    be sure a long row is still running when its client leaves."""
+
+    PACE = {"seconds": 0.0}
+
+    def step(self):
+        time.sleep(self.PACE["seconds"])
+        return super().step()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    return Engine(tiny_model("llama"), tokenizer, make_drafter("prompt_lookup"), "prompt_lookup")
+
+
+def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    return server, thread, f"http://127.0.0.1:{port}"
+
+
+def stop_server(server, thread) -> None:
+    server.should_exit = True
+    thread.join(30)
+    assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def base(engine):
+    def make():
+        return PacedScheduler(engine.model, engine.drafter, max_batch=MAX_BATCH)
+
+    app = create_app(engine, make, ServeOptions(NAME, KEY, BODY_LIMIT))
+    server, thread, url = start_server(app)
+    yield url
+    stop_server(server, thread)
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def reference(engine, prompt: str, max_new_tokens: int = NEW):
+    return engine.generate(prompt, max_new_tokens=max_new_tokens)
+
+
+def call(base, path, body=None, key=KEY, raw: bytes | None = None, method=None):
+    """(status, parsed JSON or text) of one raw HTTP request."""
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(base + path, data=data, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            status, text = response.status, response.read().decode()
+    except urllib.error.HTTPError as err:
+        status, text = err.code, err.read().decode()
+    try:
+        return status, json.loads(text)
+    except json.JSONDecodeError:
+        return status, text
+
+
+def metrics(base) -> dict[str, float]:
+    """Every sample of /metrics as {"name{label=value,...}": value}."""
+    status, text = call(base, "/metrics")
+    assert status == 200
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}"] = sample.value
+    return samples
+
+
+# ---- outputs equal the library's -----------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_equal_generate(engine, client, stream):
+    expected = reference(engine, PROMPTS[0])
+    answer = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0, stream=stream,
+                                       stream_options={"include_usage": True} if stream else None)
+    if stream:
+        chunks = list(answer)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        reason = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+        usage, extra = chunks[-1].usage, chunks[-1].model_extra
+        assert chunks[-1].choices == []  # the usage chunk comes last, with no choice
+    else:
+        choice, usage, extra = answer.choices[0], answer.usage, answer.model_extra
+        text, reason = choice.text, choice.finish_reason
+    assert text == expected.text
+    assert reason == ("stop" if len(expected.token_ids) < NEW else "length")
+    assert usage.completion_tokens == len(expected.token_ids)
+    assert usage.prompt_tokens == engine.encode(PROMPTS[0]).shape[1]
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    stats = extra["hasten"]
+    assert stats["method"] == "prompt_lookup" and stats["steps"] == expected.stats.steps
+    assert stats["tau"] == pytest.approx(expected.stats.mean_accepted, abs=1e-3)
+    assert stats["acceptance_by_position"] == pytest.approx(expected.stats.acceptance_by_position, abs=1e-3)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_completions_equal_engine_chat(engine, client, stream):
+    messages = [{"role": "system", "content": "You repeat code."}, {"role": "user", "content": PROMPTS[1]}]
+    expected = engine.chat(messages, max_new_tokens=NEW)
+    answer = client.chat.completions.create(model=NAME, messages=messages, max_tokens=NEW, temperature=0,
+                                            stream=stream)
+    if stream:
+        chunks = list(answer)
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert chunks[-1].choices[0].finish_reason is not None and "hasten" in chunks[-1].model_extra
+    else:
+        assert answer.choices[0].message.role == "assistant"
+        text = answer.choices[0].message.content
+        assert answer.usage.completion_tokens == len(expected.token_ids)
+    assert text == expected.text
+
+
+def test_token_id_prompts_and_max_completion_tokens(engine, base):
+    ids = engine.encode(PROMPTS[0])[0].tolist()
+    status, body = call(base, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": NEW, "temperature": 0})
+    assert status == 200 and body["choices"][0]["text"] == reference(engine, PROMPTS[0]).text
+    messages = [{"role": "user", "content": [{"type": "text", "text": PROMPTS[2]}]}]
+    status, body = call(base, "/v1/chat/completions",
+                        {"model": NAME, "messages": messages, "max_completion_tokens": 5, "temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] <= 5
+    assert body["choices"][0]["message"]["content"] == engine.chat(
+        [{"role": "user", "content": PROMPTS[2]}], max_new_tokens=5).text
+
+
+def test_eight_concurrent_streams_each_equal_their_single_output(engine, base):
+    expected = [reference(engine, p).text for p in PROMPTS]
+    singles = [call(base, "/v1/completions", {"model": NAME, "prompt": p, "max_tokens": NEW, "temperature": 0})[1]
+               for p in PROMPTS]
+    assert [s["choices"][0]["text"] for s in singles] == expected
+
+    async def one(client, prompt):
+        stream = await client.completions.create(model=NAME, prompt=prompt, max_tokens=NEW, temperature=0, stream=True)
+        return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    async def all_at_once():
+        async with openai.AsyncOpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=60) as client:
+            return await asyncio.gather(*(one(client, p) for p in PROMPTS))
+
+    before = metrics(base)
+    PacedScheduler.PACE["seconds"] = 0.01  # a row takes long enough for the others to arrive while it runs
+    try:
+        assert asyncio.run(all_at_once()) == expected
+    finally:
+        PacedScheduler.PACE["seconds"] = 0.0
+    after = metrics(base)
+    # they really ran together: some step decoded more than one row
+    batched = lambda m: m["hasten_step_batch_size_count{}"] - m["hasten_step_batch_size_bucket{le=1.0}"]  # noqa: E731
+    assert batched(after) > batched(before)
+
+
+def test_a_seed_makes_sampling_reproducible(client):
+    texts = {client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=12, temperature=1.0, top_p=0.9,
+                                       seed=7).choices[0].text for _ in range(2)}
+    assert len(texts) == 1
+
+
+# ---- stop strings -------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_text_ends_before_the_stop_string(engine, client, stream):
+    full = reference(engine, PROMPTS[0], 40).text
+    stop = full[8:11]
+    assert len(stop) == 3 and full.find(stop) >= 1
+    answer = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=[stop, "@@@"],
+                                       stream=stream)
+    if stream:
+        chunks = list(answer)
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        reason = chunks[-1].choices[0].finish_reason
+    else:
+        text, reason = answer.choices[0].text, answer.choices[0].finish_reason
+    assert text == full[: full.find(stop)]
+    assert reason == "stop"
+
+
+def test_text_stream_holds_back_what_may_become_a_stop_string():
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer("def add(a, b):\n    return a + b\n").input_ids
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    stream = TextStream(tokenizer, ["return a - b", "b)"])
+    shown = "".join(stream.push([t]) for t in ids)
+    assert shown == text[: text.find("b)")] and stream.stopped and stream.finish() == ""
+
+    stream = TextStream(tokenizer, ["return a - b"])
+    pieces, held = [], []
+    for i, token in enumerate(ids):
+        pieces.append(stream.push([token]))
+        decoded = tokenizer.decode(ids[: i + 1], skip_special_tokens=True)
+        if stream.shown != decoded:
+            held.append(decoded[len(stream.shown) :])
+    assert "".join(pieces) + stream.finish() == text and not stream.stopped
+    # "return a " could still become the stop string until "+" rules it out
+    assert held and all("return a - b".startswith(tail) for tail in held)
+
+
+# ---- errors: 401, 400, 404, 413 -------------------------------------------------------------------
+def assert_error(status, body, expected_status, param):
+    assert status == expected_status, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+
+
+@pytest.mark.parametrize("key", [None, "sk-wrong"])
+def test_a_missing_or_wrong_key_is_401_and_health_is_open(base, key):
+    for path, body in (("/v1/models", None), ("/v1/completions", {"model": NAME, "prompt": "x"}), ("/metrics", None)):
+        status, answer = call(base, path, body, key=key)
+        assert_error(status, answer, 401, None)
+        assert answer["error"]["code"] == "invalid_api_key"
+    assert call(base, "/health", key=None) == (200, {"status": "ok"})
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key=key or "none", max_retries=0).models.list()
+
+
+BAD_BODIES = [
+    ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": "x", "max_tokens": 4.5}, "max_tokens"),
+    ({"prompt": "x", "temperature": -0.5}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "stop": 3}, "stop"),
+    ({"prompt": "x", "seed": "s"}, "seed"),
+    ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": ["a", "b"]}, "prompt"),
+    ({"prompt": [5] * 600}, "prompt"),  # longer than the model's 512 positions
+    ({"prompt": [5] * 500, "max_tokens": 20}, "max_tokens"),  # fits, but not with 20 more
+    ({"prompt": [10**6]}, "prompt"),
+    ({"max_tokens": 3}, "prompt"),
+    ({"prompt": "x", "model": 3}, "model"),
+]
+
+
+@pytest.mark.parametrize("body, param", BAD_BODIES, ids=[f"{p}-{i}" for i, (_, p) in enumerate(BAD_BODIES)])
+def test_bad_completion_requests_are_400_naming_the_field(base, body, param):
+    assert_error(*call(base, "/v1/completions", {"model": NAME, **body}), 400, param)
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"messages": []}, "messages"),
+    ({"messages": "hi"}, "messages"),
+    ({"messages": [{"content": "x"}]}, "messages[0]"),
+    ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, "max_completion_tokens"),
+])
+def test_bad_chat_requests_are_400_naming_the_field(base, body, param):
+    assert_error(*call(base, "/v1/chat/completions", {"model": NAME, **body}), 400, param)
+
+
+NOT_JSON = [b"{not json", b"[1, 2]", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', b"\xff"]
+
+
+@pytest.mark.parametrize("raw", NOT_JSON)
+def test_malformed_json_is_400(base, raw):
+    assert_error(*call(base, "/v1/completions", raw=raw), 400, None)
+
+
+def test_an_unknown_model_is_404(base, client):
+    assert_error(*call(base, "/v1/completions", {"model": "gpt-5", "prompt": "x"}), 404, "model")
+    assert_error(*call(base, "/v1/models/gpt-5"), 404, "model")
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="gpt-5", messages=[{"role": "user", "content": "x"}])
+    status, body = call(base, "/v1/nowhere")
+    assert status == 404 and set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_body_over_the_limit_is_413(base):
+    status, body = call(base, "/v1/completions", {"model": NAME, "prompt": "x" * (BODY_LIMIT + 1)})
+    assert_error(status, body, 413, None)
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+# ---- a client that leaves -----------------------------------------------------------------------
+def test_a_client_leaving_mid_stream_cancels_its_row_and_the_next_request_is_served(engine, base):
+    before = metrics(base).get("hasten_rows_finished_total{reason=cancelled}", 0.0)
+    host, port = base.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    body = {"model": NAME, "prompt": PROMPTS[1], "max_tokens": 400, "temperature": 1.0, "seed": 3, "stream": True}
+    PacedScheduler.PACE["seconds"] = 0.02  # 400 tokens then take seconds: the row is surely running when we leave
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body),
+                           {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"})
+        response = connection.getresponse()
+        assert response.status == 200
+        assert response.readline().startswith(b"data: ")  # the stream has begun
+        connection.sock.shutdown(socket.SHUT_RDWR)
+        connection.close()
+        deadline = time.monotonic() + 20
+        while metrics(base).get("hasten_rows_finished_total{reason=cancelled}", 0.0) == before:
+            assert time.monotonic() < deadline, "the row of the client that left was never cancelled"
+            time.sleep(0.05)
+    finally:
+        PacedScheduler.PACE["seconds"] = 0.0
+    status, answer = call(base, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": NEW,
+                                                     "temperature": 0})
+    assert status == 200 and answer["choices"][0]["text"] == reference(engine, PROMPTS[0]).text
+
+
+# ---- metrics ----------------------------------------------------------------------------------------
+def test_metrics_parse_and_move(base, client):
+    before = metrics(base)
+    client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0)
+    after = metrics(base)
+    moved = ["hasten_requests_total{code=200,route=/v1/completions}", "hasten_prompt_tokens_total{}",
+             "hasten_generated_tokens_total{}", "hasten_steps_total{}", "hasten_tau_count{}",
+             "hasten_queue_seconds_count{}", "hasten_step_batch_size_count{}",
+             "hasten_drafted_at_position_total{position=1}", "hasten_step_draft_seconds_sum{}",
+             "hasten_step_verify_seconds_sum{}", "hasten_step_seconds_sum{}"]
+    for name in moved:
+        assert after[name] > before.get(name, 0.0), name
+    assert after["hasten_generated_tokens_total{}"] - before["hasten_generated_tokens_total{}"] == NEW
+    for name in ("hasten_running_rows{}", "hasten_waiting_rows{}"):
+        assert name in after
+
+
+# ---- a failing step --------------------------------------------------------------------------------
+class FailingOnce(Scheduler):
+    failures = [1]
+
+    def step(self):
+        if self.failures and self.running:
+            self.failures.pop()
+            raise RuntimeError("planted failure")
+        return super().step()
+
+
+def test_a_failing_step_fails_its_rows_and_the_server_goes_on(engine):
+    app = create_app(engine, lambda: FailingOnce(engine.model, engine.drafter, max_tokens_in_flight=100),
+                     ServeOptions(NAME))
+    server, thread, url = start_server(app)
+    try:
+        # no API key on this server; a request that alone needs more than --max-tokens-in-flight is refused
+        status, body = call(url, "/v1/completions", {"model": NAME, "prompt": [5] * 90, "max_tokens": 11}, key=None)
+        assert_error(status, body, 400, "max_tokens")
+        assert "max_tokens (11)" in body["error"]["message"]
+        status, body = call(url, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4}, key=None)
+        assert status == 500 and "planted failure" in body["error"]["message"]
+        status, body = call(url, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": NEW,
+                                                     "temperature": 0}, key=None)
+        assert status == 200 and body["choices"][0]["text"] == reference(engine, PROMPTS[0]).text
+        assert call(url, "/health", key=None)[0] == 200
+    finally:
+        stop_server(server, thread)
+
+
+# ---- the command line ---------------------------------------------------------------------------------
+def test_serve_flags_and_defaults(cli):
+    from hasten.cli import build_parser
+
+    code, out, _ = cli("serve", "--help")
+    assert code == 0
+    for flag in ("--host", "--port", "--api-key", "--max-batch", "--max-tokens-in-flight", "--method-arg", "--draft"):
+        assert flag in out
+    args = build_parser().parse_args(["serve", "--model", "m"])
+    assert args.host == "127.0.0.1" and args.max_batch == 8 and args.max_tokens_in_flight is None
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--max-batch", "0"], "--max-batch must be >= 1"),
+    (["--max-tokens-in-flight", "0"], "--max-tokens-in-flight must be >= 1"),
+    (["--port", "70000"], "--port must be in"),
+    (["--method-arg", "num_tokens=zero"], "num_tokens"),
+    (["--method", "draft_model"], "needs a draft model"),
+])
+def test_serve_errors_are_one_line_before_loading(cli, args, match):
+    code, _, err = cli("serve", "--model", "/nonexistent", *args)
+    assert code == 2 and match in err and err.count("\n") == 1
+
+
+def test_a_missing_extra_names_the_install_command(cli, monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "uvicorn" else real(name, *a))
+    code, _, err = cli("serve", "--model", "m")
+    assert code == 2 and "pip install 'hasten[serve]'" in err and err.count("\n") == 1
+
+
+def test_serve_builds_the_app_from_its_flags(tmp_path, cli, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    path = save_checkpoint(tmp_path / "ckpt")
+    code, _, err = cli("serve", "--model", path, "--method", "prompt_lookup", "--method-arg", "num_tokens=3",
+                       "--api-key", KEY, "--max-batch", "3", "--max-tokens-in-flight", "400")
+    assert code == 0, err
+    assert seen["host"] == "127.0.0.1" and seen["port"] == 8000
+    service = seen["app"].state.service
+    assert service.options.api_key == KEY and service.options.model_name == path
+    scheduler = service.worker.scheduler
+    assert scheduler.max_batch == 3 and scheduler.max_tokens_in_flight == 400
+    assert service.engine.drafter.settings.num_tokens == 3
+
+
+def test_serve_bench_reports_every_level(base, cli, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:3]))
+    out = tmp_path / "load.json"
+    code, table, err = cli("serve-bench", "--url", f"{base}/v1", "--api-key", KEY, "--concurrency", "1,3",
+                           "--requests", "3", "--max-tokens", "8", "--prompts", str(prompts), "--out", str(out))
+    assert code == 0, err
+    results = json.loads(out.read_text())
+    assert results["model"] == NAME and results["method"] == "prompt_lookup"
+    assert [level["concurrency"] for level in results["levels"]] == [1, 3]
+    for level in results["levels"]:
+        assert level["errors"] == 0 and level["requests"] == 3 and level["output_tokens"] > 0
+        assert level["ttft_seconds"]["p50"] is not None and level["mean_tau"] >= 1.0
+    rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 3"]  # one table row per level
+
+
+def test_serve_bench_without_a_server_is_one_line(cli, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "x"}))
+    code, _, err = cli("serve-bench", "--url", f"http://127.0.0.1:{free_port()}/v1", "--prompts", str(prompts))
+    assert code == 2 and "cannot reach a server" in err and err.count("\n") == 1
+
+
+def test_the_builtin_load_prompts_end_at_a_function_signature():
+    from hasten.serve.load import builtin_prompts
+
+    prompts = builtin_prompts(3)
+    assert len(prompts) == 3 and len(set(prompts)) == 3
+    assert all(p.endswith("\n") and p.splitlines()[-1].startswith("def ") for p in prompts)
