@@ -324,3 +324,48 @@ def test_bench_times_each_method_with_each_sizing(target, prompt, no_calibration
     assert set(rows) == {"autoregressive", "prompt_lookup", "prompt_lookup@fixed"}
     assert {m["name"]: m.get("draft_size") for m in results["methods"]} == {
         "autoregressive": None, "prompt_lookup": "auto", "prompt_lookup@fixed": "fixed"}
+
+
+# ---- batches: one plan for all rows ------------------------------------------------------------------
+def planned_depth(curve, acceptances, limit=8):
+    rule = CostAwareSize(curve)
+    states = [known_state(curve, acceptance) for acceptance in acceptances]
+    for state in states:
+        rule.share(state, len(states))
+    rule.plan(states, [limit] * len(states))
+    depths = {rule.depth(state, limit) for state in states}
+    assert len(depths) == 1, "every row of a batch drafts to the planned depth"
+    return depths.pop()
+
+
+def test_a_batch_drafts_deep_when_the_forward_is_flat_and_not_when_every_position_costs():
+    assert planned_depth(FLAT, [0.8] * 16) == 8  # a GPU at small batch: positions are free
+    assert planned_depth(LINEAR, [0.8] * 16) == 0  # every position a full forward: drafting cannot pay
+    one = planned_depth(STEEP, [0.8])  # the same curve, one row: the forward's knee is far away
+    many = planned_depth(STEEP, [0.8] * 8)  # eight rows reach the steep part 8x sooner
+    assert one > many
+
+
+def test_a_few_good_rows_do_not_make_the_whole_batch_pay_for_padding():
+    curve = CostCurve((1, 16, 64, 256), (1.0, 1.2, 3.0, 12.0))
+    good_alone = planned_depth(curve, [0.9] * 2)
+    mixed = planned_depth(curve, [0.9] * 2 + [0.05] * 14)
+    assert good_alone > 0 and mixed < good_alone
+
+
+def test_a_batch_waits_for_every_row_to_have_drafted_once():
+    rule = CostAwareSize(LINEAR)
+    fresh, known = SizingState(LINEAR), known_state(LINEAR, 0.1)
+    for state in (fresh, known):
+        rule.share(state, 2)
+    rule.plan([fresh, known], [6, 6])
+    assert rule.depth(fresh, 6) == 6  # not drafted yet: see how deep it goes
+
+
+def test_batched_auto_sizing_stays_lossless():
+    model = tiny_model("qwen2")
+    prompts = [repetitive_prompt(12, seed)[0] for seed in range(3)]
+    references = [hf_greedy(model, p[None], 24)[0].tolist() for p in prompts]
+    rule = CostAwareSize(STEEP)
+    out = hasten.generate(model, prompts, drafter=PromptLookup(), max_new_tokens=24, draft_size=rule)
+    assert [s.tolist() for s in out.sequences] == references

@@ -150,10 +150,11 @@ DRAFT_SIZES = ("auto", "fixed")
 DEFAULT_DRAFT_SIZE = "fixed"
 
 
-def add_draft_size_argument(parser: argparse.ArgumentParser) -> None:
+def add_draft_size_argument(parser: argparse.ArgumentParser, default: str = DEFAULT_DRAFT_SIZE,
+                            why: str = "") -> None:
     parser.add_argument(
-        "--draft-size", default=DEFAULT_DRAFT_SIZE, choices=DRAFT_SIZES,
+        "--draft-size", default=default, choices=DRAFT_SIZES,
         help="fixed: each method drafts as deep as its settings say; auto: each step's depth is chosen "
         "from this machine's measured forward cost (calibrated once, cached under $HASTEN_CACHE/cost) "
-        f"and the method's measured acceptance (default {DEFAULT_DRAFT_SIZE})",
+        f"and the method's measured acceptance, for a whole batch at once (default {default}{why})",
     )

@@ -101,6 +101,11 @@ class Sequence:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def depth_limit(self) -> int:
+        """The deepest draft token this step could use (the bonus token needs the last slot)."""
+        return max(self.max_new_tokens - len(self.generated) - 1, 0)
+
     def propose(self) -> Draft:
         """This step's draft (empty without a drafter or when only the bonus token fits)."""
         self.draft_began = time.perf_counter()
@@ -173,6 +178,11 @@ class Sequence:
 def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
     """One decode step for every sequence: propose, one verification forward, settle.
     Returns each sequence's newly committed tokens."""
+    drafting = [sequence for sequence in sequences if sequence.drafter is not None]
+    for sequence in drafting:
+        sequence.sizing.share(sequence.size_state, len(sequences))  # cost-aware sizing prices the shared forward
+    if len(drafting) > 1:  # one sizing rule serves a batch (the scheduler's); it plans for all rows at once
+        drafting[0].sizing.plan([s.size_state for s in drafting], [s.depth_limit for s in drafting])
     drafts = [sequence.propose() for sequence in sequences]
     outs = target.forward_rows(
         [sequence.cache for sequence in sequences],

@@ -58,6 +58,13 @@ class SizingRule:
     def observe(self, state: Any, tree: TokenTree, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         """The step's verified (already cut) draft tree, its accepted path length and timings."""
 
+    def share(self, state: Any, rows: int) -> None:
+        """The next step's forward is shared by ``rows`` sequences (a batch)."""
+
+    def plan(self, states: list[Any], limits: list[int]) -> None:
+        """Before a batch's step: choose jointly for its rows (``limits``: each row's deepest
+        usable depth). Fixed sizes need no plan."""
+
 
 class FixedSize(SizingRule):
     """Today's behaviour: each drafter drafts as deep as its own settings say (budget permitting)."""
@@ -201,6 +208,15 @@ class SizingState:
     probe_gap: int = 0  # plain steps before the next probe (at least; doubled after each failed probe)
     probing: bool = False  # this step is a probe
     chosen: int = 0  # the depth chosen for the step under way
+    rows: int = 1  # sequences sharing the target's forward (a batch): its cost is split among them
+    cap: int | None = None  # in a batch: the depth the batch's plan chose for every row
+
+    def forward_seconds(self, positions: float) -> float:
+        """This sequence's share of a forward in which every row runs ``positions``
+        positions: a batch of B rows runs B times as many, so a row's extra draft tokens cost
+        what B extra positions cost (on a CPU that is far from free; on a GPU, at small
+        batches, nearly)."""
+        return self.curve(positions * self.rows) / self.rows
 
 
 class CostAwareSize(SizingRule):
@@ -247,26 +263,34 @@ class CostAwareSize(SizingRule):
     def rates(self, state: SizingState, deepest: int) -> list[float]:
         """Expected tokens per second when drafting k = 0 .. ``deepest`` deep."""
         scale = state.scale or 1.0
-        fixed, per_depth = self.draft_cost(state)
-        tokens, survive, nodes = 1.0, 1.0, 0.0
-        found = [tokens / (state.curve(1) * scale)]
+        return [tokens / (state.forward_seconds(nodes + 1) * scale + self.drafting_seconds(state, d))
+                for d, (tokens, nodes) in enumerate(zip(*self.expected(state, deepest)))]
+
+    def expected(self, state: SizingState, deepest: int) -> tuple[list[float], list[float]]:
+        """For k = 0 .. ``deepest``: the expected tokens a step commits drafting k deep, and
+        the draft nodes it verifies."""
+        tokens, survive, nodes = [1.0], 1.0, [0.0]
+        count = 0.0
         for d, accept in enumerate(self.acceptances(state, deepest), start=1):
             survive *= accept
-            tokens += survive
-            nodes += state.width[d - 1] if d <= len(state.width) else (state.width[-1] if state.width else 1.0)
-            positions = min(nodes, max(state.most_nodes, d)) + 1
-            found.append(tokens / (state.curve(positions) * scale + fixed + per_depth * d))
-        return found
+            tokens.append(tokens[-1] + survive)
+            count += state.width[d - 1] if d <= len(state.width) else (state.width[-1] if state.width else 1.0)
+            nodes.append(min(count, max(state.most_nodes, d)))
+        return tokens, nodes
 
     def affordable_gap(self, state: SizingState, depth: int) -> int:
         """Plain steps between probes ``depth`` deep such that probing costs at most
         ``probe_share`` of the time."""
         fixed, per_depth = self.draft_cost(state)
         scale = state.scale or 1.0
-        plain = state.curve(1) * scale
+        plain = state.forward_seconds(1) * scale
         nodes = min(sum(state.width[:depth]) + max(depth - len(state.width), 0), max(state.most_nodes, depth))
-        extra = state.curve(nodes + 1) * scale + fixed + per_depth * depth - plain
+        extra = state.forward_seconds(nodes + 1) * scale + fixed + per_depth * depth - plain
         return min(int(extra / (self.probe_share * plain)), self.max_probe_gap)
+
+    def drafting_seconds(self, state: SizingState, depth: int) -> float:
+        fixed, per_depth = self.draft_cost(state)
+        return fixed + per_depth * depth if depth else 0.0
 
     @staticmethod
     def draft_cost(state: SizingState) -> tuple[float, float]:
@@ -284,7 +308,35 @@ class CostAwareSize(SizingRule):
         return 0.0, t / k
 
     # the rule ------------------------------------------------------------------------------------
+    def plan(self, states: list[SizingState], limits: list[int]) -> None:
+        """A batch pads every row's block to the widest one, so rows cannot choose alone: one
+        depth ``W`` for all rows, maximising the batch's expected tokens per second, where the
+        forward runs ``rows x (widest block)`` positions and every row drafts up to ``W``
+        (padding would cost as much)."""
+        rows = len(states)
+        if any(state.reach is None for state in states):  # someone has not drafted yet: all draft fully
+            for state in states:
+                state.cap = None
+            return
+        top = max(min(limit, state.reach + 1) for state, limit in zip(states, limits))
+        per_row = [self.expected(state, min(limit, state.reach + 1)) for state, limit in zip(states, limits)]
+        scale = sum(state.scale or 1.0 for state in states) / rows
+        curve = states[0].curve
+        best, best_rate = 0, 0.0
+        for depth in range(top + 1):
+            tokens = sum(row_tokens[min(depth, len(row_tokens) - 1)] for row_tokens, _ in per_row)
+            widest = max(row_nodes[min(depth, len(row_nodes) - 1)] for _, row_nodes in per_row)
+            drafting = sum(self.drafting_seconds(state, depth) for state in states)
+            rate = tokens / (curve(rows * (widest + 1)) * scale + drafting)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = depth, rate
+        for state in states:
+            state.cap = best
+
     def depth(self, state: SizingState, limit: int) -> int:
+        if state.rows > 1 and state.cap is not None:  # a batch: the plan chose for every row
+            state.chosen = min(state.cap, limit)
+            return state.chosen
         if state.reach is None:  # nothing drafted yet: see how deep the drafter goes
             state.chosen = limit
             return limit
@@ -300,13 +352,16 @@ class CostAwareSize(SizingRule):
         state.chosen = best
         return best
 
+    def share(self, state: SizingState, rows: int) -> None:
+        state.rows = rows
+
     def observe(self, state: SizingState, tree: TokenTree, accepted: int, draft_seconds: float,
                 verify_seconds: float) -> None:
         depths = tree.depths
         drafted = max(depths, default=0)
         positions = len(tree) + 1
         if verify_seconds > 0:
-            ratio = verify_seconds / state.curve(positions)
+            ratio = verify_seconds / state.curve(positions * state.rows)  # the whole batch's forward
             state.scale = ratio if state.scale is None else 0.8 * state.scale + 0.2 * ratio
         if state.chosen == 0:
             return
