@@ -165,3 +165,15 @@ def test_eager_attention_with_a_tree_drafter():
     reference = hf_greedy(model, prompt, NEW)
     for drafter in (create("lookahead"), TreeScriptedDrafter(reference[0].tolist(), DRAFT_LEN, 3, 2, 2)):
         check(model, prompt, reference, drafter)
+
+
+def test_batched_rows_equal_hf_greedy_with_mixed_layer_kinds():
+    """Rows of different lengths in one batch: each row's sliding window is measured in its
+    own positions, whatever columns the shared cache puts its tokens in."""
+    model = tiny_gemma3()
+    prompts = [repetitive_prompt(PROMPT_LEN, seed=0)[0], repetitive_prompt(2 * PROMPT_LEN, seed=1)[0],
+               repetitive_prompt(6, seed=2)[0]]
+    references = [hf_greedy(model, p[None], NEW)[0].tolist() for p in prompts]
+    for name in ("prompt_lookup", "lookahead"):
+        out = hasten.generate(model, prompts, drafter=create(name), max_new_tokens=NEW)
+        assert [s.tolist() for s in out.sequences] == references, name
