@@ -3,16 +3,20 @@ from .base import REGISTRY, Draft, DraftContext, Drafter, StepResult, create, re
 from .chimera import Chimera, ChimeraSettings
 from .draft_model import DraftModel, DraftModelSettings
 from .eagle import Eagle, EagleSettings
+from .easyspec import EasySpec, EasySpecSettings
 from .gad import GAD, GADSettings
 from .hidden_transfer import HiddenTransfer, HiddenTransferSettings
 from .lookahead import Lookahead, LookaheadSettings
 from .medusa import Medusa, MedusaHeads, MedusaSettings
 from .prompt_lookup import PromptLookup, PromptLookupSettings
+from .triforce import TriForce, TriForceSettings
 
 __all__ = [
     "REGISTRY",
     "Chimera",
     "ChimeraSettings",
+    "EasySpec",
+    "EasySpecSettings",
     "Eagle",
     "EagleSettings",
     "GAD",
@@ -27,6 +31,8 @@ __all__ = [
     "Lookahead",
     "LookaheadSettings",
     "Medusa",
+    "TriForce",
+    "TriForceSettings",
     "MedusaHeads",
     "MedusaSettings",
     "PromptLookup",

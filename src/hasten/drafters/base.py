@@ -87,6 +87,9 @@ class DraftContext:
     # there are len(tokens) - 1 rows. Owned by the loop.
     feature_buffer: GrowingBuffer | None = None
     state: Any = None  # what the drafter's begin() returned: its per-generation state
+    # the generation's acceptance rule (an engine.verify.Acceptance), for drafters that verify a
+    # draft of their own before proposing (TriForce's middle level): the one verifier, reused
+    acceptance: Any = None
 
     @property
     def features(self) -> torch.Tensor | None:

@@ -203,3 +203,38 @@ def placeholder_logits_batch(model: PreTrainedModel, ids: torch.Tensor, anchors:
     out = forward_with_placeholders(model, ids, causal, positions, anchors, placeholders, layer, transfer,
                                     use_cache=False)
     return out.logits[:, length:].reshape(batch, anchors.shape[1], placeholders, -1)
+
+
+# ---- the queries of a forward -----------------------------------------------------------------
+_CAPTURE = "hasten_capture_queries"
+_captured: list[dict[int, torch.Tensor]] = []  # the innermost capture's store, while one runs
+
+
+def _capturing_attention(module, query, key, value, attention_mask, **kwargs):
+    if _captured:
+        _captured[-1][module.layer_idx] = query[0, :, -1].detach()  # [heads, head_dim] the last position's
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+@contextmanager
+def last_queries(model: PreTrainedModel) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside the block, the model's forwards record each layer's post-RoPE query of the
+    last position (``{layer: [heads, head_dim]}``, batch row 0). The model runs through
+    transformers' sdpa attention meanwhile (registered under its own name, so outputs are
+    those of sdpa), and gets its own attention implementation back afterwards."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(_CAPTURE, _capturing_attention)
+    AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
+    before = model.config._attn_implementation
+    store: dict[int, torch.Tensor] = {}
+    _captured.append(store)
+    model.set_attn_implementation(_CAPTURE)
+    try:
+        yield store
+    finally:
+        model.set_attn_implementation(before)
+        _captured.pop()

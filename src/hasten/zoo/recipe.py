@@ -3,7 +3,8 @@
     python -m hasten.zoo.recipe all --out-root src/hasten/zoo/weights --threads 1
 
 Stages: `tokenizer` (byte-level BPE, kept in --work-dir), `target` (code-tiny) and
-`draft` (code-tiny-draft); `all` runs the three in order. Scratch files (tokenizer,
+`draft` (code-tiny-draft); `all` runs the three in order. `draft4` (code-tiny-draft4, a
+four-layer draft for layer-parallel drafting) is trained on its own, after `tokenizer`. Scratch files (tokenizer,
 token cache, checkpoints) live under --work-dir, never inside the package.
 """
 from __future__ import annotations
@@ -40,11 +41,14 @@ MODEL_SHAPES = {
                       num_key_value_heads=4, intermediate_size=688),
     "code-tiny-draft": dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                             num_key_value_heads=2, intermediate_size=344),
+    # four layers, so layer-parallel drafting (easyspec) has groupings to choose from
+    "code-tiny-draft4": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
+                             num_key_value_heads=2, intermediate_size=344),
 }
-STAGE_MODELS = {"target": "code-tiny", "draft": "code-tiny-draft"}
+STAGE_MODELS = {"target": "code-tiny", "draft": "code-tiny-draft", "draft4": "code-tiny-draft4"}
 # The shipped weights were trained with these defaults, one thread, on a 2-core AMD EPYC VM.
-DEFAULT_MINUTES = {"target": 55.0, "draft": 15.0}
-DEFAULT_LR = {"target": 1.5e-3, "draft": 3e-3}  # the smaller model tolerates a larger step
+DEFAULT_MINUTES = {"target": 55.0, "draft": 15.0, "draft4": 15.0}
+DEFAULT_LR = {"target": 1.5e-3, "draft": 3e-3, "draft4": 3e-3}  # the smaller model tolerates a larger step
 
 
 # ---------------------------------------------------------------- tokenizer and data
@@ -296,7 +300,7 @@ def run_stage(stage: str, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m hasten.zoo.recipe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["tokenizer", "target", "draft", "all"])
+    p.add_argument("stage", choices=["tokenizer", "target", "draft", "draft4", "all"])
     p.add_argument("--out-root", type=Path, required=True, help="models are written to OUT_ROOT/<model name>/")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hasten-zoo",
                    help="scratch: tokenizer, token cache, checkpoints (default: %(default)s)")

@@ -1,0 +1,260 @@
+"""TriForce: hierarchical speculative decoding for long contexts (Sun et al. 2024).
+
+Three levels, each verifying the one below:
+
+1. a **small model** (the draft model) with a StreamingLLM cache (the first ``sinks``
+   tokens and the latest ``window``; positions are cache slots, so its memory and its cost
+   per token stay constant however long the context) drafts ``small_gamma`` tokens;
+2. the **target itself with a retrieval cache** (the middle level) verifies them: after
+   prefill, the prompt's KV is split into chunks of ``chunk_size`` tokens, every chunk is
+   scored per layer and KV head by the last prompt token's query against the chunk's mean
+   key, and only the first chunk, the last (partial) chunk and the best-scoring chunks up to
+   ``budget`` entries are kept; tokens generated later are appended. Reading ``budget``
+   entries instead of the whole context is what makes it cheap when the KV, not the
+   weights, dominates a forward. Rounds repeat until ``gamma`` tokens are drafted;
+3. the **target with its full cache** (the decode loop) verifies those ``gamma`` tokens.
+
+Both verifications are the generation's own acceptance rule (``ctx.acceptance``: greedy or
+speculative sampling), so the middle level's output is distributed exactly as its own
+``p``; that ``p`` is the ``q`` handed to the top level, whose verification keeps the
+target's law exactly. Greedy output is the target's.
+
+The retrieval cache is built once, from a second prefill that also records the queries
+(the target's own prefill stays the loop's): this doubles prefill work, as the reference
+implementation's separate retrieval cache does. Full-attention decoders only: a
+sliding-window layer's mask cannot follow per-head selected entries.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import DynamicCache
+
+from ..core.sampling import sample
+from ..core.settings import Settings
+from ..core.tree import TokenTree
+from ..models.adapter import ModelAdapter, model_name, vocab_size
+from ..models.layers import last_queries
+from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
+
+
+@dataclass(frozen=True)
+class TriForceSettings(Settings):
+    budget: int = 256  # KV entries per layer and KV head the retrieval cache keeps of the prompt
+    chunk_size: int = 8  # prompt tokens per retrieval chunk
+    gamma: int = 6  # tokens the middle level drafts for the target per step
+    small_gamma: int = 3  # tokens the small model drafts per round of the middle level
+    sinks: int = 4  # the small model's attention sinks (first tokens, always kept)
+    window: int = 252  # the small model's recent window
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("chunk_size", "gamma", "small_gamma", "window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.sinks < 0:
+            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        if self.budget < 2 * self.chunk_size:
+            raise ValueError(f"budget ({self.budget}) must hold at least two chunks of chunk_size "
+                             f"({self.chunk_size}): the first and the latest")
+
+
+# ---- the middle level: the target over a retrieval cache ----------------------------------------
+def retrieval_cache(full: DynamicCache, queries: dict[int, torch.Tensor], budget: int,
+                    chunk_size: int) -> DynamicCache:
+    """Keep, per layer and KV head, the first chunk, the last (partial) chunk and the chunks
+    whose mean key best matches the query (the largest score over the heads sharing that KV
+    head), ``budget`` entries at most, in position order."""
+    picked = DynamicCache()
+    for layer_index, layer in enumerate(full.layers):
+        keys, values = layer.keys, layer.values  # [1, kv_heads, T, head_dim]
+        length = keys.shape[2]
+        if length <= budget:
+            picked.update(keys.clone(), values.clone(), layer_index)
+            continue
+        kv_heads, dim = keys.shape[1], keys.shape[3]
+        full_chunks = (length - 1) // chunk_size  # the rest, 1 .. chunk_size tokens, is the latest chunk
+        tail = length - full_chunks * chunk_size
+        means = keys[0, :, : full_chunks * chunk_size].reshape(kv_heads, full_chunks, chunk_size, dim).mean(2)
+        query = queries[layer_index].to(keys.dtype)  # [heads, head_dim]
+        query = query.view(kv_heads, -1, dim)  # [kv_heads, group, head_dim]
+        scores = torch.einsum("hgd,hcd->hgc", query, means).amax(1)  # [kv_heads, chunks]
+        room = (budget - tail) // chunk_size - 1  # middle chunks besides the first
+        best = scores[:, 1:].topk(min(room, full_chunks - 1), dim=1).indices + 1  # [kv_heads, room]
+        chunks = torch.cat([torch.zeros(kv_heads, 1, dtype=torch.long, device=keys.device), best], 1).sort(1).values
+        offsets = torch.arange(chunk_size, device=keys.device)
+        index = (chunks[:, :, None] * chunk_size + offsets).flatten(1)  # [kv_heads, kept]
+        latest = torch.arange(length - tail, length, device=keys.device).expand(kv_heads, tail)
+        index = torch.cat([index, latest], 1)[None, :, :, None].expand(1, -1, -1, dim)
+        picked.update(keys.gather(2, index), values.gather(2, index), layer_index)
+    return picked
+
+
+@dataclass
+class Middle:
+    """The target over the retrieval cache: it holds the selected prompt entries (for the
+    first ``prompt`` tokens), then one entry per token of ``fed``, at positions ``prompt ..``."""
+
+    model: PreTrainedModel
+    cache: DynamicCache
+    selected: int  # entries of the selection (per layer and KV head)
+    prompt: int  # prompt tokens the selection was made from
+    fed: list[int] = field(default_factory=list)
+
+    @torch.no_grad()
+    def forward(self, block: list[int]) -> torch.Tensor:
+        """[len(block), vocab] float32 logits of ``block`` after what is cached."""
+        start = self.prompt + len(self.fed)
+        positions = torch.arange(start, start + len(block), device=self.model.device)[None]
+        ids = torch.tensor([block], dtype=torch.long, device=self.model.device)
+        # Full attention over everything cached is the causal mask in cache order, which the
+        # model builds itself; the positions are the tokens' true ones.
+        out = self.model(input_ids=ids, past_key_values=self.cache, position_ids=positions, use_cache=True)
+        self.fed.extend(block)
+        return out.logits[0].float()
+
+    def keep(self, count: int) -> None:
+        """Keep the first ``count`` fed tokens' entries."""
+        if count < len(self.fed):
+            for layer in self.cache.layers:
+                layer.keys = layer.keys[:, :, : self.selected + count]
+                layer.values = layer.values[:, :, : self.selected + count]
+            del self.fed[count:]
+
+
+# ---- the bottom level: a small model with a StreamingLLM cache ------------------------------
+@dataclass
+class Streaming:
+    """The small model's cache stands for the first ``base`` committed tokens (all of them,
+    or the sinks and the window when it was last rebuilt), then one entry per token of
+    ``fed``. Positions are cache slots, so rebuilding re-positions the window's keys."""
+
+    adapter: ModelAdapter
+    base: int  # committed tokens the cache stands for (fewer entries once the window slid)
+    fed: list[int] = field(default_factory=list)
+
+    @property
+    def entries(self) -> int:
+        return self.adapter.cache_length
+
+
+# ---- the drafter -------------------------------------------------------------------------------
+@dataclass
+class TriForceState:
+    middle: Middle
+    small: Streaming
+
+
+@register
+class TriForce(Drafter):
+    name = "triforce"
+    Settings = TriForceSettings
+    needs_draft_model = True
+    encoder_decoder_ok = False
+
+    def __init__(self, model: PreTrainedModel, settings: TriForceSettings | None = None, **kwargs):
+        if not isinstance(model, PreTrainedModel):
+            raise TypeError(f"TriForce needs a small transformers PreTrainedModel, got {type(model).__name__}")
+        super().__init__(settings, **kwargs)
+        self.model = model
+
+    def check_target(self, target) -> None:
+        super().check_target(target)
+        if vocab_size(self.model) != target.vocab_size:
+            raise ValueError(
+                f"small model {model_name(self.model)!r} has a vocabulary of {vocab_size(self.model)} tokens, "
+                f"the target {model_name(target.model)!r} has {target.vocab_size}; they must share one tokenizer"
+            )
+        config = target.model.config.get_text_config()
+        kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+        if getattr(config, "sliding_window", None) is not None and "sliding_attention" in kinds:
+            raise ValueError(f"triforce needs a full-attention target; {model_name(target.model)!r} has "
+                             "sliding-window layers, whose masks cannot follow a per-head retrieval cache")
+
+    def begin(self, ctx: DraftContext) -> TriForceState:
+        settings = self.settings
+        model = ctx.target.model
+        prompt = ctx.tokens[:-1]  # what the loop's target has cached: all but the root
+        cache = DynamicCache()
+        if prompt:
+            with torch.no_grad(), last_queries(model) as queries:
+                ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
+                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            cache = retrieval_cache(cache, queries, settings.budget, settings.chunk_size)
+        selected = cache.get_seq_length() if prompt else 0
+        middle = Middle(model, cache, selected, len(prompt))
+        return TriForceState(middle, self._streaming(ctx.tokens[:-1]))
+
+    def _streaming(self, committed: list[int]) -> Streaming:
+        """A fresh small-model cache standing for ``committed``: its sinks and its window."""
+        settings = self.settings
+        kept = committed
+        if len(committed) > settings.sinks + settings.window:
+            kept = committed[: settings.sinks] + committed[-settings.window:]
+        adapter = ModelAdapter(self.model)
+        if kept:
+            adapter.start(torch.tensor([kept + [0]], dtype=torch.long))  # caches all but the dummy root
+        return Streaming(adapter, len(committed))
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        count = min(self.settings.gamma, ctx.max_depth)
+        if count < 1:
+            return EMPTY_DRAFT
+        state, tokens = ctx.state, ctx.tokens
+        small = state.small
+        if small.entries + len(tokens) - small.base - len(small.fed) > self.settings.sinks + 2 * self.settings.window:
+            small = state.small = self._streaming(tokens[:-1])  # slide the window (rebuilt once per window)
+        drafted: list[int] = []
+        rows: list[torch.Tensor] = []  # the middle level's p for each drafted token
+        while len(drafted) < count:
+            known = tokens + drafted  # the sequence so far; its last token is not cached anywhere yet
+            small_tokens, small_q = self._small_draft(ctx, small, known, min(self.settings.small_gamma,
+                                                                                  count - len(drafted)))
+            middle = state.middle
+            shared = _common_prefix(middle.fed, known, middle.prompt)
+            middle.keep(shared)
+            pending = known[middle.prompt + shared:]  # at least the last known token
+            logits = middle.forward(pending + small_tokens)[len(pending) - 1:]  # [n + 1, vocab]
+            verdict = ctx.acceptance.verify(TokenTree.chain(len(small_tokens)), tuple(small_tokens), logits, small_q,
+                                            ctx.sampling, ctx.generator)
+            accepted = len(verdict.accepted)
+            middle.keep(len(middle.fed) - (len(small_tokens) - accepted))  # drop the rejected small tokens
+            drafted += small_tokens[:accepted] + [verdict.next_token]
+            if not ctx.sampling.greedy:
+                rows.append(ctx.sampling.probs(logits[: accepted + 1]))
+        drafted = drafted[:count]
+        probs = None if ctx.sampling.greedy else torch.cat(rows)[:count]
+        return Draft.chain(drafted, probs)
+
+    def _small_draft(self, ctx: DraftContext, small: Streaming, known: list[int],
+                     count: int) -> tuple[list[int], torch.Tensor | None]:
+        """``count`` tokens from the small model after ``known``, and the q each was drawn from."""
+        shared = _common_prefix(small.fed, known, small.base)
+        small.adapter.crop(small.entries - (len(small.fed) - shared))
+        del small.fed[shared:]
+        block = known[small.base + shared:]  # at least the last known token
+        drafted, dists = [], []
+        for _ in range(count):
+            small.fed.extend(block)
+            logits = small.adapter.forward(block, tree=None).logits[-1]  # [vocab]
+            if ctx.sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                q = ctx.sampling.probs(logits)
+                token = sample(q, ctx.generator)
+                dists.append(q)
+            drafted.append(token)
+            block = [token]
+        return drafted, (torch.stack(dists) if dists else None)
+
+
+def _common_prefix(fed: list[int], known: list[int], offset: int) -> int:
+    """How many of ``fed`` equal ``known[offset:]``, never reaching ``known``'s last token
+    (which must be fed again: its logits are the ones drafting needs)."""
+    limit = max(0, min(len(fed), len(known) - 1 - offset))
+    for i in range(limit):
+        if fed[i] != known[offset + i]:
+            return i
+    return limit

@@ -1,0 +1,92 @@
+"""TriForce (drafters/triforce.py): greedy output equals the plain model's with prompts longer
+than the retrieval budget and the small model's window (so the sparse and streaming paths
+are used), two levels of speculative sampling keep the target's law, the retrieval cache
+keeps what it says, and bad settings or targets are refused."""
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+import hasten
+from hasten.drafters import TriForce
+from hasten.drafters.triforce import retrieval_cache
+from helpers import CAUSAL_CONFIGS, hf_greedy, repetitive_prompt, tiny_model
+from test_sampling_distribution import DEEP_LAW_SAMPLING, PROMPT, TARGET, bound, exact_law, peaky_model
+
+FULL_ATTENTION = sorted(arch for arch in CAUSAL_CONFIGS if arch != "mistral")  # mistral: sliding window
+NEW = 24
+SMALL = dict(budget=16, chunk_size=4, gamma=5, small_gamma=2, sinks=2, window=8)
+
+
+@pytest.mark.parametrize("arch", FULL_ATTENTION)
+def test_greedy_equals_hf_with_sparse_middle_and_streaming_small_model(arch):
+    model = tiny_model(arch)
+    small = tiny_model(arch, seed=7)
+    prompt = repetitive_prompt(48, seed=3)  # 47 cached tokens > budget 16 > window 8
+    reference = hf_greedy(model, prompt, NEW)
+    drafter = TriForce(small, **SMALL)
+    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW)
+    assert out.sequences.tolist() == reference.tolist()
+    assert out.stats.drafted_tokens > 0
+    # the small model is the target itself: the middle level still differs (sparse), the output never
+    self_draft = hasten.generate(model, prompt, drafter=TriForce(model, **SMALL), max_new_tokens=NEW)
+    assert self_draft.sequences.tolist() == reference.tolist()
+
+
+def test_batched_rows_equal_hf_greedy():
+    model, small = tiny_model("llama"), tiny_model("llama", seed=7)
+    prompts = [repetitive_prompt(40, seed=1)[0], repetitive_prompt(12, seed=2)[0]]
+    references = [hf_greedy(model, p[None], NEW)[0].tolist() for p in prompts]
+    out = hasten.generate(model, prompts, drafter=TriForce(small, **SMALL), max_new_tokens=NEW)
+    assert [s.tolist() for s in out.sequences] == references
+
+
+def test_two_levels_of_speculative_sampling_keep_the_target_law():
+    """Small model -> retrieval-cache target -> full target, 3 deep: the first 3 tokens'
+    law matches the target's (the prompt is longer than a budget of 2 chunks of 1)."""
+    drafter = TriForce(peaky_model(5), budget=2, chunk_size=1, gamma=3, small_gamma=2, sinks=1, window=2)
+    law = exact_law(TARGET, DEEP_LAW_SAMPLING, 3)
+    counts = dict.fromkeys(law, 0)
+    g = torch.Generator().manual_seed(5)
+    samples = 800  # 27 outcomes; each sample runs about a dozen small forwards
+    for _ in range(samples):
+        out = hasten.generate(TARGET, PROMPT, drafter=drafter, max_new_tokens=4, temperature=1.0, top_k=3, generator=g)
+        counts[tuple(out.sequences[0, PROMPT.shape[1]:][:3].tolist())] += 1
+    tv = 0.5 * sum(abs(counts[k] / samples - law[k]) for k in law)
+    assert tv < bound(law, samples), f"TV {tv:.3f} >= bound {bound(law, samples):.3f}"
+
+
+def test_retrieval_cache_keeps_first_latest_and_best_chunks():
+    torch.manual_seed(0)
+    keys = torch.randn(1, 2, 30, 4)  # [1, kv_heads, T, head_dim]
+    values = torch.arange(30.0).view(1, 1, 30, 1).expand(1, 2, 30, 4).clone()  # each entry holds its position
+    query = torch.zeros(4, 4)  # [heads, head_dim]: heads 0, 1 share KV head 0
+    query[:, 0] = 1.0
+    keys[:, :, 12:16, 0] += 50.0  # chunk 3 is the one the query looks for, in both KV heads
+    full = DynamicCache()
+    full.update(keys, values, 0)
+    picked = retrieval_cache(full, {0: query}, budget=14, chunk_size=4)
+    kept = picked.layers[0].values[0, :, :, 0]  # [kv_heads, kept] positions
+    assert kept.shape == (2, 14)  # first chunk + 2 middle chunks + the latest 2 tokens (30 = 7 * 4 + 2)
+    for head in range(2):
+        positions = kept[head].tolist()
+        assert positions == sorted(positions)
+        assert positions[:4] == [0, 1, 2, 3] and positions[-2:] == [28, 29]
+        assert {12, 13, 14, 15} <= set(positions)
+    short = DynamicCache()
+    short.update(keys[:, :, :10], values[:, :, :10], 0)
+    assert torch.equal(retrieval_cache(short, {0: query}, 14, 4).layers[0].keys, keys[:, :, :10])
+
+
+def test_bad_settings_and_targets_are_refused():
+    small = tiny_model("llama", seed=7)
+    with pytest.raises(ValueError, match="budget"):
+        TriForce(small, budget=8, chunk_size=8)
+    with pytest.raises(ValueError, match="gamma"):
+        TriForce(small, gamma=0)
+    with pytest.raises(ValueError, match="sliding-window"):
+        hasten.generate(tiny_model("mistral"), repetitive_prompt(10), drafter=TriForce(small), max_new_tokens=2)
+    with pytest.raises(ValueError, match="vocabulary"):
+        hasten.generate(tiny_model("llama"), repetitive_prompt(10), drafter=TriForce(tiny_model("llama", vocab_size=50)),
+                        max_new_tokens=2)
+    with pytest.raises(TypeError, match="PreTrainedModel"):
+        TriForce("zoo:code-tiny-draft")
