@@ -8,6 +8,7 @@ tokens and feeds the rest, so rejected drafts and the bonus token are handled by
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import PreTrainedModel
@@ -58,11 +59,7 @@ class DraftModel(Drafter):
 
     def check_target(self, target: ModelAdapter) -> None:
         super().check_target(target)
-        if vocab_size(self.model) != target.vocab_size:
-            raise ValueError(
-                f"draft model {model_name(self.model)!r} has a vocabulary of {vocab_size(self.model)} tokens, "
-                f"the target {model_name(target.model)!r} has {target.vocab_size}; they must share one tokenizer"
-            )
+        check_same_vocabulary(self.model, target)
         if bool(self.model.config.is_encoder_decoder) != target.encoder_decoder:
             raise ValueError("draft model and target must both be causal LMs or both encoder-decoders")
 
@@ -83,19 +80,9 @@ class DraftModel(Drafter):
         shared = state.committed + _common_prefix(state.drafted, tokens, state.committed, len(tokens) - 1)
         state.adapter.crop(shared)
         block = tokens[shared:]  # at least the root
-        drafted, dists = [], []
-        for _ in range(count):
-            logits = state.adapter.forward(block, tree=None).logits[-1]  # [vocab]
-            if ctx.sampling.greedy:
-                token = int(logits.argmax())
-            else:
-                q = ctx.sampling.probs(logits)
-                token = sample(q, ctx.generator)
-                dists.append(q)
-            drafted.append(token)
-            block = [token]
+        drafted, q = draft_chain(lambda block, _: state.adapter.forward(block, tree=None).logits[-1], block, count, ctx)
         state.committed, state.drafted = len(tokens), drafted[:-1]  # the last drafted token was never fed
-        return Draft.chain(drafted, torch.stack(dists) if dists else None)
+        return Draft.chain(drafted, q)
 
     def observe(self, ctx: DraftContext, result: StepResult) -> None:
         state = ctx.state
@@ -105,6 +92,34 @@ class DraftModel(Drafter):
             state.length = min(state.length + 2, self.settings.max_tokens)
         else:
             state.length = max(1, state.length - 1)
+
+
+def check_same_vocabulary(draft: PreTrainedModel, target: ModelAdapter) -> None:
+    """Draft tokens are target tokens: both models must share one tokenizer."""
+    if vocab_size(draft) != target.vocab_size:
+        raise ValueError(
+            f"draft model {model_name(draft)!r} has a vocabulary of {vocab_size(draft)} tokens, "
+            f"the target {model_name(target.model)!r} has {target.vocab_size}; they must share one tokenizer"
+        )
+
+
+def draft_chain(forward: Callable[[list[int], int], torch.Tensor], block: list[int], count: int,
+                ctx: DraftContext) -> tuple[list[int], torch.Tensor | None]:
+    """``count`` tokens drafted one at a time: ``forward(block, i)`` feeds ``block`` (first the
+    given one, then each drafted token) and returns the [vocab] logits of draft token ``i``;
+    greedy takes the argmax, sampling draws from ``q`` and returns every q ([count, vocab])."""
+    drafted, dists = [], []
+    for position in range(count):
+        logits = forward(block, position)  # [vocab]
+        if ctx.sampling.greedy:
+            token = int(logits.argmax())
+        else:
+            q = ctx.sampling.probs(logits)
+            token = sample(q, ctx.generator)
+            dists.append(q)
+        drafted.append(token)
+        block = [token]
+    return drafted, (torch.stack(dists) if dists else None)
 
 
 def _common_prefix(drafted: list[int], tokens: list[int], offset: int, limit: int) -> int:

@@ -41,12 +41,11 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from ..core.sampling import sample
 from ..core.settings import option
 from ..models import cache as kv
 from ..models.layers import UnsupportedArchitecture, attention_mask, decoder_layers, model_name
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
-from .draft_model import DraftModel, DraftModelSettings
+from .draft_model import DraftModel, DraftModelSettings, draft_chain
 
 CONCURRENCY = ("serial", "threads", "streams")
 Groups = tuple[tuple[int, ...], ...]
@@ -370,16 +369,7 @@ class EasySpec(DraftModel):
         # committed since the last exact one (the root included), which drafts token 1
         kv.crop(state.cache, state.exact)
         block = tokens[state.exact:]
-        drafted, dists = [], []
-        for position in range(count):
-            logits = self.driver.forward(state.cache, block, exact=position == 0)  # [vocab]
-            if ctx.sampling.greedy:
-                token = int(logits.argmax())
-            else:
-                q = ctx.sampling.probs(logits)
-                token = sample(q, ctx.generator)
-                dists.append(q)
-            drafted.append(token)
-            block = [token]
+        drafted, q = draft_chain(lambda block, i: self.driver.forward(state.cache, block, exact=i == 0), block, count,
+                                 ctx)
         state.exact = len(tokens)
-        return Draft.chain(drafted, torch.stack(dists) if dists else None)
+        return Draft.chain(drafted, q)

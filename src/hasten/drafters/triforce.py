@@ -32,12 +32,12 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
-from ..core.sampling import sample
 from ..core.settings import Settings
 from ..core.tree import TokenTree
-from ..models.adapter import ModelAdapter, model_name, vocab_size
+from ..models.adapter import ModelAdapter, model_name
 from ..models.layers import last_queries
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
+from .draft_model import check_same_vocabulary, draft_chain
 
 
 @dataclass(frozen=True)
@@ -162,11 +162,7 @@ class TriForce(Drafter):
 
     def check_target(self, target) -> None:
         super().check_target(target)
-        if vocab_size(self.model) != target.vocab_size:
-            raise ValueError(
-                f"small model {model_name(self.model)!r} has a vocabulary of {vocab_size(self.model)} tokens, "
-                f"the target {model_name(target.model)!r} has {target.vocab_size}; they must share one tokenizer"
-            )
+        check_same_vocabulary(self.model, target)
         config = target.model.config.get_text_config()
         kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
         if getattr(config, "sliding_window", None) is not None and "sliding_attention" in kinds:
@@ -235,19 +231,12 @@ class TriForce(Drafter):
         small.adapter.crop(small.entries - (len(small.fed) - shared))
         del small.fed[shared:]
         block = known[small.base + shared:]  # at least the last known token
-        drafted, dists = [], []
-        for _ in range(count):
+
+        def forward(block: list[int], _: int) -> torch.Tensor:
             small.fed.extend(block)
-            logits = small.adapter.forward(block, tree=None).logits[-1]  # [vocab]
-            if ctx.sampling.greedy:
-                token = int(logits.argmax())
-            else:
-                q = ctx.sampling.probs(logits)
-                token = sample(q, ctx.generator)
-                dists.append(q)
-            drafted.append(token)
-            block = [token]
-        return drafted, (torch.stack(dists) if dists else None)
+            return small.adapter.forward(block, tree=None).logits[-1]  # [vocab]
+
+        return draft_chain(forward, block, count, ctx)
 
 
 def _common_prefix(fed: list[int], known: list[int], offset: int) -> int:
