@@ -7,6 +7,15 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
+def _private_cache(request, monkeypatch, tmp_path_factory):
+    """What hasten caches (cost calibrations, GGUF conversions) goes to the session's temporary
+    folder, never the user's ~/.cache/hasten; the opt-in real-model tests keep the user's
+    cache, where a conversion takes a minute once."""
+    if request.node.get_closest_marker("real") is None:
+        monkeypatch.setenv("HASTEN_CACHE", str(tmp_path_factory.getbasetemp() / "hasten-cache"))
+
+
+@pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():
         yield

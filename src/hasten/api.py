@@ -10,7 +10,10 @@ from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoModelForSeq2SeqLM, AutoProcessor, AutoTokenizer,
+    PreTrainedModel,
+)
 
 from . import zoo
 from .drafters.base import REGISTRY, Drafter, create
@@ -19,7 +22,7 @@ from .engine.loop import decode
 from .engine.sizing import SizingRule, load_or_calibrate, sizing_rule
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
-from .models import gguf
+from .models import gguf, vlm
 from .models.adapter import vocab_size
 from .core.sampling import Sampling
 from .core.stats import DecodeStats
@@ -95,6 +98,8 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch
     try:
         config = AutoConfig.from_pretrained(path)
         auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+        if getattr(config, "vision_config", None) is not None:  # a vision-language model: its vision tower too
+            auto = AutoModelForImageTextToText
         model = auto.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as err:
         where = "no such directory" if not os.path.exists(path) else str(err).splitlines()[0]
@@ -158,19 +163,21 @@ class Engine:
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer, drafter: Drafter | None, method: str,
-                 draft_size: str | SizingRule = "fixed"):
+                 draft_size: str | SizingRule = "fixed", processor=None):
         self.model, self.tokenizer, self.drafter, self.method = model, tokenizer, drafter, method
+        self.processor = processor  # a vision-language model's: text + images -> its inputs
         self.draft_size = draft_size
         sizing_rule(draft_size)  # a bad value fails here, not at the first generation
 
     # ---- plain text prompts ----------------------------------------------------------------
     def generate(self, prompt: str, **kwargs) -> EngineOutput:
-        """Generate after ``prompt``; keywords: max_new_tokens, temperature, top_k, top_p, seed, stop."""
-        return self._collect(self.encode(prompt), kwargs)
+        """Generate after ``prompt``; keywords: max_new_tokens, temperature, top_k, top_p, seed, stop,
+        and images (a vision-language model's image paths or images; see :meth:`encode_images`)."""
+        return self._collect(self._text(prompt), kwargs)
 
     def stream(self, prompt: str, **kwargs) -> Iterator[str]:
         """Yield text pieces as tokens are accepted (same keywords as :meth:`generate`)."""
-        return self._pieces(self.encode(prompt), kwargs)
+        return self._pieces(self._text(prompt), kwargs)
 
     # ---- chats -----------------------------------------------------------------------------
     def chat(self, messages: list[dict[str, str]], **kwargs) -> EngineOutput:
@@ -186,11 +193,25 @@ class Engine:
     # ---- text -> input ids -----------------------------------------------------------------
     def encode(self, prompt: str) -> torch.Tensor:
         """A plain prompt's ids [1, T], with whatever special tokens (BOS) the tokenizer adds."""
+        return self.tokenizer(self._text(prompt), return_tensors="pt").input_ids  # [1, T]
+
+    def encode_images(self, prompt: str, images: list) -> tuple[torch.Tensor, dict]:
+        """A vision-language prompt: ids [1, T] with the image placeholders written out, and
+        the processor's tensors (``pixel_values``, ...) for the prefill. ``images``: paths or
+        images; a prompt without the image token gets one per image in front."""
+        if not vlm.is_vision_language(self.model):
+            raise ValueError(f"images given, but {type(self.model).__name__} is a text-only model")
+        if self.processor is None:
+            raise ValueError("images need the model's processor: load(model, processor=...)")
+        return vlm.processor_inputs(self.processor, self._text(prompt), images)
+
+    @staticmethod
+    def _text(prompt) -> str:
         if not isinstance(prompt, str):
             raise TypeError(f"prompt must be a str, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt is empty")
-        return self.tokenizer(prompt, return_tensors="pt").input_ids  # [1, T]
+        return prompt
 
     def encode_chat(self, messages: list[dict[str, str]]) -> torch.Tensor:
         """``messages`` through the chat template with the assistant's turn opened, as ids
@@ -248,17 +269,25 @@ class Engine:
         top_p: float | None = None,
         seed: int | None = None,
         stop: str | list[str] | None = None,
+        images: list | None = None,
     ) -> Iterator[tuple[str, list[int]]]:
         """Yield (text piece, token ids) per decode step; ``stats`` fills in as it runs.
         ``prompt`` is text (see :meth:`encode`) or input ids [1, T] (e.g. :meth:`encode_chat`'s).
         ``stop``: stop strings; generation ends at the token that completes one, and the
-        text ends before it (as OpenAI's ``stop``)."""
-        input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
+        text ends before it (as OpenAI's ``stop``). ``images``: with a text prompt, for a
+        vision-language model (see :meth:`encode_images`)."""
+        model_inputs: dict = {}
+        if images is not None:
+            if not isinstance(prompt, str):
+                raise TypeError("images go with a text prompt (chats with images are not supported yet)")
+            input_ids, model_inputs = self.encode_images(prompt, images)
+        else:
+            input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         sampling = Sampling(temperature, top_k, top_p)
         stops = StopStrings(self.tokenizer, stop or [])
-        check_inputs(self.model, input_ids, self.drafter, max_new_tokens, None)
+        check_inputs(self.model, input_ids, self.drafter, max_new_tokens, None, model_inputs)
         input_ids = input_ids.to(self.model.device)
         generator = None
         if seed is not None:
@@ -267,7 +296,7 @@ class Engine:
         acceptance = acceptance_rule(sampling)
         text = TextStream(self.tokenizer, stops)
         for step in decode(self.model, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats,
-                           acceptance, sizing_rule(self.draft_size), stops):
+                           acceptance, sizing_rule(self.draft_size), stops, **model_inputs):
             yield text.push(step), step
         tail = text.finish()
         if tail:
@@ -283,6 +312,7 @@ def load(
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
     draft_size: str | SizingRule = "fixed",
+    processor=None,
     **method_kwargs,
 ) -> Engine:
     """Load a model with an acceleration method.
@@ -297,6 +327,8 @@ def load(
     ``draft_size``: ``"fixed"`` (each drafter's own depth) or ``"auto"`` (each step's depth
     chosen from this machine's measured forward cost and the drafter's measured acceptance;
     the cost is calibrated here, once per model and machine, and cached).
+    ``processor`` (an object or a path): a vision-language model's, which turns text and
+    images into its inputs; loaded from the model's directory when not given.
     """
     check_method(method, draft is not None)  # before the seconds spent loading models
     sizing_rule(draft_size)
@@ -317,7 +349,9 @@ def load(
     drafter = make_drafter(method, draft_model, **method_kwargs)
     if draft_size == "auto" and drafter is not None:
         load_or_calibrate(model)  # now, at load, rather than inside the first generation
-    return Engine(model, tokenizer, drafter, method, draft_size)
+    if vlm.is_vision_language(model) and (processor is None or isinstance(processor, (str, os.PathLike))):
+        processor = load_processor(name_or_path if processor is None else processor)
+    return Engine(model, tokenizer, drafter, method, draft_size, processor)
 
 
 def as_model(model_or_path, dtype: torch.dtype | None, device) -> PreTrainedModel:
@@ -337,6 +371,18 @@ def load_tokenizer(name_or_path: str | os.PathLike):
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as err:
         raise ValueError(f"model {name_or_path!r} has no usable tokenizer: {str(err).splitlines()[0]}") from err
+
+
+def load_processor(name_or_path) -> object | None:
+    """A vision-language model's processor, or None for a model passed as an object
+    (Engine.encode_images then asks for processor=)."""
+    if isinstance(name_or_path, PreTrainedModel):
+        return None
+    path = resolve_path(name_or_path)
+    try:
+        return AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"model {name_or_path!r} has no usable processor: {str(err).splitlines()[0]}") from err
 
 
 def _optional_tokenizer(name_or_path: str):

@@ -61,6 +61,9 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as one user message through the model's chat template")
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
+    parser.add_argument("--image", action="append", default=[], metavar="PATH",
+                        help="image file for a vision-language model (repeatable); the prompt gets one image "
+                             "token per image in front unless it holds them")
     add_sampling_arguments(parser)
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop string (repeatable): generation ends at it and the text stops before it; "
@@ -93,6 +96,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UserError("prompt is empty")
     if args.system is not None and not args.chat:
         raise UserError("--system needs --chat (a system message is part of a chat)")
+    if args.image and args.chat:
+        raise UserError("--image does not go with --chat yet: send the prompt as plain text")
     Sampling(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -107,6 +112,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         stop=[text.replace("\\n", "\n").replace("\\t", "\t") for text in args.stop],
+        images=args.image or None,
     )
     stats = DecodeStats()
     text, token_ids = "", []
@@ -117,7 +123,8 @@ def _run_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
     if args.json:
-        record = {"model": args.model, "method": args.method, "chat": args.chat, "text": text, "token_ids": token_ids}
+        record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image, "text": text,
+                  "token_ids": token_ids}
         runtime = {"device": device, "dtype": args.dtype, "threads": threads, "draft_size": args.draft_size}
         print(json.dumps({**record, **runtime, "stats": stats.to_dict()}))
         return 0

@@ -5,10 +5,12 @@ import torch
 from transformers import PreTrainedModel
 
 from ..drafters.base import Drafter
+from ..models import vlm
 from ..models.adapter import vocab_size
 
 
-def check_inputs(model, input_ids, drafter, max_new_tokens, generator) -> None:
+def check_inputs(model, input_ids, drafter, max_new_tokens, generator, model_inputs: dict | None = None) -> None:
+    """``model_inputs``: a vision-language prompt's images (pixel_values, ...), by keyword."""
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
@@ -32,6 +34,7 @@ def check_inputs(model, input_ids, drafter, max_new_tokens, generator) -> None:
         raise TypeError(f"drafter must be a hasten Drafter or None, got {type(drafter).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    vlm.check_model_inputs(model, input_ids, model_inputs or {})
 
 
 # Config names of the number of positions a model was built for (learned position

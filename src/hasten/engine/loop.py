@@ -55,17 +55,19 @@ def decode(
     acceptance: Acceptance,
     sizing: SizingRule | None = None,
     stop: StopStrings | None = None,
+    **model_inputs: torch.Tensor,
 ) -> Generator[list[int], None, str | None]:
     """Yield each step's committed tokens of one sequence, then return why it ended. Inputs are assumed validated
     (see generate). The step itself, shared with batched decoding, is
     :func:`hasten.engine.sequence.step`; the :class:`Sequence` owns the committed state
-    (tokens, target features, the drafter's per-generation state)."""
+    (tokens, target features, the drafter's per-generation state). ``model_inputs``: a
+    vision-language target's images (``pixel_values``, ...), read by the prefill only."""
     target = ModelAdapter(model)
     if drafter is not None:
         drafter.check_target(target)
     clock = time.perf_counter()
     want_features = drafter is not None and drafter.needs_features
-    tokens, prefilled = target.start(input_ids, hidden=want_features)
+    tokens, prefilled = target.start(input_ids, hidden=want_features, **model_inputs)
     source = input_ids[0].tolist() if target.encoder_decoder else None
     sequence = Sequence(target, tokens, prefilled, drafter, sampling, generator, acceptance, eos_token_ids,
                         max_new_tokens, stats, sizing, source, stop)
@@ -91,6 +93,7 @@ def generate(
     draft_size: str | SizingRule = "fixed",
     stop_strings: str | list[str] | None = None,
     tokenizer=None,
+    **model_inputs: torch.Tensor,
 ) -> GenerationOutput | BatchGenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
 
@@ -107,21 +110,27 @@ def generate(
     marking each row's real tokens) is decoded together, one target forward per step for
     all rows, each row exactly as it would be alone; it returns a
     :class:`BatchGenerationOutput`. Batches need a causal LM.
+
+    A vision-language target (LLaVA, Idefics3/SmolVLM) takes its images by keyword:
+    ``pixel_values=`` and whatever else its processor returns (``pixel_attention_mask``,
+    ``image_sizes``, ...); the prefill reads them, decoding is text only (see
+    :mod:`hasten.models.vlm`). One prompt at a time: batches take no images.
     """
     sampling = Sampling(temperature, top_k, top_p)
     stop = StopStrings(tokenizer, stop_strings or [])
+    attention_mask, model_inputs = _image_inputs(input_ids, attention_mask, model_inputs)
     prompts = batch_prompts(input_ids, attention_mask)
     if prompts is not None:
         return _generate_batch(model, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
                                lossy_acceptance, draft_size, stop)
-    check_inputs(model, input_ids, drafter, max_new_tokens, generator)
+    check_inputs(model, input_ids, drafter, max_new_tokens, generator, model_inputs)
     stats = DecodeStats()
     eos = eos_ids(model, eos_token_id)
     acceptance = acceptance_rule(sampling, lossy_acceptance)
     sizing = sizing_rule(draft_size)
     new: list[int] = []
     pieces = decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance, sizing,
-                    stop)
+                    stop, **model_inputs)
     while True:
         try:
             new.extend(next(pieces))
@@ -130,6 +139,31 @@ def generate(
             break
     head = [decoder_start_token(model)] if model.config.is_encoder_decoder else input_ids[0].tolist()
     return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason)
+
+
+# ---- vision-language prompts ------------------------------------------------------------------
+def _image_inputs(input_ids, attention_mask, model_inputs: dict) -> tuple[torch.Tensor | None, dict]:
+    """The attention_mask and image inputs of a vision-language prompt. A keyword given as
+    None is absent (as in Hugging Face); with images, the processor's all-ones
+    attention_mask of one [1, T] prompt means no batch and is dropped; batches of image
+    prompts are refused (batch.py has no image prefill)."""
+    model_inputs = {key: value for key, value in model_inputs.items() if value is not None}
+    if not model_inputs:
+        return attention_mask, model_inputs
+    one_prompt = isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2 and input_ids.shape[0] == 1
+    if not one_prompt:
+        stray = next((key for key, value in model_inputs.items() if not isinstance(value, torch.Tensor)), None)
+        if stray is not None:  # a misspelt keyword, not an image input
+            raise TypeError(f"generate() got an unexpected keyword argument {stray!r}")
+        raise ValueError(f"{', '.join(sorted(model_inputs))} given with a batch of prompts: vision-language "
+                         "prompts are decoded one at a time; pass one [1, T] prompt")
+    if attention_mask is None:
+        return None, model_inputs
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape \
+            or not bool(attention_mask.bool().all()):
+        raise ValueError("attention_mask must be all ones on input_ids' shape for one image prompt (padding "
+                         "belongs to batches, which take no images)")
+    return None, model_inputs
 
 
 def batch_prompts(input_ids, attention_mask) -> list[torch.Tensor] | None:

@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import cache as kv
+from . import vlm
 from .layers import attention_mask, forward_with_placeholders, model_name  # model_name: also imported from here
 from ..core.tree import TokenTree
 
@@ -77,11 +78,16 @@ class ModelAdapter:
 
     # ---- lifecycle ---------------------------------------------------------------------
     @torch.no_grad()
-    def start(self, input_ids: torch.Tensor, hidden: bool = False) -> tuple[list[int], torch.Tensor | None]:
+    def start(self, input_ids: torch.Tensor, hidden: bool = False,
+              **model_inputs: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
         """Encode / prefill the prompt ([1, T]). Returns the committed tokens the decoder
         side starts from (the prompt for a causal LM, the start token for seq2seq) and,
-        if asked, the last-layer hidden states of the prefilled tokens ([T - 1, hidden])."""
+        if asked, the last-layer hidden states of the prefilled tokens ([T - 1, hidden]).
+        ``model_inputs``: a vision-language model's images (``pixel_values`` and the
+        processor's other tensors), read by the prefill only (see :mod:`hasten.models.vlm`)."""
         input_ids = input_ids.to(self.device)
+        if model_inputs:
+            return self._start_with_images(input_ids, hidden, model_inputs)
         if self.encoder_decoder:
             encoder = self.model.get_encoder()
             mask = torch.ones_like(input_ids)
@@ -93,16 +99,27 @@ class ModelAdapter:
             states = self.forward(tokens[:-1], tree=None, hidden=hidden, logits_to_keep=1).hidden
         return tokens, states
 
+    def _start_with_images(self, input_ids: torch.Tensor, hidden: bool,
+                           model_inputs: dict) -> tuple[list[int], torch.Tensor | None]:
+        """A vision-language prefill: every prompt token but the last (text: checked by
+        vlm.check_model_inputs) with the images; later blocks are text only."""
+        tokens = input_ids[0].tolist()
+        model_inputs = vlm.prefill_inputs(self.model, model_inputs)
+        with vlm.placeholder_errors(self.model, input_ids, model_inputs):
+            out = self.forward(tokens[:-1], tree=None, hidden=hidden, logits_to_keep=1, model_inputs=model_inputs)
+        return tokens, out.hidden
+
     @torch.no_grad()
     def forward(
         self, block: list[int], tree: TokenTree | None, hidden: bool = False, logits_to_keep: int = 0,
-        riders: Riders | None = None,
+        riders: Riders | None = None, model_inputs: dict | None = None,
     ) -> ForwardOutput:
         """Run ``block`` after the cached tokens. ``tree`` describes block[1:] hanging off
         block[0]; ``None`` or a chain means plain causal order. ``logits_to_keep=k`` keeps
         only the last k positions' logits (a prefill needs none of them). ``riders`` add
         placeholder positions after every block position (see :class:`Riders`); their
-        logits come back in ``ForwardOutput.riders``."""
+        logits come back in ``ForwardOutput.riders``. ``model_inputs``: extra keywords of
+        the model's forward (a VLM prefill's images)."""
         if riders is not None:
             return self._forward_with_riders(block, tree, hidden, riders)
         past = kv.length(self.cache)
@@ -117,6 +134,7 @@ class ModelAdapter:
             kwargs["position_ids"] = torch.arange(past, past + len(block), device=self.device)[None]
         if logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
+        kwargs.update(model_inputs or {})
         ids_key = "decoder_input_ids" if self.encoder_decoder else "input_ids"
         out = self.model(
             **{ids_key: ids}, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden, **kwargs
