@@ -64,7 +64,7 @@ def test_retrieval_cache_keeps_first_latest_and_best_chunks():
     keys[:, :, 12:16, 0] += 50.0  # chunk 3 is the one the query looks for, in both KV heads
     full = DynamicCache()
     full.update(keys, values, 0)
-    picked = retrieval_cache(full, {0: query}, budget=14, chunk_size=4)
+    picked = retrieval_cache(full, {0: query[:, None]}, budget=14, chunk_size=4)  # one captured position
     kept = picked.layers[0].values[0, :, :, 0]  # [kv_heads, kept] positions
     assert kept.shape == (2, 14)  # first chunk + 2 middle chunks + the latest 2 tokens (30 = 7 * 4 + 2)
     for head in range(2):
@@ -74,7 +74,7 @@ def test_retrieval_cache_keeps_first_latest_and_best_chunks():
         assert {12, 13, 14, 15} <= set(positions)
     short = DynamicCache()
     short.update(keys[:, :, :10], values[:, :, :10], 0)
-    assert torch.equal(retrieval_cache(short, {0: query}, 14, 4).layers[0].keys, keys[:, :, :10])
+    assert torch.equal(retrieval_cache(short, {0: query[:, None]}, 14, 4).layers[0].keys, keys[:, :, :10])
 
 
 def test_bad_settings_and_targets_are_refused():

@@ -3,6 +3,8 @@
 Nothing here keeps hasten's lossless contract: output may differ from the plain model's.
 Each mode says what it trades and is off unless asked for by name.
 """
+from .kv import SnapKV, SpecKV, StreamingLLM
+from .specpc import SpecPC
 from .typical import TypicalAcceptance
 
-__all__ = ["TypicalAcceptance"]
+__all__ = ["SnapKV", "SpecKV", "SpecPC", "StreamingLLM", "TypicalAcceptance"]

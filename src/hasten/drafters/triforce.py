@@ -78,7 +78,7 @@ def retrieval_cache(full: DynamicCache, queries: dict[int, torch.Tensor], budget
         full_chunks = (length - 1) // chunk_size  # the rest, 1 .. chunk_size tokens, is the latest chunk
         tail = length - full_chunks * chunk_size
         means = keys[0, :, : full_chunks * chunk_size].reshape(kv_heads, full_chunks, chunk_size, dim).mean(2)
-        query = queries[layer_index].to(keys.dtype)  # [heads, head_dim]
+        query = queries[layer_index][:, -1].to(keys.dtype)  # [heads, head_dim] the last prompt token's
         query = query.view(kv_heads, -1, dim)  # [kv_heads, group, head_dim]
         scores = torch.einsum("hgd,hcd->hgc", query, means).amax(1)  # [kv_heads, chunks]
         room = (budget - tail) // chunk_size - 1  # middle chunks besides the first

@@ -30,6 +30,7 @@ class GenerationOutput:
     sequences: torch.Tensor  # [1, T + n] prompt (decoder start for seq2seq) + new tokens
     stats: DecodeStats
     finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+    lossy: tuple[str, ...] = ()  # the lossy parts asked for by name (hasten.approx); empty: exact
 
 
 @dataclass
@@ -55,6 +56,7 @@ def decode(
     acceptance: Acceptance,
     sizing: SizingRule | None = None,
     stop: StopStrings | None = None,
+    kv_compression=None,
     **model_inputs: torch.Tensor,
 ) -> Generator[list[int], None, str | None]:
     """Yield each step's committed tokens of one sequence, then return why it ended. Inputs are assumed validated
@@ -67,7 +69,10 @@ def decode(
         drafter.check_target(target)
     clock = time.perf_counter()
     want_features = drafter is not None and drafter.needs_features
-    tokens, prefilled = target.start(input_ids, hidden=want_features, **model_inputs)
+    if kv_compression is None:
+        tokens, prefilled = target.start(input_ids, hidden=want_features, **model_inputs)
+    else:  # lossy, asked for by name: the target keeps a compressed cache of the prompt
+        tokens, prefilled = kv_compression.start(target, input_ids, want_features)
     source = input_ids[0].tolist() if target.encoder_decoder else None
     sequence = Sequence(target, tokens, prefilled, drafter, sampling, generator, acceptance, eos_token_ids,
                         max_new_tokens, stats, sizing, source, stop)
@@ -93,6 +98,7 @@ def generate(
     draft_size: str | SizingRule = "fixed",
     stop_strings: str | list[str] | None = None,
     tokenizer=None,
+    kv_compression=None,
     **model_inputs: torch.Tensor,
 ) -> GenerationOutput | BatchGenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
@@ -103,6 +109,9 @@ def generate(
     depth) or ``"auto"`` (each step's depth chosen from the target's measured forward cost
     and the drafter's measured acceptance; see :mod:`hasten.engine.sizing`). ``lossy_acceptance`` (e.g.
     ``hasten.approx.TypicalAcceptance()``) replaces the exact rule and gives that up.
+    ``kv_compression`` (e.g. ``hasten.approx.SpecKV(draft)``) decodes from a compressed cache
+    of the prompt: lossy, so the output is exact only relative to that compressed target;
+    ``GenerationOutput.lossy`` names every lossy part a generation used.
     ``stop_strings`` (with the ``tokenizer`` that reads the text) end generation after the
     token that completes one of them, as Hugging Face ``generate`` does.
 
@@ -120,7 +129,10 @@ def generate(
     stop = StopStrings(tokenizer, stop_strings or [])
     attention_mask, model_inputs = _image_inputs(input_ids, attention_mask, model_inputs)
     prompts = batch_prompts(input_ids, attention_mask)
+    lossy = lossy_parts(lossy_acceptance, kv_compression)
     if prompts is not None:
+        if kv_compression is not None:
+            raise ValueError("kv_compression takes one prompt at a time, not a batch")
         return _generate_batch(model, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
                                lossy_acceptance, draft_size, stop)
     check_inputs(model, input_ids, drafter, max_new_tokens, generator, model_inputs)
@@ -130,7 +142,7 @@ def generate(
     sizing = sizing_rule(draft_size)
     new: list[int] = []
     pieces = decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance, sizing,
-                    stop, **model_inputs)
+                    stop, kv_compression, **model_inputs)
     while True:
         try:
             new.extend(next(pieces))
@@ -138,7 +150,20 @@ def generate(
             reason = end.value
             break
     head = [decoder_start_token(model)] if model.config.is_encoder_decoder else input_ids[0].tolist()
-    return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason)
+    return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
+
+
+def lossy_parts(lossy_acceptance, kv_compression) -> tuple[str, ...]:
+    """Names of the lossy parts of a generation; a KV compression must be a lossy
+    policy from hasten.approx (acceptance rules are checked by acceptance_rule)."""
+    parts = []
+    if lossy_acceptance is not None:
+        parts.append(type(lossy_acceptance).__name__)
+    if kv_compression is not None:
+        if getattr(kv_compression, "lossless", True) or not callable(getattr(kv_compression, "start", None)):
+            raise TypeError("kv_compression must be a lossy KV policy from hasten.approx, e.g. SpecKV(draft)")
+        parts.append(kv_compression.describe())
+    return tuple(parts)
 
 
 # ---- vision-language prompts ------------------------------------------------------------------

@@ -73,6 +73,10 @@ class ModelAdapter:
         self.vocab_size = vocab_size(model)
         self.device = model.device
         self.cache = kv.new_cache(self.encoder_decoder)
+        # positions minus cache entries: 0, unless a lossy KV compression (hasten.approx) left
+        # fewer entries than the prompt has tokens; every length this adapter reports or takes
+        # is in positions, the cache's own in entries
+        self.offset = 0
         self._encoder_kwargs: dict = {}
         self._checked = False
 
@@ -123,15 +127,16 @@ class ModelAdapter:
         if riders is not None:
             return self._forward_with_riders(block, tree, hidden, riders)
         past = kv.length(self.cache)
+        first = past + self.offset  # the block's first position
         ids = torch.tensor([block], dtype=torch.long, device=self.device)  # [1, block]
         kwargs = dict(self._encoder_kwargs)
         if tree is not None and not tree.is_chain:
             if self.encoder_decoder:
                 raise ValueError("tree drafts are not supported on encoder-decoder models yet; use a chain drafter")
             kwargs["attention_mask"] = self._tree_mask(tree, past)
-            kwargs["position_ids"] = (tree.block_positions + past).to(self.device)[None]  # [1, block]
+            kwargs["position_ids"] = (tree.block_positions + first).to(self.device)[None]  # [1, block]
         elif not self.encoder_decoder:
-            kwargs["position_ids"] = torch.arange(past, past + len(block), device=self.device)[None]
+            kwargs["position_ids"] = torch.arange(first, first + len(block), device=self.device)[None]
         if logits_to_keep:
             kwargs["logits_to_keep"] = logits_to_keep
         kwargs.update(model_inputs or {})
@@ -161,6 +166,8 @@ class ModelAdapter:
         if self.encoder_decoder:
             raise ValueError("riders (hidden transfer's placeholders) need a causal LM; "
                              f"{model_name(self.model)!r} is an encoder-decoder")
+        if self.offset:
+            raise ValueError("riders (hidden transfer) need the full KV cache; a lossy KV compression dropped some")
         tree = TokenTree.chain(len(block) - 1) if tree is None else tree
         past = kv.length(self.cache)
         size = len(block)
@@ -186,7 +193,7 @@ class ModelAdapter:
         """Cached tokens are visible to every node, block tokens only to their ancestors:
         [1, block, past + block] bool, and the block's positions [1, block]."""
         allowed = torch.cat([torch.ones(len(tree) + 1, past, dtype=torch.bool), tree.block_mask], dim=1)
-        return allowed[None].to(self.device), (tree.block_positions + past)[None].to(self.device)
+        return allowed[None].to(self.device), (tree.block_positions + past + self.offset)[None].to(self.device)
 
     def _tree_mask(self, tree: TokenTree, past: int) -> torch.Tensor | dict[str, torch.Tensor]:
         allowed, query_pos = self._tree_layout(tree, past)
@@ -201,14 +208,23 @@ class ModelAdapter:
     # ---- cache -------------------------------------------------------------------------
     @property
     def cache_length(self) -> int:
-        return kv.length(self.cache)
+        return kv.length(self.cache) + self.offset
 
     def crop(self, new_length: int) -> None:
-        kv.crop(self.cache, new_length)
+        kv.crop(self.cache, new_length - self.offset)
+
+    def adopt(self, cache, length: int) -> None:
+        """Decode on from ``cache``, which stands for the first ``length`` positions with as
+        many entries as a lossy compression kept (full attention only: the model masks in
+        cache order, which is position order for every kept entry)."""
+        self.cache = cache
+        self.offset = length - kv.length(cache)
+        self._checked = False
 
     def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None:
         """After verifying block ``[root] + nodes`` cached from ``start``: keep the root and
         the accepted path, drop every other node."""
+        start -= self.offset  # in cache entries
         if tree.is_chain or list(accepted) == list(range(len(accepted))):
             kv.crop(self.cache, start + 1 + len(accepted))
         else:

@@ -212,16 +212,21 @@ _captured: list[dict[int, torch.Tensor]] = []  # the innermost capture's store, 
 
 def _capturing_attention(module, query, key, value, attention_mask, **kwargs):
     if _captured:
-        _captured[-1][module.layer_idx] = query[0, :, -1].detach()  # [heads, head_dim] the last position's
+        store = _captured[-1]
+        store[module.layer_idx] = query[0, :, -store.count:].detach()  # [heads, count, head_dim]
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
+class _Queries(dict):
+    count: int = 1
+
+
 @contextmanager
-def last_queries(model: PreTrainedModel) -> Iterator[dict[int, torch.Tensor]]:
-    """Inside the block, the model's forwards record each layer's post-RoPE query of the
-    last position (``{layer: [heads, head_dim]}``, batch row 0). The model runs through
+def last_queries(model: PreTrainedModel, count: int = 1) -> Iterator[dict[int, torch.Tensor]]:
+    """Inside the block, the model's forwards record each layer's post-RoPE queries of the
+    last ``count`` positions (``{layer: [heads, count, head_dim]}``, batch row 0). The model runs through
     transformers' sdpa attention meanwhile (registered under its own name, so outputs are
     those of sdpa), and gets its own attention implementation back afterwards."""
     from transformers import AttentionInterface
@@ -230,7 +235,8 @@ def last_queries(model: PreTrainedModel) -> Iterator[dict[int, torch.Tensor]]:
     AttentionInterface.register(_CAPTURE, _capturing_attention)
     AttentionMaskInterface.register(_CAPTURE, sdpa_mask)
     before = model.config._attn_implementation
-    store: dict[int, torch.Tensor] = {}
+    store = _Queries()
+    store.count = count
     _captured.append(store)
     model.set_attn_implementation(_CAPTURE)
     try:

@@ -1,0 +1,117 @@
+"""Lossy KV compression (SpecKV, SnapKV, StreamingLLM) and prompt compression (SpecPC):
+what they keep, that decoding from a compressed cache uses the right positions (checked
+against a hand-written greedy loop over the same cache), that lossless drafters stay exact
+relative to the compressed target, and that nothing lossy runs unless asked for by name."""
+import pytest
+import torch
+
+import hasten
+from hasten.approx import SnapKV, SpecKV, SpecPC, StreamingLLM
+from hasten.approx.kv import attention_scores, keep_entries
+from hasten.drafters import Lookahead, PromptLookup
+from hasten.models.adapter import ModelAdapter
+from transformers.cache_utils import DynamicCache
+from helpers import hf_greedy, repetitive_prompt, tiny_model
+
+NEW = 16
+PROMPT = repetitive_prompt(60, seed=4)  # 59 cached tokens, well over the budgets below
+
+
+def policies():
+    draft = tiny_model("llama", seed=9)
+    return [StreamingLLM(budget=24, window=20), SnapKV(budget=24, window=8, pool=3),
+            SpecKV(draft=draft, budget=24, window=8, pool=3, lookahead=4)]
+
+
+@torch.no_grad()
+def by_hand(model, policy, prompt, new):
+    """Greedy decoding one token per forward over the policy's compressed cache, with the
+    true positions written out: the reference for hasten's decoding with an offset."""
+    adapter = ModelAdapter(model)
+    tokens, _ = policy.start(adapter, prompt, hidden=False)
+    cache, position = adapter.cache, len(tokens) - 1
+    for _ in range(new):
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=torch.tensor([[position]]))
+        tokens.append(int(out.logits[0, -1].argmax()))
+        position += 1
+    return tokens
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@pytest.mark.parametrize("index", range(3), ids=["streaming_llm", "snapkv", "speckv"])
+def test_compressed_decoding_matches_a_hand_loop_and_drafters_stay_exact(arch, index):
+    model = tiny_model(arch)
+    policy = policies()[index]
+    reference = by_hand(model, policy, PROMPT, NEW)
+    for drafter in (None, PromptLookup(num_tokens=4), Lookahead()):
+        out = hasten.generate(model, PROMPT, drafter=drafter, max_new_tokens=NEW, kv_compression=policy,
+                              eos_token_id=[])  # the hand loop knows no EOS
+        assert out.sequences[0].tolist() == reference, type(drafter).__name__
+        assert out.lossy == (policy.describe(),)
+    assert hasten.generate(model, PROMPT, max_new_tokens=2).lossy == ()
+
+
+def test_a_budget_that_holds_the_prompt_changes_nothing():
+    model = tiny_model("llama")
+    out = hasten.generate(model, PROMPT, max_new_tokens=NEW, kv_compression=SnapKV(budget=64, window=8))
+    assert out.sequences.tolist() == hf_greedy(model, PROMPT, NEW).tolist()
+
+
+def test_keep_entries_keeps_the_window_and_the_best_in_order():
+    keys = torch.arange(20.0).view(1, 1, 20, 1).expand(1, 2, 20, 3).clone()  # each entry holds its position
+    cache = DynamicCache()
+    cache.update(keys, keys.clone(), 0)
+    scores = torch.zeros(2, 18)
+    scores[0, [3, 11]] = 1.0
+    scores[1, [0, 5]] = 1.0
+    kept = keep_entries(cache, {0: scores}, cached=18, budget=6, window=4).layers[0].keys[0, :, :, 0]
+    assert kept.tolist() == [[3, 11, 14, 15, 16, 17], [0, 5, 14, 15, 16, 17]]  # entries 18, 19: not the prompt's
+
+
+def test_attention_scores_follow_the_queries_and_never_look_ahead():
+    keys = torch.zeros(1, 10, 4)  # [kv_heads, T, dim]
+    keys[0, 2, 0] = 5.0  # what the queries look for
+    keys[0, 9, 0] = 9.0  # later than every observed query but the last: seen by that one only
+    queries = torch.zeros(2, 2, 4)  # [heads, n, dim]: positions 8 and 9
+    queries[..., 0] = 1.0
+    scores = attention_scores(queries, keys, cached=8, pool=1)
+    assert scores.shape == (1, 8) and int(scores[0].argmax()) == 2
+    pooled = attention_scores(queries, keys, cached=8, pool=3)
+    assert pooled[0, 1] == pooled[0, 3] == pooled[0, 2]  # neighbours share the peak
+
+
+def test_specpc_keeps_the_window_and_budget_tokens_in_order():
+    draft = tiny_model("llama", seed=9)
+    pc = SpecPC(draft, budget=20, window=6, pool=3, lookahead=3)
+    short = pc.compress(PROMPT)
+    assert short.shape == (1, 20)
+    assert short[0, -6:].tolist() == PROMPT[0, -6:].tolist()
+    kept = short[0].tolist()
+    positions, start = [], 0
+    for token in kept[:-6]:  # an ordered subsequence of the prompt's first 54 tokens
+        start = PROMPT[0, :54].tolist().index(token, start) + 1
+        positions.append(start)
+    assert positions == sorted(positions)
+    assert pc.compress(PROMPT[:, :15]) is not None and pc.compress(PROMPT[:, :15]).shape == (1, 15)
+    out = hasten.generate(tiny_model("llama"), short, drafter=PromptLookup(), max_new_tokens=4)
+    assert out.sequences.shape == (1, 24)
+
+
+def test_lossy_modes_are_refused_unless_asked_for_properly():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match="lossy KV policy"):
+        hasten.generate(model, PROMPT, max_new_tokens=2, kv_compression="snapkv")
+    with pytest.raises(ValueError, match="batch"):
+        hasten.generate(model, [PROMPT[0], PROMPT[0, :9]], max_new_tokens=2, kv_compression=SnapKV(budget=24, window=8))
+    with pytest.raises(ValueError, match="full-attention"):
+        hasten.generate(tiny_model("mistral"), PROMPT, max_new_tokens=2, kv_compression=SnapKV(budget=24, window=8))
+    with pytest.raises(ValueError, match="budget"):
+        SnapKV(budget=8, window=8)
+    with pytest.raises(TypeError, match="draft model"):
+        SpecKV(budget=24, window=8)
+    with pytest.raises(ValueError, match="vocabulary"):
+        hasten.generate(model, PROMPT, max_new_tokens=2,
+                        kv_compression=SpecKV(draft=tiny_model("llama", vocab_size=50), budget=24, window=8))
+    with pytest.raises(ValueError, match="need the full KV cache"):
+        hasten.generate(model, PROMPT, max_new_tokens=4, drafter=hasten.drafters.create("hidden_transfer"),
+                        kv_compression=SnapKV(budget=24, window=8))
