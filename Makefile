@@ -41,5 +41,13 @@ test-real: real
 bench: $(STAMP)
 	$(BIN)/hasten bench --model zoo:code-tiny --draft zoo:code-tiny-draft --out bench-out
 
+# The llama.cpp backend (hasten[llamacpp]) compiles llama.cpp (~8 min on 2 cores). A native build
+# crashed on a virtual machine whose CPU reports AVX-512/AMX the guest cannot run; these flags do not.
+LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF
+.PHONY: llamacpp
+llamacpp: $(STAMP)
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/pip install "llama-cpp-python>=0.3"
+
 clean:
 	rm -rf $(VENV) bench-out

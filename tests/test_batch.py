@@ -288,3 +288,25 @@ def test_row_seeds_make_sampled_rows_reproducible():
         out = scheduler.run()
         runs.append([out[i] for i in ids])
     assert runs[0] == runs[1]
+
+
+def test_a_prefill_budget_lets_long_prompts_in_a_few_per_step():
+    model = tiny_model("llama")
+    rows = [repetitive_prompt(20, seed)[0] for seed in range(4)]
+    scheduler = Scheduler(model, PromptLookup(), max_batch=8, max_prefill_tokens=45)
+    ids = [scheduler.submit(Request(row.tolist(), 6, eos_token_ids=frozenset())) for row in rows]
+    admitted = []
+    out: dict[int, list[int]] = {}
+    while scheduler.has_work():
+        for update in scheduler.step():
+            out.setdefault(update.row_id, []).extend(update.tokens)
+        admitted.append(scheduler.last_step.admitted)
+    assert admitted[:2] == [2, 2]  # 20 + 20 tokens fit in 45, a third would not
+    for row, row_id in zip(rows, ids):
+        assert row.tolist() + out[row_id] == alone(model, PromptLookup(), row, 6, eos=[])
+    lone = Scheduler(model, max_prefill_tokens=5)
+    lone.submit(Request(rows[0].tolist(), 2))
+    lone.step()
+    assert lone.last_step.admitted == 1  # a prompt longer than the budget still gets in, alone
+    with pytest.raises(ValueError, match="max_prefill_tokens"):
+        Scheduler(model, max_prefill_tokens=0)

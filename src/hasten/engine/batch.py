@@ -3,8 +3,10 @@
 A :class:`Scheduler` holds a queue of :class:`Request`\\ s and a batch of running
 sequences over one :class:`~hasten.models.batch.BatchAdapter`. Each :meth:`Scheduler.step`
 first applies cancellations, then admits waiting requests (first come, first served) while
-the batch has fewer than ``max_batch`` rows and the tokens in flight (every running row's
-prompt plus its token budget: the most KV it may hold) stay within ``max_tokens_in_flight``,
+the batch has fewer than ``max_batch`` rows, the tokens in flight (every running row's
+prompt plus its token budget: the most KV it may hold) stay within ``max_tokens_in_flight``
+and this step's prefills stay within ``max_prefill_tokens`` (one row is always admitted, so
+a burst of long prompts does not stall the running rows for all of their prefills at once),
 then runs one decode step (:func:`hasten.engine.sequence.step`) for every running row.
 Each row keeps its own sampling settings, generator, stop rules and statistics, and its
 output is exactly what it would be decoded alone.
@@ -75,13 +77,16 @@ class _Running:
 class Scheduler:
     def __init__(self, model: PreTrainedModel, drafter: Drafter | None = None, *, max_batch: int = 8,
                  max_tokens_in_flight: int | None = None, draft_size: str | SizingRule = "fixed",
-                 lossy_acceptance: Acceptance | None = None):
+                 lossy_acceptance: Acceptance | None = None, max_prefill_tokens: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if max_tokens_in_flight is not None and (
                 isinstance(max_tokens_in_flight, bool) or not isinstance(max_tokens_in_flight, int)
                 or max_tokens_in_flight < 1):
             raise ValueError(f"max_tokens_in_flight must be an integer >= 1 or None, got {max_tokens_in_flight!r}")
+        if max_prefill_tokens is not None and (
+                isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1):
+            raise ValueError(f"max_prefill_tokens must be an integer >= 1 or None, got {max_prefill_tokens!r}")
         if drafter is not None and not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a hasten Drafter or None, got {type(drafter).__name__}")
         self.target = BatchAdapter(model)
@@ -91,6 +96,7 @@ class Scheduler:
         self.drafter = drafter
         self.max_batch = max_batch
         self.max_tokens_in_flight = max_tokens_in_flight
+        self.max_prefill_tokens = max_prefill_tokens
         self.sizing = sizing_rule(draft_size)
         self.lossy_acceptance = lossy_acceptance
         self.last_step: StepInfo | None = None
@@ -187,12 +193,15 @@ class Scheduler:
         return updates
 
     def _admit(self, updates: list[RowUpdate]) -> int:
-        admitted = 0
+        admitted = prefilled = 0
         while len(self._running) < self.max_batch:
             with self._lock:
                 if not self._waiting:
                     break
                 row_id, request, submitted = self._waiting[0]
+                if (self.max_prefill_tokens is not None and admitted
+                        and prefilled + len(request.input_ids) > self.max_prefill_tokens):
+                    break  # the rows already running decode a step before the next prefill
                 need = len(request.input_ids) + request.max_new_tokens
                 in_flight = sum(entry.reserved for entry in self._running.values())
                 if (self.max_tokens_in_flight is not None and self._running
@@ -201,6 +210,7 @@ class Scheduler:
                 self._waiting.popleft()
             entry = self._start(request, time.perf_counter() - submitted, need)
             admitted += 1
+            prefilled += len(request.input_ids)
             if entry.sequence.finished:  # nothing to generate (max_new_tokens=0)
                 updates.append(RowUpdate(row_id, [], True, entry.sequence.finish_reason, entry.sequence.stats,
                                          entry.queued_seconds))

@@ -390,12 +390,13 @@ def create_app(engine, make_scheduler: Callable[[], object], options: ServeOptio
     return app
 
 
-def scheduler_factory(engine, max_batch: int = 8, max_tokens_in_flight: int | None = None) -> Callable[[], object]:
+def scheduler_factory(engine, max_batch: int = 8, max_tokens_in_flight: int | None = None,
+                      max_prefill_tokens: int | None = None) -> Callable[[], object]:
     """Builds the continuous-batching scheduler over the engine's model and drafter."""
     from ..engine.batch import Scheduler
 
     def make():
         return Scheduler(engine.model, engine.drafter, max_batch=max_batch, max_tokens_in_flight=max_tokens_in_flight,
-                         draft_size=engine.draft_size)
+                         draft_size=engine.draft_size, max_prefill_tokens=max_prefill_tokens)
 
     return make

@@ -51,6 +51,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="N",
                         help="admit a request only while the running rows' prompts plus token budgets stay within N "
                         "(default: no limit but --max-batch)")
+    parser.add_argument("--max-prefill-tokens", type=int, default=2048, metavar="N",
+                        help="prompt tokens prefilled per decode step at most (one request always gets in): new "
+                        "requests join a few per step, so a burst of long prompts does not stall running streams "
+                        "(default 2048)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                         help="largest request body accepted; larger ones get 413 (default 1 MiB)")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
@@ -64,7 +68,7 @@ def run_serve(args: argparse.Namespace) -> int:
     require_extra("serve", SERVER_MODULES)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    for flag in ("max_batch", "max_tokens_in_flight", "max_body_bytes"):
+    for flag in ("max_batch", "max_tokens_in_flight", "max_prefill_tokens", "max_body_bytes"):
         at_least(args, flag, 1)
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
@@ -85,7 +89,8 @@ def run_serve(args: argparse.Namespace) -> int:
                   draft_size=args.draft_size, **method_kwargs)
     name = args.served_model_name or args.model
     options = ServeOptions(name, args.api_key, args.max_body_bytes)
-    app = create_app(engine, scheduler_factory(engine, args.max_batch, args.max_tokens_in_flight), options)
+    app = create_app(engine, scheduler_factory(engine, args.max_batch, args.max_tokens_in_flight,
+                                                args.max_prefill_tokens), options)
     if args.api_key is None and not is_loopback(args.host):
         print(f"hasten serve: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
