@@ -17,6 +17,7 @@ from ..core.sampling import Sampling
 from ..core.stats import DecodeStats
 from ..drafters.base import Drafter
 from ..models.adapter import ModelAdapter, decoder_start_token
+from ..models.attention import MaskedTree, attention_path
 from .batch import Request, Scheduler
 from .inputs import check_inputs, eos_ids
 from .sequence import Sequence, step
@@ -57,6 +58,7 @@ def decode(
     sizing: SizingRule | None = None,
     stop: StopStrings | None = None,
     kv_compression=None,
+    tree_attention: MaskedTree | None = None,
     **model_inputs: torch.Tensor,
 ) -> Generator[list[int], None, str | None]:
     """Yield each step's committed tokens of one sequence, then return why it ended. Inputs are assumed validated
@@ -64,7 +66,7 @@ def decode(
     :func:`hasten.engine.sequence.step`; the :class:`Sequence` owns the committed state
     (tokens, target features, the drafter's per-generation state). ``model_inputs``: a
     vision-language target's images (``pixel_values``, ...), read by the prefill only."""
-    target = ModelAdapter(model)
+    target = ModelAdapter(model, tree_attention)
     if drafter is not None:
         drafter.check_target(target)
     clock = time.perf_counter()
@@ -99,6 +101,7 @@ def generate(
     stop_strings: str | list[str] | None = None,
     tokenizer=None,
     kv_compression=None,
+    tree_attention: str = "mask",
     **model_inputs: torch.Tensor,
 ) -> GenerationOutput | BatchGenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
@@ -112,6 +115,9 @@ def generate(
     ``kv_compression`` (e.g. ``hasten.approx.SpecKV(draft)``) decodes from a compressed cache
     of the prompt: lossy, so the output is exact only relative to that compressed target;
     ``GenerationOutput.lossy`` names every lossy part a generation used.
+    ``tree_attention="hybrid"`` verifies tree drafts with the cached prefix through the fused
+    attention kernel and only the tree part masked, merged by log-sum-exp (equal to the
+    masked path to float tolerance; see :mod:`hasten.models.attention`).
     ``stop_strings`` (with the ``tokenizer`` that reads the text) end generation after the
     token that completes one of them, as Hugging Face ``generate`` does.
 
@@ -127,6 +133,7 @@ def generate(
     """
     sampling = Sampling(temperature, top_k, top_p)
     stop = StopStrings(tokenizer, stop_strings or [])
+    attention = attention_path(tree_attention)
     attention_mask, model_inputs = _image_inputs(input_ids, attention_mask, model_inputs)
     prompts = batch_prompts(input_ids, attention_mask)
     lossy = lossy_parts(lossy_acceptance, kv_compression)
@@ -142,7 +149,7 @@ def generate(
     sizing = sizing_rule(draft_size)
     new: list[int] = []
     pieces = decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance, sizing,
-                    stop, kv_compression, **model_inputs)
+                    stop, kv_compression, attention, **model_inputs)
     while True:
         try:
             new.extend(next(pieces))

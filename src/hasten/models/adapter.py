@@ -17,6 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import cache as kv
+from .attention import MaskedTree
 from . import vlm
 from .layers import attention_mask, forward_with_placeholders, model_name  # model_name: also imported from here
 from ..core.tree import TokenTree
@@ -60,7 +61,7 @@ def decoder_start_token(model: PreTrainedModel) -> int:
 class ModelAdapter:
     """Drives one model through one generation. Create a fresh adapter per generation."""
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, tree_attention: MaskedTree | None = None):
         if not isinstance(model, PreTrainedModel):
             raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
         if getattr(model, "_is_stateful", False):
@@ -73,6 +74,7 @@ class ModelAdapter:
         self.vocab_size = vocab_size(model)
         self.device = model.device
         self.cache = kv.new_cache(self.encoder_decoder)
+        self.tree_attention = tree_attention or MaskedTree()  # how tree blocks attend (models/attention.py)
         # positions minus cache entries: 0, unless a lossy KV compression (hasten.approx) left
         # fewer entries than the prompt has tokens; every length this adapter reports or takes
         # is in positions, the cache's own in entries
@@ -141,9 +143,11 @@ class ModelAdapter:
             kwargs["logits_to_keep"] = logits_to_keep
         kwargs.update(model_inputs or {})
         ids_key = "decoder_input_ids" if self.encoder_decoder else "input_ids"
-        out = self.model(
-            **{ids_key: ids}, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden, **kwargs
-        )
+        path = self.tree_attention if "attention_mask" in kwargs else MaskedTree()  # only tree blocks have a mask
+        with path.active(self.model):
+            out = self.model(
+                **{ids_key: ids}, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden, **kwargs
+            )
         self._check_rollback()
         states = None
         if hidden:

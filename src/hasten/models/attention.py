@@ -1,0 +1,109 @@
+"""How the verifier's tree block attends: one attention path, chosen once per generation.
+
+A tree block of Q tokens after P cached ones needs a [Q, P + Q] mask, and a custom mask
+keeps most attention kernels off their fastest path although the [Q, P] part is all
+visible. :class:`HybridTree` splits the work (as LongSpec's hybrid tree attention does):
+
+* the cached prefix through the fused kernel with no mask at all, which also returns each
+  query's log-sum-exp of scores;
+* the tree part, Q x Q, with its mask, in plain tensor ops;
+* the two merged exactly by their log-sum-exps:
+  ``out = out_p * exp(lse_p - lse) + out_t * exp(lse_t - lse)``, ``lse = logaddexp(lse_p, lse_t)``.
+
+The result equals the masked attention to float tolerance. A layer whose prefix is not all
+visible (a sliding window that already hides part of it) takes the masked path, as does
+any call that is no tree verification (a prefill, one token), so switching a model to
+this path changes nothing else. :class:`MaskedTree` is today's single masked call.
+"""
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from transformers import PreTrainedModel
+
+HYBRID = "hasten_hybrid_tree"
+
+
+class MaskedTree:
+    """The whole block with one 4D mask: the model's own attention implementation."""
+
+    name = "mask"
+
+    @contextmanager
+    def active(self, model: PreTrainedModel) -> Iterator[None]:
+        yield
+
+
+class HybridTree(MaskedTree):
+    """Prefix through the fused kernel, tree part masked, merged by log-sum-exp."""
+
+    name = "hybrid"
+
+    @contextmanager
+    def active(self, model: PreTrainedModel) -> Iterator[None]:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+        AttentionInterface.register(HYBRID, hybrid_attention)
+        AttentionMaskInterface.register(HYBRID, sdpa_mask)
+        before = model.config._attn_implementation
+        model.set_attn_implementation(HYBRID)
+        try:
+            yield
+        finally:
+            model.set_attn_implementation(before)
+
+
+ATTENTION_PATHS = {path.name: path for path in (MaskedTree, HybridTree)}
+
+
+def attention_path(name: str | MaskedTree) -> MaskedTree:
+    if isinstance(name, MaskedTree):
+        return name
+    if name not in ATTENTION_PATHS:
+        raise ValueError(f"tree_attention must be one of {sorted(ATTENTION_PATHS)}, got {name!r}")
+    return ATTENTION_PATHS[name]()
+
+
+def hybrid_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                     **kwargs):
+    """The attention function transformers calls per layer. query [B, H, Q, D]; key/value
+    [B, H_kv, P + Q, D]; attention_mask additive [B, 1, Q, P + Q]. Returns ([B, Q, H, D], None)."""
+    from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+
+    queries, keys = query.shape[2], key.shape[2]
+    past = keys - queries
+    masked = (attention_mask is None or not torch.is_tensor(attention_mask) or attention_mask.dim() != 4
+              or queries == 1 or past <= 0 or kwargs.get("softcap") is not None
+              or kwargs.get("position_bias") is not None or (attention_mask[..., :past] != 0).any())
+    if masked:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)
+    group = query.shape[1] // key.shape[1]
+    key, value = repeat_kv(key, group), repeat_kv(value, group)  # [B, H, P + Q, D]
+    scale = scaling if scaling is not None else 1.0 / math.sqrt(query.shape[-1])
+    out_prefix, lse_prefix = prefix_attention(query, key[:, :, :past], value[:, :, :past], scale)
+    scores = (query @ key[:, :, past:].transpose(-1, -2)).float() * scale + attention_mask[..., past:].float()
+    lse_tree = scores.logsumexp(-1)  # [B, H, Q]
+    out_tree = scores.softmax(-1).to(value.dtype) @ value[:, :, past:]  # [B, H, Q, D]
+    lse = torch.logaddexp(lse_prefix, lse_tree)
+    out = (out_prefix.float() * (lse_prefix - lse).exp()[..., None]
+           + out_tree.float() * (lse_tree - lse).exp()[..., None]).to(query.dtype)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def prefix_attention(query, key, value, scale) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unmasked attention of every query over the whole prefix: (out [B, H, Q, D], lse [B, H, Q])."""
+    if query.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, key, value, 0.0, False, attn_mask=None, scale=scale)[:2]
+        return out, lse.float()
+    if query.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, True, 0.0, False, scale=scale)[:2]
+        return out, lse[..., : query.shape[2]].float()
+    scores = (query @ key.transpose(-1, -2)).float() * scale  # other devices: plain ops
+    return (scores.softmax(-1).to(value.dtype) @ value), scores.logsumexp(-1)
