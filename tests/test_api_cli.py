@@ -231,3 +231,20 @@ def test_out_is_checked_before_anything_runs(command, where, tmp_path, cli):
     message = "exists and is not a directory" if where == "a file" else "cannot write there (Not a directory)"
     assert err == f"hasten: error: --out {out}: {message}\n"
     assert existing.read_text() == "keep me"
+
+
+def test_engine_generate_batch_equals_one_by_one(checkpoint):
+    engine = hasten.load(checkpoint, "prompt_lookup")
+    prompts = [PROMPT, "for i in range(10):\n", PROMPT[:12]]
+    alone = [engine.generate(p, max_new_tokens=12) for p in prompts]
+    together = engine.generate_batch(prompts, max_new_tokens=12, max_batch=2)
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+    assert [o.text for o in together] == [o.text for o in alone]
+    stop = alone[0].text[3:5]
+    cut = engine.generate_batch(prompts[:1], max_new_tokens=12, stop=[stop])[0]
+    assert cut.text == engine.generate(PROMPT, max_new_tokens=12, stop=[stop]).text
+    sampled = engine.generate_batch(prompts, max_new_tokens=6, temperature=1.0, seed=3)
+    assert [o.token_ids for o in sampled] == [o.token_ids for o in engine.generate_batch(
+        prompts, max_new_tokens=6, temperature=1.0, seed=3)]
+    with pytest.raises(ValueError, match="prompts"):
+        engine.generate_batch([])

@@ -179,6 +179,39 @@ class Engine:
         """Yield text pieces as tokens are accepted (same keywords as :meth:`generate`)."""
         return self._pieces(self._text(prompt), kwargs)
 
+    def generate_batch(self, prompts: list[str], *, max_new_tokens: int = 128, temperature: float = 0.0,
+                       top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                       stop: str | list[str] | None = None, max_batch: int | None = None) -> list[EngineOutput]:
+        """Several prompts decoded together (continuous batching, one target forward per step
+        for all rows), each exactly as :meth:`generate` would alone; ``seed`` seeds row i with
+        ``seed + i``. ``max_batch`` rows run at once (default: all)."""
+        from .engine.batch import Request, Scheduler
+
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompts must be a non-empty list of strings")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        sampling = Sampling(temperature, top_k, top_p)
+        stops = StopStrings(self.tokenizer, stop or [])
+        scheduler = Scheduler(self.model, self.drafter, max_batch=max_batch or len(prompts),
+                              draft_size=self.draft_size)
+        rows = {}
+        for i, prompt in enumerate(prompts):
+            ids = self.encode(prompt)[0].tolist()
+            request = Request(ids, max_new_tokens, sampling, None if seed is None else seed + i, stop=stops)
+            rows[scheduler.submit(request)] = i
+        texts = {row_id: TextStream(self.tokenizer, stops) for row_id in rows}
+        stats = {row_id: DecodeStats() for row_id in rows}
+        while scheduler.has_work():
+            for update in scheduler.step():
+                texts[update.row_id].push(update.tokens)
+                stats[update.row_id] = update.stats
+        outputs = [None] * len(prompts)
+        for row_id, i in rows.items():
+            stream = texts[row_id]
+            outputs[i] = EngineOutput(stream.shown + stream.finish(), stream.token_ids, stats[row_id])
+        return outputs
+
     # ---- chats -----------------------------------------------------------------------------
     def chat(self, messages: list[dict[str, str]], **kwargs) -> EngineOutput:
         """The assistant's reply to ``messages`` (``[{"role": "user", "content": "..."}, ...]``),
