@@ -24,6 +24,7 @@ from .core import settings as settings_io
 from .core.sampling import Sampling
 from .core.stats import DecodeStats
 from .diffusion import cli as diffusion_cli
+from .dlm import cli as dlm_cli
 from .drafters.base import REGISTRY
 from .serve import cli as serve_cli
 from .training import cli as training_cli
@@ -143,6 +144,7 @@ COMMANDS: list[Command] = [
     *bench_cli.COMMANDS,
     *training_cli.COMMANDS,
     *diffusion_cli.COMMANDS,
+    *dlm_cli.COMMANDS,
     *serve_cli.COMMANDS,
 ]
 

@@ -16,6 +16,7 @@ WEIGHTS_DIR = Path(__file__).parent / "weights"
 MODELS = {
     "code-tiny": "Llama-architecture causal LM (~5.5M params) trained on the Python stdlib sources",
     "code-tiny-draft": "~0.9M-param draft model for code-tiny, same tokenizer and training data",
+    "dlm-tiny": "masked-diffusion LM (~5.4M params) adapted from code-tiny: bidirectional, <|mask|> token (hasten.dlm)",
     "code-tiny-draft4": "~1.3M-param four-layer draft model for code-tiny (for layer-parallel drafting: easyspec)",
 }
 # Real models, installed separately (`make real`); they resolve to a .gguf file.

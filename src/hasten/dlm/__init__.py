@@ -1,0 +1,18 @@
+"""Diffusion language models: a masked-diffusion sampler over unmodified Hugging Face models used
+bidirectionally, with cache and attention policies chosen once.
+
+    from hasten.dlm import generate, DKVCache
+    out = generate(model, input_ids, gen_length=128, block_length=32, steps=128, cache=DKVCache())
+    out.sequences, out.stats.tokens_recomputed
+
+Policies: ``NoCache`` (the reference), ``DKVCache`` (dKV-Cache), ``SparseD`` (head-wise block-sparse
+attention reused after full-attention early steps) and the peers ``FastDLLMPrefix`` and
+``FastDLLMDual`` (Fast-dLLM); ``threshold=`` turns on confidence-threshold parallel decoding.
+See docs/dlm.md.
+"""
+from .policies import DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, describe
+from .sampler import DLMOutput, DLMStats, find_mask_token_id, generate
+from .sparse import SparseD
+
+__all__ = ["DKVCache", "DLMOutput", "DLMStats", "FastDLLMDual", "FastDLLMPrefix", "NoCache", "SparseD", "describe",
+           "find_mask_token_id", "generate"]

@@ -1,0 +1,189 @@
+"""``hasten dlm bench``: speed against quality of every diffusion-LM policy on ``zoo:dlm-tiny``.
+
+Task: held-out function completion. Each prompt is the last ``prompt_length`` tokens of a held-out
+stdlib file up to and including a ``def`` line; the reference is the file's next ``gen_length``
+tokens. For every setting, against ``NoCache`` on the same prompts in the same run (settings run
+one after another for each prompt, so load drifts hit all of them alike):
+
+* ``speedup``: total wall time of ``NoCache`` / total wall time of the setting;
+* ``token_forward_ratio``: positions run through the model / positions ``NoCache`` runs;
+* ``agreement``: fraction of generated tokens equal to ``NoCache``'s;
+* ``reference_match``: fraction of generated tokens equal to the true continuation;
+* ``judge_nll``: mean negative log-likelihood of the generated tokens under ``zoo:code-tiny`` (an
+  autoregressive judge: lower reads more like real code).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from ..zoo import WEIGHTS_DIR, corpus
+from .policies import DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, describe
+from .sampler import generate
+from .sparse import SparseD
+
+DLM_WEIGHTS = WEIGHTS_DIR / "dlm-tiny"
+JUDGE_WEIGHTS = WEIGHTS_DIR / "code-tiny"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A policy plus the parallel-decoding threshold it runs with."""
+
+    policy: object
+    threshold: float | None = None
+
+    @property
+    def label(self) -> str:
+        return describe(self.policy) + ("" if self.threshold is None else f" + threshold {self.threshold:g}")
+
+
+def default_settings() -> list[Setting]:
+    return [
+        Setting(NoCache()),
+        Setting(DKVCache(variant="decode")),
+        Setting(DKVCache(variant="decode", refresh=16)),
+        Setting(DKVCache(variant="prefill")),
+        Setting(DKVCache(variant="greedy", refresh=16)),
+        Setting(SparseD(skip=0.2, select=0.5, block=32)),
+        Setting(SparseD(skip=0.2, select=0.3, block=32)),
+        Setting(FastDLLMPrefix()),
+        Setting(FastDLLMDual()),
+        Setting(NoCache(), threshold=0.9),
+        Setting(FastDLLMDual(), threshold=0.9),
+        Setting(DKVCache(variant="decode"), threshold=0.9),
+    ]
+
+
+def long_context_settings() -> list[Setting]:
+    return [Setting(NoCache()), Setting(SparseD(skip=0.2, select=0.3, block=64)),
+            Setting(SparseD(skip=0.2, select=0.5, block=64)), Setting(DKVCache(variant="decode")),
+            Setting(FastDLLMDual())]
+
+
+def load_models(weights: Path = DLM_WEIGHTS, judge: Path = JUDGE_WEIGHTS):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32, attn_implementation="sdpa").eval()
+    judge_model = AutoModelForCausalLM.from_pretrained(judge, dtype=torch.float32, attn_implementation="sdpa").eval()
+    return model, AutoTokenizer.from_pretrained(weights), judge_model
+
+
+def completion_tasks(tokenizer, samples: int, prompt_length: int, gen_length: int, seed: int = 0) -> list[dict]:
+    """Prompts ending at a held-out `def` line with enough context before and code after it."""
+    candidates = []
+    for path in corpus.heldout_files():
+        text = corpus.read_text(path)
+        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids, starts = encoding.input_ids, [start for start, _ in encoding.offset_mapping]
+        offset = 0
+        for line in text.splitlines(keepends=True):
+            offset += len(line)
+            if not line.lstrip().startswith("def ") or not line.rstrip().endswith(":"):
+                continue
+            split = int(np.searchsorted(starts, offset))  # the first token that starts after the `def` line
+            if split >= prompt_length and len(ids) - split >= gen_length:
+                candidates.append((path.name, ids[split - prompt_length:split], ids[split:split + gen_length]))
+    if len(candidates) < samples:
+        raise ValueError(f"only {len(candidates)} held-out functions have {prompt_length} tokens before them")
+    rng = np.random.default_rng(seed)
+    picked = sorted(rng.choice(len(candidates), samples, replace=False))
+    return [{"file": candidates[i][0], "prompt": torch.tensor([candidates[i][1]]),
+             "reference": torch.tensor(candidates[i][2])} for i in picked]
+
+
+@torch.no_grad()
+def judge_nll(judge, prompt: torch.Tensor, generated: torch.Tensor) -> float:
+    """Mean NLL of ``generated`` [gen] after ``prompt`` [1, T] under the autoregressive judge."""
+    vocab = judge.config.vocab_size
+    sequence = torch.cat([prompt[0], generated]).clamp(max=vocab - 1)[None]  # an out-of-vocabulary id reads as the last
+    logits = judge(input_ids=sequence).logits[0, prompt.shape[1] - 1:-1]  # [gen, vocab]
+    return float(torch.nn.functional.cross_entropy(logits.float(), sequence[0, prompt.shape[1]:]))
+
+
+def run_settings(model, judge, tasks: list[dict], settings: list[Setting], gen_length: int, block_length: int,
+                 steps: int, progress: bool = True) -> dict:
+    """Every setting on every task; the first setting is the reference (NoCache)."""
+    per_setting = [{"seconds": 0.0, "tokens": 0, "full_tokens": 0, "forwards": 0, "steps": 0, "agree": 0,
+                    "match": 0, "nll": 0.0, "flops": 0, "flops_skipped": 0} for _ in settings]
+    for task in tqdm(tasks, desc="prompts", disable=not progress):
+        prompt_length = task["prompt"].shape[1]
+        reference_output = None
+        for setting, acc in zip(settings, per_setting):
+            out = generate(model, task["prompt"], gen_length=gen_length, block_length=block_length, steps=steps,
+                           cache=setting.policy, threshold=setting.threshold)
+            generated = out.sequences[0, prompt_length:]
+            if reference_output is None:
+                reference_output = generated
+            s = out.stats
+            acc["seconds"] += s.seconds
+            acc["tokens"] += s.tokens_recomputed
+            acc["full_tokens"] += s.tokens_full
+            acc["forwards"] += s.forwards
+            acc["steps"] += s.steps
+            acc["flops"] += s.attention_flops
+            acc["flops_skipped"] += s.attention_flops_skipped
+            acc["agree"] += int((generated == reference_output).sum())
+            acc["match"] += int((generated == task["reference"]).sum())
+            acc["nll"] += judge_nll(judge, task["prompt"], generated)
+    base = per_setting[0]
+    total = gen_length * len(tasks)
+    results = []
+    for setting, acc in zip(settings, per_setting):
+        results.append({
+            "setting": setting.label, "policy": type(setting.policy).__name__, "threshold": setting.threshold,
+            "speedup": base["seconds"] / acc["seconds"], "seconds": acc["seconds"],
+            "token_forward_ratio": acc["tokens"] / base["tokens"], "forwards": acc["forwards"],
+            "steps": acc["steps"], "attention_flops_skipped_fraction": acc["flops_skipped"] / base["flops"],
+            "agreement": acc["agree"] / total, "reference_match": acc["match"] / total,
+            "judge_nll": acc["nll"] / len(tasks),
+        })
+    return {"prompts": len(tasks), "prompt_length": tasks[0]["prompt"].shape[1], "gen_length": gen_length,
+            "block_length": block_length, "steps": steps, "files": [t["file"] for t in tasks], "results": results}
+
+
+def markdown(report: dict) -> str:
+    lines = []
+    for key in ("main", "long"):
+        section = report.get(key)
+        if not section:
+            continue
+        lines += [f"### {key} context: {section['prompts']} prompts of {section['prompt_length']} tokens, "
+                  f"{section['gen_length']} generated, blocks of {section['block_length']}, {section['steps']} steps",
+                  "", "| setting | speedup | token-forwards | attention FLOPs skipped | steps | agreement with NoCache "
+                  "| reference match | judge NLL |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for r in section["results"]:
+            lines.append(f"| {r['setting']} | {r['speedup']:.2f}x | {r['token_forward_ratio']:.2f} "
+                         f"| {r['attention_flops_skipped_fraction']:.0%} | {r['steps']} | {r['agreement']:.1%} "
+                         f"| {r['reference_match']:.1%} | {r['judge_nll']:.3f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(report: dict, path: Path) -> None:
+    """Speedup against agreement with NoCache, one point per setting (and context)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for key, marker in (("main", "o"), ("long", "s")):
+        section = report.get(key)
+        if not section:
+            continue
+        for r in section["results"]:
+            ax.scatter(r["agreement"], r["speedup"], marker=marker)
+            ax.annotate(f"{r['setting']} [{key}]", (r["agreement"], r["speedup"]), fontsize=6,
+                        xytext=(3, 2), textcoords="offset points")
+    ax.axhline(1.0, color="grey", lw=0.5)
+    ax.set_xlabel("token agreement with NoCache")
+    ax.set_ylabel("speedup over NoCache (wall time)")
+    ax.set_title("hasten dlm bench: zoo:dlm-tiny, CPU")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

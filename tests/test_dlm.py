@@ -1,0 +1,202 @@
+"""hasten.dlm: the masked-diffusion sampler and its cache/attention policies on tiny random models
+used bidirectionally (Llama and Qwen2)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_model
+
+from hasten.dlm import DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, SparseD, generate
+from hasten.dlm.forward import ForwardCounts, KVStore, attention_flops_per_pair, full_forward, partial_forward
+from hasten.dlm.sparse import block_sparse_attention, pick_patterns
+
+MASK = 95
+ARCHS = ["llama", "qwen2"]
+
+
+def prompt(length: int = 12, seed: int = 0) -> torch.Tensor:
+    return torch.randint(3, MASK, (1, length), generator=torch.Generator().manual_seed(seed))  # [1, length]
+
+
+def reference_sampler(model, input_ids, gen_length, block_length, steps, shift=0):
+    """An independent, plain LLaDA-style loop: full forward at every step, greedy, low-confidence remasking."""
+    length = input_ids.shape[1] + gen_length
+    x = torch.full((1, length), MASK)
+    x[:, :input_ids.shape[1]] = input_ids
+    blocks = gen_length // block_length
+    per_block = steps // blocks
+    for b in range(blocks):
+        start = input_ids.shape[1] + b * block_length
+        counts = [block_length // per_block + (i < block_length % per_block) for i in range(per_block)]
+        for count in counts:
+            logits = model(input_ids=x, attention_mask=torch.zeros(1, 1, length, length)).logits[0]
+            if shift:
+                logits = torch.cat([logits[:1], logits[:-1]])  # position i read from output i - 1
+            pending = (x[0, start:start + block_length] == MASK).nonzero().squeeze(1) + start
+            x0 = logits[pending].argmax(-1)
+            confidence = torch.softmax(logits[pending], -1).gather(-1, x0[:, None]).squeeze(1)
+            chosen = confidence.topk(count).indices
+            x[0, pending[chosen]] = x0[chosen]
+    return x
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("shift", [0, 1])
+def test_nocache_matches_a_plain_loop(arch, shift):
+    model = tiny_model(arch)
+    expected = reference_sampler(model, prompt(), 16, 8, 8, shift)
+    for cache in (None, NoCache()):
+        out = generate(model, prompt(), mask_token_id=MASK, gen_length=16, block_length=8, steps=8, cache=cache,
+                       shifted_logits=bool(shift))
+        assert torch.equal(out.sequences, expected)
+        assert torch.equal(out.sequences[:, :12], prompt())
+        assert (out.sequences != MASK).all()
+        assert out.stats.forwards == 8 and out.stats.tokens_recomputed == 8 * 28
+        assert out.stats.attention_flops_skipped == 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_partial_forward_equals_full_forward_when_cached_kv_are_fresh(arch):
+    model = tiny_model(arch)
+    tokens = torch.randint(3, MASK, (24,), generator=torch.Generator().manual_seed(1))
+    per_pair = attention_flops_per_pair(model.config)
+    store, counts = KVStore(24, "cpu"), ForwardCounts()
+    with torch.no_grad():
+        full = full_forward(model, tokens, torch.arange(24), counts, per_pair, store=store)  # [24, vocab]
+        keys_before = [k.clone() for k in store.keys]
+        positions = torch.tensor([0, 5, 6, 13, 23])
+        partial = partial_forward(model, tokens, positions, positions[1:4], store, counts, per_pair)
+    torch.testing.assert_close(partial, full[positions[1:4]], atol=1e-5, rtol=1e-5)
+    for before, after in zip(keys_before, store.keys):  # re-running fresh positions rewrites the same K/V
+        torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+    assert counts.tokens_recomputed == 24 + 5
+    assert counts.attention_flops == per_pair * (24 * 24 + 5 * 24)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dkv_cache_runs_fewer_tokens_and_refresh_every_step_is_exact(arch):
+    model = tiny_model(arch)
+    run = lambda cache: generate(model, prompt(16), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
+                                 steps=16, cache=cache)
+    reference = run(NoCache())
+    assert torch.equal(run(DKVCache(refresh=1)).sequences, reference.sequences)
+    for variant in ("decode", "prefill", "greedy"):
+        out = run(DKVCache(variant=variant))
+        assert out.stats.forwards == reference.stats.forwards == 16
+        assert out.stats.tokens_recomputed < reference.stats.tokens_recomputed
+        assert out.stats.attention_flops_skipped > 0
+        assert (out.sequences != MASK).all()
+    # decode: the first step runs all 32 positions; then every step at least every masked position
+    # (16 + 15 + ... masked, minus one per step) and the token decoded the step before
+    decode = run(DKVCache(variant="decode"))
+    masked_after = [16 - s for s in range(1, 16)]
+    assert decode.stats.tokens_recomputed == 32 + sum(m + 1 for m in masked_after)
+
+
+def test_fast_dllm_caches_count_exactly():
+    model = tiny_model("llama")
+    run = lambda cache: generate(model, prompt(16), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
+                                 steps=8, cache=cache, shifted_logits=False)
+    # 2 blocks x 4 steps; a full forward (32 positions) opens each block
+    prefix = run(FastDLLMPrefix())
+    assert prefix.stats.tokens_recomputed == 2 * 32 + 3 * (32 - 16) + 3 * (32 - 24)
+    dual = run(FastDLLMDual())
+    assert dual.stats.tokens_recomputed == 2 * 32 + 6 * 8
+    assert (prefix.sequences != MASK).all() and (dual.sequences != MASK).all()
+
+
+@pytest.mark.parametrize("block", [4, 5, 7])
+def test_block_sparse_attention_keeping_every_block_is_full_attention(block):
+    g = torch.Generator().manual_seed(0)
+    query = torch.randn(4, 30, 8, generator=g)  # [heads, length, dim]
+    key, value = torch.randn(2, 30, 8, generator=g), torch.randn(2, 30, 8, generator=g)  # [kv_heads, length, dim]
+    full_keys, full_values = key.repeat_interleave(2, 0), value.repeat_interleave(2, 0)
+    probs = torch.softmax(query @ full_keys.transpose(1, 2) * 0.3, -1)  # [4, 30, 30]
+    pattern = pick_patterns(probs, block, 1.0)
+    torch.testing.assert_close(block_sparse_attention(query, key, value, pattern, block, 0.3), probs @ full_values)
+
+
+def test_patterns_keep_the_blocks_holding_the_attention():
+    probs = torch.full((1, 8, 8), 0.01)
+    probs[0, :4, 6:] = 1.0  # the first query block looks at the last key block
+    probs[0, 4:, :2] = 1.0  # the second at the first
+    assert pick_patterns(probs, 2, 0.25)[0, :, 0].tolist() == [3, 3, 0, 0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_sparsed_with_select_one_equals_full_attention(arch):
+    model = tiny_model(arch)
+    run = lambda cache: generate(model, prompt(20), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
+                                 steps=8, cache=cache)
+    reference = run(NoCache())
+    dense = run(SparseD(skip=0.25, select=1.0, block=6))
+    assert torch.equal(dense.sequences, reference.sequences)
+    sparse = run(SparseD(skip=0.25, select=0.4, block=6))
+    assert sparse.stats.attention_flops_skipped > 0 and (sparse.sequences != MASK).all()
+    assert model.config._attn_implementation == "sdpa"  # put back after the generation
+
+
+def test_threshold_decodes_confident_tokens_in_parallel():
+    model = tiny_model("llama")
+    run = lambda threshold: generate(model, prompt(), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
+                                     steps=16, threshold=threshold)
+    assert run(1e-9).stats.steps == 2  # everything passes: one step per block
+    assert torch.equal(run(1.0).sequences, run(None).sequences)  # nothing passes: the schedule alone
+
+
+def test_sampling_and_random_remasking_are_reproducible_and_cache_independent():
+    model = tiny_model("qwen2")
+    run = lambda cache, **kw: generate(model, prompt(), mask_token_id=MASK, gen_length=8, block_length=4,  # noqa: E731
+                                       steps=8, cache=cache, generator=torch.Generator().manual_seed(3), **kw)
+    for kw in ({"temperature": 1.0}, {"remasking": "random"}):
+        first = run(None, **kw).sequences
+        assert torch.equal(first, run(None, **kw).sequences)
+        assert torch.equal(first, run(DKVCache(refresh=1), **kw).sequences)
+
+
+def test_mask_token_comes_from_the_config():
+    model = tiny_model("llama", mask_token_id=MASK)
+    out = generate(model, prompt(), gen_length=4, block_length=4, steps=4)
+    assert torch.equal(out.sequences, generate(model, prompt(), mask_token_id=MASK, gen_length=4, block_length=4,
+                                               steps=4).sequences)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    ({"gen_length": 8, "block_length": 4, "steps": 4}, "mask_token_id"),
+    ({"mask_token_id": MASK, "gen_length": 10, "block_length": 4, "steps": 4}, "block_length"),
+    ({"mask_token_id": MASK, "gen_length": 8, "block_length": 2, "steps": 3}, "steps"),
+    ({"mask_token_id": MASK, "gen_length": 8, "block_length": 4, "steps": 4, "remasking": "lowest"}, "remasking"),
+    ({"mask_token_id": MASK, "gen_length": 8, "block_length": 4, "steps": 4, "threshold": 1.5}, "threshold"),
+])
+def test_errors_name_the_argument(kwargs, word):
+    with pytest.raises(ValueError, match=word):
+        generate(tiny_model("llama"), prompt(), **kwargs)
+
+
+def test_policy_settings_are_checked():
+    with pytest.raises(ValueError, match="variant"):
+        DKVCache(variant="lazy")
+    with pytest.raises(ValueError, match="refresh"):
+        DKVCache(refresh=0)
+    with pytest.raises(ValueError, match="select"):
+        SparseD(select=0.0)
+    with pytest.raises(ValueError, match="block"):
+        SparseD(block=True)
+
+
+def test_bench_compares_every_setting_with_nocache_on_the_same_prompts(tmp_path):
+    from hasten.dlm import bench
+
+    model, judge = tiny_model("llama", mask_token_id=MASK), tiny_model("qwen2")
+    tasks = [{"file": "x.py", "prompt": prompt(10, seed), "reference": prompt(8, seed + 9)[0]} for seed in (0, 1)]
+    settings = [bench.Setting(NoCache()), bench.Setting(FastDLLMDual()), bench.Setting(NoCache(), threshold=1e-9)]
+    section = bench.run_settings(model, judge, tasks, settings, gen_length=8, block_length=4, steps=8, progress=False)
+    nocache, dual, parallel = section["results"]
+    assert nocache["agreement"] == 1.0 and nocache["token_forward_ratio"] == 1.0
+    assert dual["token_forward_ratio"] < 1.0
+    assert parallel["steps"] == 2 * 2 and nocache["steps"] == 2 * 8  # one step per block when everything passes
+    assert 0.0 <= dual["agreement"] <= 1.0 and nocache["judge_nll"] > 0
+    report = {"main": section}
+    assert "FastDLLMDual()" in bench.markdown(report) and "threshold 1e-09" in bench.markdown(report)
+    bench.chart(report, tmp_path / "chart.png")
+    assert (tmp_path / "chart.png").stat().st_size > 0
