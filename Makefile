@@ -41,7 +41,7 @@ test-real: real
 bench: $(STAMP)
 	$(BIN)/hasten bench --model zoo:code-tiny --draft zoo:code-tiny-draft --out bench-out
 
-# The llama.cpp backend (hasten[llamacpp]) compiles llama.cpp (~8 min on 2 cores). A native build
+# The llama.cpp backend (hasten[llamacpp]) compiles llama.cpp (8-30 min on 2 cores). A native build
 # crashed on a virtual machine whose CPU reports AVX-512/AMX the guest cannot run; these flags do not.
 LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF

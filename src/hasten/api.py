@@ -23,6 +23,7 @@ from .engine.sizing import SizingRule, load_or_calibrate, sizing_rule
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
 from .models import gguf, vlm
+from .models.quantize import quantize
 from .models.adapter import vocab_size
 from .core.sampling import Sampling
 from .core.stats import DecodeStats
@@ -354,7 +355,8 @@ def load(
     Hugging Face directory, a hub id, or a model already in memory (a ``PreTrainedModel``;
     then pass its ``tokenizer=`` too). ``tokenizer`` (an object or a path) replaces the
     model's own. ``dtype`` and ``device`` default to float32 on the CPU for a model loaded
-    here; a model passed in is converted only when they are given.
+    here; a model passed in is converted only when they are given. ``dtype="int8"`` runs the
+    model (and a draft loaded here) with int8 linear layers on the CPU (docs/cpu.md).
     ``method`` is ``"autoregressive"`` or a registered drafter name; ``method_kwargs``
     are that drafter's settings, e.g. ``load(path, "prompt_lookup", num_tokens=8)``.
     ``draft_size``: ``"fixed"`` (each drafter's own depth) or ``"auto"`` (each step's depth
@@ -365,8 +367,11 @@ def load(
     """
     check_method(method, draft is not None)  # before the seconds spent loading models
     sizing_rule(draft_size)
-    dtype = as_dtype(dtype)
+    int8 = dtype == "int8"  # int8 linear layers over float32 weights (hasten.models.quantize), CPU only
+    dtype = torch.float32 if int8 else as_dtype(dtype)
     model = as_model(name_or_path, dtype, device)
+    if int8:
+        model = quantize(model, "int8")
     if tokenizer is None and isinstance(name_or_path, PreTrainedModel):
         raise ValueError("a model passed as an object needs its tokenizer: load(model, tokenizer=...)")
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
@@ -374,6 +379,8 @@ def load(
     draft_model = draft
     if isinstance(draft, (str, os.PathLike)):
         draft_model = as_model(draft, dtype, device)
+        if int8:
+            draft_model = quantize(draft_model, "int8")
         draft_tokenizer = _optional_tokenizer(draft)
         if draft_tokenizer is not None and vocab_size(draft_model) == vocab_size(model):
             warn_if_tokenizers_differ(tokenizer, draft_tokenizer, str(draft))

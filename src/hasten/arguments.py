@@ -102,7 +102,7 @@ def readable_warnings() -> Iterator[None]:
 
 
 # ---- where and how the model runs: --device, --dtype, --threads ------------------------------
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("float32", "float16", "bfloat16", "int8")  # int8: int8 linear layers on the CPU (docs/cpu.md)
 
 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
@@ -133,8 +133,9 @@ def checked_device(name: str) -> str:
 
 
 def torch_dtype(name: str):
-    """``--dtype`` name -> torch dtype (argparse already limited it to :data:`DTYPES`)."""
-    return getattr(torch, name)
+    """``--dtype`` name -> torch dtype, or "int8", which hasten.load quantizes to (argparse
+    already limited it to :data:`DTYPES`)."""
+    return name if name == "int8" else getattr(torch, name)
 
 
 def apply_threads(threads: int) -> int:

