@@ -248,3 +248,8 @@ def test_engine_generate_batch_equals_one_by_one(checkpoint):
         prompts, max_new_tokens=6, temperature=1.0, seed=3)]
     with pytest.raises(ValueError, match="prompts"):
         engine.generate_batch([])
+
+
+def test_an_unknown_backend_is_refused_before_loading():
+    with pytest.raises(ValueError, match="backend"):
+        hasten.load("/no/such/model", "prompt_lookup", backend="vllm")

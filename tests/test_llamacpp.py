@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import itertools
 
+import json
+
 import pytest
 import torch
+
+import hasten
 
 from hasten.core.sampling import Sampling
 from hasten.core.stats import DecodeStats
 from hasten.drafters import DraftModel, Lookahead, PromptLookup
-from hasten.engine.sequence import Sequence, step
-from hasten.engine.verify import acceptance_rule
-from hasten.models.llamacpp import LlamaCppModel, LlamaCppTarget, check_drafter
+from hasten.models.llamacpp import LlamaCppModel, check_drafter
 
 llama_cpp = pytest.importorskip(
     "llama_cpp", reason="llama-cpp-python is not installed: pip install 'hasten[llamacpp]' (see docs/cpu.md)")
@@ -56,20 +58,15 @@ def llama_cpp_greedy(path, prompt: list[int], new: int, context: int) -> list[in
     return list(itertools.islice(llm.generate(prompt, temp=0.0, repeat_penalty=1.0), new))
 
 
-def hasten_decode(target: LlamaCppTarget, prompt: list[int], drafter, new: int,
+def hasten_decode(model: LlamaCppModel, prompt: list[int], drafter, new: int,
                   sampling: Sampling = Sampling(0.0), generator=None) -> tuple[list[int], DecodeStats]:
-    """hasten's decode loop on ``target``, as hasten.engine.loop.decode drives a ModelAdapter."""
+    """hasten.generate on the llama.cpp model (the loop opens a LlamaCppTarget for it); no
+    EOS, as llama.cpp's own generate stops at none."""
     check_drafter(drafter)
-    if drafter is not None:
-        drafter.check_target(target)
-    tokens, _ = target.start(torch.tensor([prompt]))
-    stats = DecodeStats()
-    sequence = Sequence(target, tokens, None, drafter, sampling, generator, acceptance_rule(sampling, None),
-                        frozenset(), new, stats)
-    generated = []
-    while not sequence.finished:
-        generated.extend(step(target, [sequence])[0])
-    return generated, stats
+    out = hasten.generate(model, torch.tensor([prompt]), drafter=drafter, max_new_tokens=new,
+                          temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                          eos_token_id=[], generator=generator)
+    return out.sequences[0, len(prompt):].tolist(), out.stats
 
 
 @pytest.mark.parametrize("method", sorted(DRAFTERS))
@@ -77,14 +74,14 @@ def test_greedy_equals_llama_cpp_greedy_on_a_tiny_gguf(tiny, tiny_gguf, method):
     for seed in range(3):
         prompt = repetitive(tiny.vocab_size, seed=seed)
         reference = llama_cpp_greedy(tiny_gguf, prompt, NEW, 512)
-        got, stats = hasten_decode(tiny.session(), prompt, DRAFTERS[method](), NEW)
+        got, stats = hasten_decode(tiny, prompt, DRAFTERS[method](), NEW)
         assert got == reference, f"seed {seed}"
         assert stats.new_tokens == NEW
 
 
 def test_prompt_lookup_gets_drafts_accepted_and_rejected(tiny):
     """The drafts reach llama.cpp and both outcomes happen, so the cache removal is exercised."""
-    _, stats = hasten_decode(tiny.session(), repetitive(tiny.vocab_size, 40), PromptLookup(num_tokens=4), NEW)
+    _, stats = hasten_decode(tiny, repetitive(tiny.vocab_size, 40), PromptLookup(num_tokens=4), NEW)
     assert stats.accepted_tokens > 0
     assert stats.drafted_tokens > stats.accepted_tokens
     assert stats.steps < NEW
@@ -143,14 +140,14 @@ def test_draft_model_with_a_llama_cpp_draft(tiny, tiny_gguf):
     """The target as its own draft: every draft token is accepted, the output is greedy's."""
     prompt = repetitive(tiny.vocab_size, seed=4)
     reference = llama_cpp_greedy(tiny_gguf, prompt, NEW, 512)
-    got, stats = hasten_decode(tiny.session(), prompt, DraftModel(tiny, num_tokens=4), NEW)
+    got, stats = hasten_decode(tiny, prompt, DraftModel(tiny, num_tokens=4), NEW)
     assert got == reference
     assert stats.accepted_tokens == stats.drafted_tokens > 0
 
 
 def test_sampling_runs_and_respects_the_budget(tiny):
     g = torch.Generator().manual_seed(0)
-    got, stats = hasten_decode(tiny.session(), repetitive(tiny.vocab_size), PromptLookup(), 20,
+    got, stats = hasten_decode(tiny, repetitive(tiny.vocab_size), PromptLookup(), 20,
                                Sampling(0.8, top_k=20), g)
     assert len(got) == 20 and all(0 <= t < tiny.vocab_size for t in got)
 
@@ -193,5 +190,27 @@ def test_smollm2_greedy_equals_llama_cpp_greedy(method):
     for task in chat_tasks(tokenizer, per_task=1)[:3]:
         prompt = chat_input_ids(tokenizer, task.messages)[0].tolist()
         reference = llama_cpp_greedy(path, prompt, 64, 2048)
-        got, _ = hasten_decode(model.session(), prompt, DRAFTERS[method](), 64)
+        got, _ = hasten_decode(model, prompt, DRAFTERS[method](), 64)
         assert got == reference, task.name
+
+
+def test_load_and_cli_run_a_gguf_on_the_llama_cpp_backend(tiny_gguf, cli):
+    engine = hasten.load(tiny_gguf, "prompt_lookup", backend="llama.cpp")
+    prompt = "def add(a, b):\n    return a + b\n" * 2
+    ids = engine.encode(prompt)[0].tolist()
+    out = engine.generate(prompt, max_new_tokens=NEW)
+    assert out.token_ids == llama_cpp_greedy(tiny_gguf, ids, NEW, 4096)[: len(out.token_ids)]
+    assert out.token_ids, "it generated"
+    code, printed, err = cli("generate", "--model", str(tiny_gguf), "--backend", "llama.cpp", "--prompt", prompt,
+                             "--max-new-tokens", str(NEW), "--json")
+    assert code == 0, err
+    assert json.loads(printed)["token_ids"] == out.token_ids
+    with pytest.raises(ValueError, match="gguf"):
+        hasten.load("zoo:code-tiny", backend="llama.cpp")
+    with pytest.raises(ValueError, match="auto"):
+        hasten.load(tiny_gguf, "prompt_lookup", backend="llama.cpp", draft_size="auto")
+    with pytest.raises(ValueError, match="reads the target's hidden states"):
+        hasten.load(tiny_gguf, "medusa", backend="llama.cpp")
+    code, _, err = cli("generate", "--model", str(tiny_gguf), "--backend", "llama.cpp", "--dtype", "bfloat16",
+                       "--prompt", "x")
+    assert code == 2 and "drop --dtype" in err

@@ -322,10 +322,11 @@ class Engine:
         sampling = Sampling(temperature, top_k, top_p)
         stops = StopStrings(self.tokenizer, stop or [])
         check_inputs(self.model, input_ids, self.drafter, max_new_tokens, None, model_inputs)
-        input_ids = input_ids.to(self.model.device)
+        device = getattr(self.model, "device", torch.device("cpu"))  # a llama.cpp model runs on the CPU
+        input_ids = input_ids.to(device)
         generator = None
         if seed is not None:
-            generator = torch.Generator(device=self.model.device).manual_seed(seed)
+            generator = torch.Generator(device=device).manual_seed(seed)
         eos = eos_ids(self.model, None)  # the generation config's, as in Hugging Face generate
         acceptance = acceptance_rule(sampling)
         text = TextStream(self.tokenizer, stops)
@@ -347,6 +348,7 @@ def load(
     device: str | torch.device | None = None,
     draft_size: str | SizingRule = "fixed",
     processor=None,
+    backend: str = "torch",
     **method_kwargs,
 ) -> Engine:
     """Load a model with an acceleration method.
@@ -364,9 +366,15 @@ def load(
     the cost is calibrated here, once per model and machine, and cached).
     ``processor`` (an object or a path): a vision-language model's, which turns text and
     images into its inputs; loaded from the model's directory when not given.
+    ``backend="llama.cpp"`` runs a GGUF target (and a GGUF draft) in llama.cpp instead of
+    PyTorch: hasten's drafters propose, llama.cpp verifies (docs/cpu.md).
     """
     check_method(method, draft is not None)  # before the seconds spent loading models
     sizing_rule(draft_size)
+    if backend == "llama.cpp":
+        return _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, method_kwargs)
+    if backend != "torch":
+        raise ValueError(f"backend must be 'torch' or 'llama.cpp', got {backend!r}")
     int8 = dtype == "int8"  # int8 linear layers over float32 weights (hasten.models.quantize), CPU only
     dtype = torch.float32 if int8 else as_dtype(dtype)
     model = as_model(name_or_path, dtype, device)
@@ -392,6 +400,35 @@ def load(
     if vlm.is_vision_language(model) and (processor is None or isinstance(processor, (str, os.PathLike))):
         processor = load_processor(name_or_path if processor is None else processor)
     return Engine(model, tokenizer, drafter, method, draft_size, processor)
+
+
+def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, method_kwargs) -> Engine:
+    """The llama.cpp backend: a GGUF target (and draft) loaded by llama.cpp; the tokenizer is
+    read from the same file (converted once into the cache, like the PyTorch path)."""
+    from .models.llamacpp import LlamaCppModel, check_drafter
+
+    if dtype is not None or (device is not None and str(device) != "cpu"):
+        raise ValueError("the llama.cpp backend runs the GGUF file's own quantisation on the CPU: "
+                         "leave dtype and device unset")
+    if draft_size != "fixed":
+        raise ValueError("draft_size='auto' calibrates a PyTorch forward; use 'fixed' with the llama.cpp backend")
+    threads = torch.get_num_threads()
+
+    def open_gguf(name) -> LlamaCppModel:
+        path = os.fspath(name)
+        source = gguf.find_gguf(str(zoo.resolve(path, cache_dir=gguf.cache_root())) if zoo.is_zoo_name(path) else path)
+        if source is None:
+            raise ValueError(f"the llama.cpp backend needs a .gguf file (or a zoo name of one); {name!r} is none")
+        return LlamaCppModel(source, threads=threads)
+
+    if not isinstance(name_or_path, (str, os.PathLike)) or (draft is not None and not isinstance(draft, (str, os.PathLike))):
+        raise TypeError("the llama.cpp backend loads models from .gguf paths or zoo names")
+    model = open_gguf(name_or_path)
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(name_or_path if tokenizer is None else tokenizer)
+    drafter = make_drafter(method, None if draft is None else open_gguf(draft), **method_kwargs)
+    check_drafter(drafter)
+    return Engine(model, tokenizer, drafter, method, draft_size)
 
 
 def as_model(model_or_path, dtype: torch.dtype | None, device) -> PreTrainedModel:

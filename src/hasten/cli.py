@@ -31,7 +31,7 @@ from .training import cli as training_cli
 from .version import __version__
 
 # Errors the user can fix from the command line: one line, exit status 2, no traceback.
-USER_ERRORS = (UserError, ValueError, TypeError, FileNotFoundError, FileExistsError, IsADirectoryError,
+USER_ERRORS = (UserError, ValueError, TypeError, ImportError, FileNotFoundError, FileExistsError, IsADirectoryError,
                NotADirectoryError, PermissionError)
 
 
@@ -70,6 +70,9 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
                         help="stop string (repeatable): generation ends at it and the text stops before it; "
                              r"\n and \t are read as newline and tab")
     add_runtime_arguments(parser)
+    parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
+                        help="torch (default) or llama.cpp: a .gguf target (and --draft) run by llama.cpp, "
+                             "hasten's drafters and verifier on top (pip install 'hasten[llamacpp]'; docs/cpu.md)")
     add_draft_size_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
@@ -106,7 +109,10 @@ def _run_generate(args: argparse.Namespace) -> int:
     check_method(args.method, args.draft is not None)
     device = checked_device(args.device)
     threads = apply_threads(args.threads)
-    engine = load(args.model, args.method, draft=args.draft, device=device, dtype=torch_dtype(args.dtype),
+    if args.backend == "llama.cpp" and (args.dtype != "float32" or device != "cpu"):
+        raise UserError("--backend llama.cpp runs the GGUF file's own quantisation on the CPU: drop --dtype/--device")
+    runtime_args = dict(device=device, dtype=torch_dtype(args.dtype)) if args.backend == "torch" else {}
+    engine = load(args.model, args.method, draft=args.draft, backend=args.backend, **runtime_args,
                   draft_size=args.draft_size, **method_kwargs)
     inputs = engine.encode_chat(_messages(args, prompt)) if args.chat else prompt
     options = dict(
@@ -126,7 +132,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.json:
         record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image, "text": text,
                   "token_ids": token_ids}
-        runtime = {"device": device, "dtype": args.dtype, "threads": threads, "draft_size": args.draft_size}
+        runtime = {"device": device, "dtype": args.dtype, "threads": threads, "draft_size": args.draft_size,
+                   "backend": args.backend}
         print(json.dumps({**record, **runtime, "stats": stats.to_dict()}))
         return 0
     sys.stdout.write("\n")

@@ -9,9 +9,16 @@ from ..models import vlm
 from ..models.adapter import vocab_size
 
 
+def opens_own_target(model) -> bool:
+    """A model from another runtime (hasten.models.llamacpp.LlamaCppModel) that opens its own
+    target per generation (``session()``) and says its ``vocab_size``, ``max_positions`` and
+    ``eos_token_ids()`` itself."""
+    return not isinstance(model, PreTrainedModel) and callable(getattr(model, "session", None))
+
+
 def check_inputs(model, input_ids, drafter, max_new_tokens, generator, model_inputs: dict | None = None) -> None:
     """``model_inputs``: a vision-language prompt's images (pixel_values, ...), by keyword."""
-    if not isinstance(model, PreTrainedModel):
+    if not isinstance(model, PreTrainedModel) and not opens_own_target(model):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
         raise TypeError("input_ids must be a torch.LongTensor of shape [1, T]")
@@ -22,7 +29,7 @@ def check_inputs(model, input_ids, drafter, max_new_tokens, generator, model_inp
                          "hasten.generate takes a batch (a list of prompts, or [B, T] with an attention_mask)")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty: the prompt needs at least one token")
-    vocab = vocab_size(model)
+    vocab = model.vocab_size if opens_own_target(model) else vocab_size(model)
     low, high = int(input_ids.min()), int(input_ids.max())
     if low < 0 or high >= vocab:
         bad = low if low < 0 else high
@@ -34,7 +41,10 @@ def check_inputs(model, input_ids, drafter, max_new_tokens, generator, model_inp
         raise TypeError(f"drafter must be a hasten Drafter or None, got {type(drafter).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
-    vlm.check_model_inputs(model, input_ids, model_inputs or {})
+    if not opens_own_target(model):
+        vlm.check_model_inputs(model, input_ids, model_inputs or {})
+    elif model_inputs:
+        raise ValueError(f"{', '.join(sorted(model_inputs))}: this backend takes text prompts only")
 
 
 # Config names of the number of positions a model was built for (learned position
@@ -44,6 +54,8 @@ POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_lengt
 
 def max_positions(model: PreTrainedModel) -> int | None:
     """The positions the model's config allows, or None where it sets no limit (T5)."""
+    if opens_own_target(model):
+        return min(model.max_positions, model.context)
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     for name in POSITION_LIMITS:
         limit = getattr(config, name, None)
@@ -61,7 +73,7 @@ def check_positions(model: PreTrainedModel, prompt_length: int, max_new_tokens: 
         return
     if prompt_length > limit:
         raise ValueError(f"the prompt has {prompt_length} tokens, more than the model's context of {limit} positions")
-    if model.config.is_encoder_decoder:
+    if not opens_own_target(model) and model.config.is_encoder_decoder:
         needed, room, where = 1 + max_new_tokens, limit - 1, f"the model's decoder has {limit} positions"
     else:
         needed, room = prompt_length + max_new_tokens, limit - prompt_length
@@ -72,6 +84,8 @@ def check_positions(model: PreTrainedModel, prompt_length: int, max_new_tokens: 
 
 def eos_ids(model: PreTrainedModel, eos_token_id) -> frozenset[int]:
     """None means the model's own generation config, as in Hugging Face generate."""
+    if eos_token_id is None and opens_own_target(model):
+        return model.eos_token_ids()
     if eos_token_id is None:
         eos_token_id = getattr(model.generation_config, "eos_token_id", None)
     if eos_token_id is None:

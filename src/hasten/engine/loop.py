@@ -19,7 +19,7 @@ from ..drafters.base import Drafter
 from ..models.adapter import ModelAdapter, decoder_start_token
 from ..models.attention import MaskedTree, attention_path
 from .batch import Request, Scheduler
-from .inputs import check_inputs, eos_ids
+from .inputs import check_inputs, eos_ids, opens_own_target
 from .sequence import Sequence, step
 from .sizing import SizingRule, sizing_rule
 from .stops import StopStrings
@@ -66,7 +66,8 @@ def decode(
     :func:`hasten.engine.sequence.step`; the :class:`Sequence` owns the committed state
     (tokens, target features, the drafter's per-generation state). ``model_inputs``: a
     vision-language target's images (``pixel_values``, ...), read by the prefill only."""
-    target = ModelAdapter(model, tree_attention)
+    # a model from another runtime (llama.cpp) brings its own target; a Hugging Face one gets ours
+    target = model.session() if opens_own_target(model) else ModelAdapter(model, tree_attention)
     if drafter is not None:
         drafter.check_target(target)
     clock = time.perf_counter()
@@ -156,7 +157,8 @@ def generate(
         except StopIteration as end:
             reason = end.value
             break
-    head = [decoder_start_token(model)] if model.config.is_encoder_decoder else input_ids[0].tolist()
+    seq2seq = not opens_own_target(model) and model.config.is_encoder_decoder
+    head = [decoder_start_token(model)] if seq2seq else input_ids[0].tolist()
     return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
 
 
