@@ -121,3 +121,10 @@ def test_smollm2_int8_greedy_equals_hf_generate_on_the_int8_model():
         reference = model.generate(prompt, do_sample=False, max_new_tokens=64, eos_token_id=None, pad_token_id=0)
         out = hasten.generate(model, prompt, drafter=PromptLookup(), max_new_tokens=64, eos_token_id=[])
         assert out.sequences.tolist() == reference.tolist(), task.name
+
+
+def test_an_int8_model_gets_its_own_cost_calibration():
+    from hasten.engine.sizing import calibration_key
+
+    model = tiny_model("llama")
+    assert calibration_key(quantize(copy.deepcopy(model), "int8")) != calibration_key(model)

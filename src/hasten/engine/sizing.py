@@ -114,6 +114,8 @@ def calibration_key(model: PreTrainedModel) -> dict:
         "config": hashlib.sha256(config.encode()).hexdigest()[:16],
         "parameters": sum(p.numel() for p in model.parameters()),
         "dtype": str(model.dtype).removeprefix("torch."),
+        # an int8-quantized model keeps float32 as its dtype but runs other kernels
+        "linear": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "threads": torch.get_num_threads(),
         "machine": f"{_cpu_name()} x{os.cpu_count()} {platform.node()}",
