@@ -55,6 +55,14 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
+def at_least(args: argparse.Namespace, low: int, *flags: str) -> None:
+    """UserError naming the first of ``flags`` (argparse dest names) set below ``low``."""
+    for flag in flags:
+        value = getattr(args, flag)
+        if value is not None and value < low:
+            raise UserError(f"--{flag.replace('_', '-')} must be >= {low}, got {value}")
+
+
 def method_settings(method: str, settings_cls: type | None, pairs: list[str]) -> dict:
     """``--method-arg num_tokens=8`` -> {"num_tokens": 8}, typed by the method's settings dataclass."""
     if not pairs:

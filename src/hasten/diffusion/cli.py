@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..arguments import UserError, writable_directory
+from ..arguments import at_least, writable_directory
 from ..machine import cpu_model
 
 
@@ -37,9 +37,7 @@ def _run(args: argparse.Namespace) -> int:
     from .models import dit as dit_model
     from .models import policy as policy_model
 
-    for name in ("steps", "images", "rollouts", "repeats", "threads"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    at_least(args, 1, "steps", "images", "rollouts", "repeats", "threads")
     writable_directory(args.out)  # now, not after the whole run
     torch.set_num_threads(args.threads)
     common = dict(steps=args.steps, repeats=args.repeats, seed=args.seed, progress=not args.no_progress)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..arguments import UserError, writable_directory
+from ..arguments import UserError, at_least, writable_directory
 from ..machine import machine_info
 
 
@@ -36,12 +36,8 @@ def _add(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     from . import bench
 
-    for name in ("prompt_length", "gen_length", "block_length", "steps", "threads"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    for name in ("prompts", "long_prompt_length", "long_prompts"):
-        if getattr(args, name) < 0:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    at_least(args, 1, "prompt_length", "gen_length", "block_length", "steps", "threads")
+    at_least(args, 0, "prompts", "long_prompt_length", "long_prompts")
     writable_directory(args.out)  # now, not after the whole run
     torch.set_num_threads(args.threads)
     weights = args.weights or bench.DLM_WEIGHTS

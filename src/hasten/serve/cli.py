@@ -9,7 +9,7 @@ import sys
 
 from ..api import AUTOREGRESSIVE, check_method
 from ..arguments import (
-    UserError, add_draft_size_argument, add_model_arguments, add_runtime_arguments, apply_threads, checked_device,
+    UserError, add_draft_size_argument, at_least, add_model_arguments, add_runtime_arguments, apply_threads, checked_device,
     method_settings, torch_dtype,
 )
 from ..core import settings as settings_io
@@ -25,12 +25,6 @@ def require_extra(command: str, modules: tuple[str, ...]) -> None:
     missing = [m for m in modules if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"hasten {command} needs {', '.join(missing)}, which the serve extra installs: {EXTRA}")
-
-
-def at_least(args: argparse.Namespace, flag: str, low: int) -> None:
-    value = getattr(args, flag)
-    if value is not None and value < low:
-        raise UserError(f"--{flag.replace('_', '-')} must be >= {low}, got {value}")
 
 
 # ---- hasten serve ------------------------------------------------------------------------------
@@ -68,8 +62,7 @@ def run_serve(args: argparse.Namespace) -> int:
     require_extra("serve", SERVER_MODULES)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    for flag in ("max_batch", "max_tokens_in_flight", "max_prefill_tokens", "max_body_bytes"):
-        at_least(args, flag, 1)
+    at_least(args, 1, "max_batch", "max_tokens_in_flight", "max_prefill_tokens", "max_body_bytes")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
     settings_cls = getattr(REGISTRY.get(args.method), "Settings", None)
@@ -145,8 +138,8 @@ def concurrency_levels(text: str) -> list[int]:
 def run_bench(args: argparse.Namespace) -> int:
     require_extra("serve-bench", CLIENT_MODULES)
     levels = concurrency_levels(args.concurrency)
-    for flag, low in (("requests", 1), ("max_tokens", 1), ("num_prompts", 1), ("warmup", 0)):
-        at_least(args, flag, low)
+    at_least(args, 1, "requests", "max_tokens", "num_prompts")
+    at_least(args, 0, "warmup")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     from . import load
