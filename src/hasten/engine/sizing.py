@@ -38,7 +38,9 @@ from ..core.tree import TokenTree
 from ..models.adapter import ModelAdapter
 from ..models.gguf import cache_root
 
-CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32)  # block sizes timed (positions per forward)
+# block sizes timed (positions per forward); up to 128 so that a batch, whose forward runs rows x
+# widest block positions, is priced from measurements rather than from the flat start of the curve
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_CONTEXT = 96  # cached tokens before each timed block
 CALIBRATION_REPS = 5  # timed reps per size (median kept), after one warm-up round
 
@@ -120,6 +122,7 @@ def calibration_key(model: PreTrainedModel) -> dict:
         "threads": torch.get_num_threads(),
         "machine": f"{_cpu_name()} x{os.cpu_count()} {platform.node()}",
         "torch": torch.__version__,
+        "sizes": list(CALIBRATION_SIZES),
     }
 
 
