@@ -369,26 +369,3 @@ def test_batched_auto_sizing_stays_lossless():
     rule = CostAwareSize(STEEP)
     out = hasten.generate(model, prompts, drafter=PromptLookup(), max_new_tokens=24, draft_size=rule)
     assert [s.tolist() for s in out.sequences] == references
-
-
-def test_a_batch_learns_what_its_forwards_really_cost():
-    """The calibration times one row; when batched forwards turn out dearer than it says, the
-    plan drafts less, and it goes back to drafting when they turn out cheap."""
-    rule = CostAwareSize(FLAT)  # calibrated: positions look free
-    states = [known_state(FLAT, 0.6) for _ in range(4)]
-    for state in states:
-        rule.share(state, 4)
-
-    def planned():
-        rule.plan(states, [8] * 4)
-        return rule.depth(states[0], 8)
-
-    hopeful = planned()
-    assert hopeful == 8
-    for positions in (4, 8, 16, 32, 64):  # every batched forward measured 1x at 4 positions, 6x beyond
-        rule.observe_forward(states, positions, FLAT(positions) * (1.0 if positions <= 4 else 6.0))
-    assert planned() < hopeful
-    for _ in range(20):
-        for positions in (4, 8, 16, 32, 64):
-            rule.observe_forward(states, positions, FLAT(positions))
-    assert planned() == hopeful

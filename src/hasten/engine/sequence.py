@@ -185,13 +185,11 @@ def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
     if len(drafting) > 1:  # one sizing rule serves a batch (the scheduler's); it plans for all rows at once
         drafting[0].sizing.plan([s.size_state for s in drafting], [s.depth_limit for s in drafting])
     drafts = [sequence.propose() for sequence in sequences]
-    blocks = [sequence.block(draft) for sequence, draft in zip(sequences, drafts)]
-    clock = time.perf_counter()
     outs = target.forward_rows(
-        [sequence.cache for sequence in sequences], blocks, [draft.tree for draft in drafts],
-        any(sequence.want_features for sequence in sequences), [draft.riders for draft in drafts],
+        [sequence.cache for sequence in sequences],
+        [sequence.block(draft) for sequence, draft in zip(sequences, drafts)],
+        [draft.tree for draft in drafts],
+        any(sequence.want_features for sequence in sequences),
+        [draft.riders for draft in drafts],
     )
-    if len(drafting) > 1:  # what the batch's forward really cost, for the next plans
-        positions = len(sequences) * max(len(block) for block in blocks)
-        drafting[0].sizing.observe_forward([s.size_state for s in drafting], positions, time.perf_counter() - clock)
     return [sequence.settle(draft, out) for sequence, draft, out in zip(sequences, drafts, outs)]

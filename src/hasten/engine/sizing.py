@@ -67,10 +67,6 @@ class SizingRule:
         """Before a batch's step: choose jointly for its rows (``limits``: each row's deepest
         usable depth). Fixed sizes need no plan."""
 
-    def observe_forward(self, states: list[Any], positions: int, seconds: float) -> None:
-        """After a batch's step: its verification forward ran ``positions`` positions (rows x
-        widest block) in ``seconds``."""
-
 
 class FixedSize(SizingRule):
     """Today's behaviour: each drafter drafts as deep as its own settings say (budget permitting)."""
@@ -246,10 +242,6 @@ class CostAwareSize(SizingRule):
         self.curve, self.prior, self.prior_weight, self.decay = curve, prior, prior_weight, decay
         self.probe_share = probe_share
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
-        # measured / calibrated seconds of batched forwards, by size (bucket: positions' bit length).
-        # The calibration times one row; a batch of rows x width positions is priced from what such
-        # forwards really took on this machine once some ran (the rule serves one scheduler).
-        self.batch_ratio: dict[int, float] = {}
 
     def begin(self, target: ModelAdapter) -> SizingState:
         curve = self.curve if self.curve is not None else load_or_calibrate(target.model)
@@ -340,28 +332,11 @@ class CostAwareSize(SizingRule):
             tokens = sum(row_tokens[min(depth, len(row_tokens) - 1)] for row_tokens, _ in per_row)
             widest = max(row_nodes[min(depth, len(row_nodes) - 1)] for _, row_nodes in per_row)
             drafting = sum(self.drafting_seconds(state, depth) for state in states)
-            positions = rows * (widest + 1)
-            rate = tokens / (curve(positions) * self.batch_scale(positions, scale) + drafting)
+            rate = tokens / (curve(rows * (widest + 1)) * scale + drafting)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = depth, rate
         for state in states:
             state.cap = best
-
-    def batch_scale(self, positions: float, fallback: float) -> float:
-        """Measured over calibrated seconds for a batched forward of ``positions`` positions:
-        the nearest size measured, or ``fallback`` before any was."""
-        if not self.batch_ratio:
-            return fallback
-        bucket = int(positions).bit_length()
-        return self.batch_ratio[min(self.batch_ratio, key=lambda b: (abs(b - bucket), -b))]
-
-    def observe_forward(self, states: list[SizingState], positions: int, seconds: float) -> None:
-        if not states or seconds <= 0:
-            return
-        ratio = seconds / states[0].curve(positions)
-        bucket = positions.bit_length()
-        old = self.batch_ratio.get(bucket)
-        self.batch_ratio[bucket] = ratio if old is None else 0.7 * old + 0.3 * ratio
 
     def depth(self, state: SizingState, limit: int) -> int:
         if state.rows > 1 and state.cap is not None:  # a batch: the plan chose for every row
