@@ -115,3 +115,9 @@ def test_lossy_modes_are_refused_unless_asked_for_properly():
     with pytest.raises(ValueError, match="need the full KV cache"):
         hasten.generate(model, PROMPT, max_new_tokens=4, drafter=hasten.drafters.create("hidden_transfer"),
                         kv_compression=SnapKV(budget=24, window=8))
+
+
+def test_kv_compression_refuses_image_inputs():
+    with pytest.raises(ValueError, match="pixel_values"):
+        hasten.generate(tiny_model("llama"), PROMPT, max_new_tokens=2, kv_compression=SnapKV(budget=24, window=8),
+                        pixel_values=torch.zeros(1, 3, 8, 8))

@@ -11,7 +11,7 @@ from hasten.drafters import Lookahead
 from hasten.models import attention
 from hasten.models.adapter import ModelAdapter
 from hasten.models.attention import HybridTree, MaskedTree, attention_path
-from helpers import CAUSAL_CONFIGS, hf_greedy, repetitive_prompt, tiny_model
+from helpers import CAUSAL_CONFIGS, TreeScriptedDrafter, hf_greedy, repetitive_prompt, tiny_model
 from test_gemma3 import tiny_gemma3
 
 TREE = TokenTree((-1, 0, 0, 1, -1, 4, 2))  # two roots' children, siblings, depths 1-4
@@ -57,3 +57,23 @@ def test_unknown_attention_path_is_refused():
         attention_path("flash")
     with pytest.raises(ValueError, match="tree_attention"):
         hasten.generate(tiny_model("llama"), repetitive_prompt(8), max_new_tokens=2, tree_attention="flash")
+
+
+@pytest.mark.parametrize("mode", ["oracle", "adversarial", 0, 1, 2])
+@pytest.mark.parametrize("right_sibling", [0, 2])
+def test_scripted_trees_through_the_hybrid_path_equal_hf(mode, right_sibling):
+    """Trees whose right token sits among siblings, with everything right, everything wrong
+    or an error planted at depth 1-3: the hybrid path accepts exactly what HF would write."""
+    model = tiny_model("qwen2", eos_token_id=None)  # no EOS: every step drafts the whole tree
+    prompt = repetitive_prompt(24, seed=6)
+    reference = hf_greedy(model, prompt, 20)
+    assert reference.shape[1] == 24 + 20
+    error_at = None if mode == "oracle" else (0 if mode == "adversarial" else mode + 1)
+    drafter = TreeScriptedDrafter(reference[0].tolist(), depth=4, width=3, right_sibling=right_sibling,
+                                  error_at=error_at)
+    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=20, tree_attention="hybrid")
+    assert out.sequences.tolist() == reference.tolist()
+    if mode == "adversarial":
+        assert out.stats.accepted_tokens == 0
+    if mode == "oracle":
+        assert out.stats.steps == -(-20 // 5)

@@ -190,10 +190,7 @@ class Engine:
 
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
-        sampling = Sampling(temperature, top_k, top_p)
-        stops = StopStrings(self.tokenizer, stop or [])
+        sampling, stops = self._options(temperature, top_k, top_p, seed, stop)
         scheduler = Scheduler(self.model, self.drafter, max_batch=max_batch or len(prompts),
                               draft_size=self.draft_size)
         rows = {}
@@ -292,6 +289,12 @@ class Engine:
     def _pieces(self, input_ids: torch.Tensor, kwargs: dict) -> Iterator[str]:
         return (piece for piece, _ in self.steps(input_ids, DecodeStats(), **kwargs))
 
+    def _options(self, temperature, top_k, top_p, seed, stop) -> tuple[Sampling, StopStrings]:
+        """The sampling settings and stop strings of one call, checked."""
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be an int or None, got {seed!r}")
+        return Sampling(temperature, top_k, top_p), StopStrings(self.tokenizer, stop or [])
+
     def steps(
         self,
         prompt: str | torch.Tensor,
@@ -317,10 +320,7 @@ class Engine:
             input_ids, model_inputs = self.encode_images(prompt, images)
         else:
             input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
-        sampling = Sampling(temperature, top_k, top_p)
-        stops = StopStrings(self.tokenizer, stop or [])
+        sampling, stops = self._options(temperature, top_k, top_p, seed, stop)
         check_inputs(self.model, input_ids, self.drafter, max_new_tokens, None, model_inputs)
         device = getattr(self.model, "device", torch.device("cpu"))  # a llama.cpp model runs on the CPU
         input_ids = input_ids.to(device)

@@ -138,6 +138,9 @@ def generate(
     attention_mask, model_inputs = _image_inputs(input_ids, attention_mask, model_inputs)
     prompts = batch_prompts(input_ids, attention_mask)
     lossy = lossy_parts(lossy_acceptance, kv_compression)
+    if kv_compression is not None and model_inputs:
+        raise ValueError(f"kv_compression compresses a text prompt's cache; {', '.join(sorted(model_inputs))} "
+                         "cannot go with it")
     if prompts is not None:
         if kv_compression is not None:
             raise ValueError("kv_compression takes one prompt at a time, not a batch")

@@ -40,12 +40,22 @@ class BatchRow:
 
     def __init__(self, batch: "BatchAdapter", slot: int, length: int):
         self.batch = batch
-        self.model = batch.model
-        self.vocab_size = batch.vocab_size
-        self.device = batch.device
         self.slot = slot  # its row in the cache tensors; renumbered when earlier rows leave
         self.length = length  # committed tokens cached (all but the root)
         self.stored = length  # of them, those already in valid columns (the rest wait in batch._kept)
+
+    # what drafters read of ``ctx.target``: the batch's model
+    @property
+    def model(self):
+        return self.batch.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.batch.vocab_size
+
+    @property
+    def device(self):
+        return self.batch.device
 
     @property
     def cache_length(self) -> int:

@@ -25,10 +25,10 @@ from starlette.routing import Route
 
 from ..core.sampling import Sampling
 from ..engine.inputs import max_positions
+from ..engine.stops import TextStream
 from ..models.adapter import vocab_size
 from .metrics import CONTENT_TYPE, Metrics
 from .schema import APIError, Params, invalid, parse_body, parse_messages, parse_params, parse_prompt
-from ..engine.stops import TextStream
 from .worker import RowError, Sink, Worker
 
 OPEN_PATHS = ("/health",)  # answered without an API key, for load balancers' probes
