@@ -214,3 +214,37 @@ def test_load_and_cli_run_a_gguf_on_the_llama_cpp_backend(tiny_gguf, cli):
     code, _, err = cli("generate", "--model", str(tiny_gguf), "--backend", "llama.cpp", "--dtype", "bfloat16",
                        "--prompt", "x")
     assert code == 2 and "drop --dtype" in err
+
+
+def test_sampled_output_follows_llama_cpp_law_with_drafts_rejected_at_depth_2(tiny):
+    """A fixed 2-deep draft of llama.cpp's own likeliest tokens (point masses, accepted with
+    probability p and rejected often at both depths): the first 2 of 3 new tokens must follow the
+    law llama.cpp's logits give (top-3 at a temperature that leaves all of them likely), within
+    the sampling bound."""
+    from test_sampling_distribution import FixedDrafter
+    from test_verify_law import bound
+
+    sampling = Sampling(4.0, top_k=3)
+    prompt = repetitive(tiny.vocab_size, 16, seed=3)
+
+    def probs_after(prefix: tuple[int, ...]) -> torch.Tensor:  # [vocab]
+        target = tiny.session()
+        target.start(torch.tensor([prompt]))
+        return sampling.probs(target.forward([prompt[-1], *prefix]).logits[-1])
+
+    first = probs_after(())
+    seconds = {a: probs_after((a,)) for a in first.nonzero().flatten().tolist()}
+    law = {(a, b): float(first[a]) * p for a, row in seconds.items() for b, p in enumerate(row.tolist()) if p > 0}
+    top = int(first.argmax())
+    drafter = FixedDrafter([top, int(seconds[top].argmax())])
+    samples, g = 800, torch.Generator().manual_seed(7)
+    counts = dict.fromkeys(law, 0)
+    reached = [0, 0]  # steps whose accepted path reached depth 1, depth 2
+    for _ in range(samples):
+        got, stats = hasten_decode(tiny, prompt, drafter, 3, sampling, g)
+        counts[tuple(got[:2])] += 1
+        for depth, hits in enumerate(stats.accepted_at_depth[:2]):
+            reached[depth] += hits
+    distance = 0.5 * sum(abs(counts[k] / samples - law[k]) for k in law)
+    assert distance < bound(law, samples), f"TV {distance:.3f} >= bound {bound(law, samples):.3f}"
+    assert samples - reached[0] > 50 and reached[0] - reached[1] > 50, "rejections at depths 1 and 2 both seen"
