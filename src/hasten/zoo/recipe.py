@@ -4,7 +4,9 @@
 
 Stages: `tokenizer` (byte-level BPE, kept in --work-dir), `target` (code-tiny) and
 `draft` (code-tiny-draft); `all` runs the three in order. `draft4` (code-tiny-draft4, a
-four-layer draft for layer-parallel drafting) is trained on its own, after `tokenizer`. Scratch files (tokenizer,
+four-layer draft for layer-parallel drafting) is trained on its own, after `tokenizer`. `long`
+(code-tiny-long) continues the shipped code-tiny on long files at 16k-token windows with a larger
+RoPE base (see `long_stage`). Scratch files (tokenizer,
 token cache, checkpoints) live under --work-dir, never inside the package.
 """
 from __future__ import annotations
@@ -45,10 +47,17 @@ MODEL_SHAPES = {
     "code-tiny-draft4": dict(hidden_size=128, num_hidden_layers=4, num_attention_heads=4,
                              num_key_value_heads=2, intermediate_size=344),
 }
-STAGE_MODELS = {"target": "code-tiny", "draft": "code-tiny-draft", "draft4": "code-tiny-draft4"}
+STAGE_MODELS = {"target": "code-tiny", "draft": "code-tiny-draft", "draft4": "code-tiny-draft4",
+                "long": "code-tiny-long"}
 # The shipped weights were trained with these defaults, one thread, on a 2-core AMD EPYC VM.
-DEFAULT_MINUTES = {"target": 55.0, "draft": 15.0, "draft4": 15.0}
-DEFAULT_LR = {"target": 1.5e-3, "draft": 3e-3, "draft4": 3e-3}  # the smaller model tolerates a larger step
+DEFAULT_MINUTES = {"target": 55.0, "draft": 15.0, "draft4": 15.0, "long": 45.0}
+DEFAULT_LR = {"target": 1.5e-3, "draft": 3e-3, "draft4": 3e-3, "long": 5e-4}  # smaller models tolerate larger steps
+# code-tiny-long: continued from code-tiny with RoPE base 10k -> 320k (the base that, untrained,
+# kept the 2k-16k loss lowest of 10k/80k/320k), positions up to 16k, trained on 16k windows cut
+# from files of at least LONG_MIN_FILE_TOKENS tokens, so windows hold long single files.
+LONG = dict(rope_theta=320000.0, max_positions=16384, seq_len=16384, batch_size=1, min_file_tokens=4096,
+            eval_tokens=16384, buckets=((0, 512), (512, 2048), (2048, 4096), (4096, 8192),
+                                        (8192, 12288), (12288, 16384)))
 
 
 # ---------------------------------------------------------------- tokenizer and data
@@ -80,6 +89,13 @@ def load_or_train_tokenizer(work_dir: Path, retrain: bool = False):
         train_tokenizer(corpus.training_files()).save_pretrained(tok_dir)
         print(f"tokenizer trained in {time.monotonic() - t0:.0f}s -> {tok_dir}", file=sys.stderr)
     return AutoTokenizer.from_pretrained(tok_dir)
+
+
+def long_files(tokenizer, files: list[Path], min_tokens: int) -> list[Path]:
+    """The files of at least `min_tokens` tokens, in their given order."""
+    encodings = tokenizer.backend_tokenizer.encode_batch([corpus.read_text(p) for p in files],
+                                                          add_special_tokens=False)
+    return [p for p, e in zip(files, encodings) if len(e.ids) >= min_tokens]
 
 
 def token_stream(tokenizer, files: list[Path], cache_dir: Path) -> np.ndarray:
@@ -123,6 +139,20 @@ def build_model(config, seed: int):
 
 
 # ---------------------------------------------------------------- training
+
+
+@torch.no_grad()
+def loss_by_position(model, sequences: list[torch.Tensor], buckets) -> dict[str, float]:
+    """Mean next-token loss of each position bucket [start, end) over 1-D token sequences, each run
+    as one window from position 0 (so a late bucket's tokens see all the context before them)."""
+    model.eval()
+    nll = []
+    for ids in sequences:  # [T]
+        logits = model(input_ids=ids[None]).logits[0, :-1].float()  # [T - 1, vocab]
+        nll.append(torch.nn.functional.cross_entropy(logits, ids[1:], reduction="none"))  # [T - 1]
+    model.train()
+    per_position = torch.stack(nll).mean(0)  # [T - 1]; position p predicts token p + 1
+    return {f"{a}-{b}": round(per_position[a:b - 1].mean().item(), 4) for a, b in buckets}
 
 
 @dataclass
@@ -278,7 +308,49 @@ def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_s
 # ---------------------------------------------------------------- command line
 
 
+def long_stage(args: argparse.Namespace) -> None:
+    """code-tiny-long: the shipped code-tiny, RoPE base raised and positions extended, trained on
+    with 16k-token windows of long training files; its held-out loss by position bucket (16k-token
+    prefixes of the long held-out files, before and after) goes into training.json."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(__file__).parent / "weights" / "code-tiny"
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer.model_max_length = LONG["max_positions"]
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    config = model.config
+    config.rope_parameters = {"rope_theta": LONG["rope_theta"], "rope_type": "default"}
+    config.max_position_embeddings = LONG["max_positions"]
+    long_model = type(model)(config)  # rebuilt so the rotary tables follow the new base
+    long_model.load_state_dict(model.state_dict())
+    long_model.generation_config = model.generation_config
+    train = long_files(tokenizer, corpus.training_files(), LONG["min_file_tokens"])
+    heldout = long_files(tokenizer, corpus.heldout_files(), LONG["eval_tokens"])
+    train_stream = token_stream(tokenizer, train, args.work_dir)  # [n_tokens]
+    heldout_stream = token_stream(tokenizer, corpus.heldout_files(), args.work_dir)
+    eval_sequences = [torch.tensor(tokenizer(corpus.read_text(p), add_special_tokens=False).input_ids[
+        :LONG["eval_tokens"]]) for p in heldout]  # each [eval_tokens]
+    before = loss_by_position(long_model, eval_sequences, LONG["buckets"])
+    print(f"code-tiny-long: loss by position before: {before}", file=sys.stderr)
+    settings = Settings(minutes=args.minutes if args.minutes is not None else DEFAULT_MINUTES["long"],
+                        lr=args.lr if args.lr is not None else DEFAULT_LR["long"],
+                        batch_size=LONG["batch_size"], seq_len=LONG["seq_len"], warmup_steps=10,
+                        eval_minutes=args.eval_minutes, eval_windows=4, max_steps=args.max_steps,
+                        seed=args.seed, resume=args.resume)
+    out_dir = args.out_root / "code-tiny-long"
+    report = train_model("code-tiny-long", long_model, tokenizer, train_stream, heldout_stream,
+                         out_dir, args.work_dir / "checkpoints" / "code-tiny-long", settings)
+    after = loss_by_position(long_model.float(), eval_sequences, LONG["buckets"])
+    report.update(continued_from="code-tiny", rope_theta=LONG["rope_theta"],
+                  max_position_embeddings=LONG["max_positions"], train_files=len(train),
+                  loss_by_position={"files": [p.name for p in heldout], "before": before, "after": after})
+    (out_dir / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(f"code-tiny-long: loss by position after: {after}", file=sys.stderr)
+
+
 def run_stage(stage: str, args: argparse.Namespace) -> None:
+    if stage == "long":
+        return long_stage(args)
     tokenizer = load_or_train_tokenizer(args.work_dir, retrain=stage == "tokenizer")
     if stage == "tokenizer":
         return
@@ -300,7 +372,7 @@ def run_stage(stage: str, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m hasten.zoo.recipe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("stage", choices=["tokenizer", "target", "draft", "draft4", "all"])
+    p.add_argument("stage", choices=["tokenizer", "target", "draft", "draft4", "long", "all"])
     p.add_argument("--out-root", type=Path, required=True, help="models are written to OUT_ROOT/<model name>/")
     p.add_argument("--work-dir", type=Path, default=Path(tempfile.gettempdir()) / "hasten-zoo",
                    help="scratch: tokenizer, token cache, checkpoints (default: %(default)s)")
