@@ -32,6 +32,44 @@ def test_greedy_equals_hf_with_sparse_middle_and_streaming_small_model(arch):
     assert self_draft.sequences.tolist() == reference.tolist()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_refreshed_selection_keeps_greedy_output_and_really_changes(arch):
+    """refresh=N re-chooses the prompt's chunks every N steps from the loop's full cache: the
+    output stays the target's, and the middle level's cache really is rebuilt (a new object
+    whose prompt part is a fresh selection) while the generated entries stay."""
+    model, small = tiny_model(arch), tiny_model(arch, seed=7)
+    prompt = repetitive_prompt(48, seed=3)
+    reference = hf_greedy(model, prompt, NEW)
+    drafter = TriForce(small, **SMALL, refresh=2)
+    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW)
+    assert out.sequences.tolist() == reference.tolist()
+
+    from hasten.drafters.base import DraftContext
+    from hasten.core.sampling import Sampling
+    from hasten.engine.verify import GreedyAcceptance
+    from hasten.models.adapter import ModelAdapter
+
+    target = ModelAdapter(model)
+    tokens = reference[0, :60].tolist()  # 12 tokens past the prompt's 48
+    target.start(torch.tensor([tokens]))  # caches all but the root
+    ctx = DraftContext(tokens=tokens, max_depth=5, sampling=Sampling(), generator=None, target=target,
+                       acceptance=GreedyAcceptance())
+    ctx.state = drafter.begin(DraftContext(tokens=tokens[:48], max_depth=5, sampling=Sampling(), generator=None,
+                                           target=target, acceptance=GreedyAcceptance()))
+    before = ctx.state.middle
+    before.forward(tokens[47:59])  # the generated tokens' entries, as drafting rounds would feed them
+    after = drafter._refreshed(ctx, before)
+    assert after is not before and after.prompt == 47 and after.fed == tokens[47:59]
+    for old, new in zip(before.cache.layers, after.cache.layers):
+        assert new.keys.shape == old.keys.shape  # same budget, same generated entries
+        assert torch.equal(new.keys[:, :, after.selected:], old.keys[:, :, before.selected:])
+        assert torch.allclose(new.keys[:, :, :4], old.keys[:, :, :4], atol=1e-5)  # the first chunk always stays
+    assert any(not torch.allclose(new.keys[:, :, : after.selected], old.keys[:, :, : before.selected], atol=1e-4)
+               for old, new in zip(before.cache.layers, after.cache.layers))  # another query, another choice
+    with pytest.raises(ValueError, match="refresh"):
+        hasten.generate(model, [prompt[0], prompt[0, :20]], drafter=drafter, max_new_tokens=4)
+
+
 def test_batched_rows_equal_hf_greedy():
     model, small = tiny_model("llama"), tiny_model("llama", seed=7)
     prompts = [repetitive_prompt(40, seed=1)[0], repetitive_prompt(12, seed=2)[0]]
@@ -83,6 +121,8 @@ def test_bad_settings_and_targets_are_refused():
         TriForce(small, budget=8, chunk_size=8)
     with pytest.raises(ValueError, match="gamma"):
         TriForce(small, gamma=0)
+    with pytest.raises(ValueError, match="refresh"):
+        TriForce(small, refresh=-1)
     with pytest.raises(ValueError, match="sliding-window"):
         hasten.generate(tiny_model("mistral"), repetitive_prompt(10), drafter=TriForce(small), max_new_tokens=2)
     with pytest.raises(ValueError, match="vocabulary"):

@@ -19,9 +19,12 @@ speculative sampling), so the middle level's output is distributed exactly as it
 ``p``; that ``p`` is the ``q`` handed to the top level, whose verification keeps the
 target's law exactly. Greedy output is the target's.
 
-The retrieval cache is built once, from a second prefill that also records the queries
-(the target's own prefill stays the loop's): this doubles prefill work, as the reference
-implementation's separate retrieval cache does. Full-attention decoders only: a
+The retrieval cache is built from a second prefill that also records the queries (the
+target's own prefill stays the loop's): this doubles prefill work, as the reference
+implementation's separate retrieval cache does. The reference chooses the chunks once;
+``refresh=N`` re-chooses them every N steps with the newest token's query (the prompt's
+entries are read from the loop's full cache, the generated tokens stay), one extra
+middle-level forward of the pending tokens per refresh. Full-attention decoders only: a
 sliding-window layer's mask cannot follow per-head selected entries.
 """
 from __future__ import annotations
@@ -33,6 +36,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from ..core.settings import Settings
+from ..core.stats import cache_bytes, holder_kv_bytes
 from ..core.tree import TokenTree
 from ..models.adapter import ModelAdapter, model_name
 from ..models.layers import last_queries
@@ -48,14 +52,18 @@ class TriForceSettings(Settings):
     small_gamma: int = 3  # tokens the small model drafts per round of the middle level
     sinks: int = 4  # the small model's attention sinks (first tokens, always kept)
     window: int = 252  # the small model's recent window
+    # re-choose the prompt's chunks every this many steps with the newest token's query
+    # (0: chosen once after prefill, as the reference does)
+    refresh: int = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for name in ("chunk_size", "gamma", "small_gamma", "window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.sinks < 0:
-            raise ValueError(f"sinks must be >= 0, got {self.sinks}")
+        for name in ("sinks", "refresh"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.budget < 2 * self.chunk_size:
             raise ValueError(f"budget ({self.budget}) must hold at least two chunks of chunk_size "
                              f"({self.chunk_size}): the first and the latest")
@@ -145,6 +153,7 @@ class Streaming:
 class TriForceState:
     middle: Middle
     small: Streaming
+    steps: int = 0  # proposals made, for the refresh schedule
 
 
 @register
@@ -171,6 +180,10 @@ class TriForce(Drafter):
 
     def begin(self, ctx: DraftContext) -> TriForceState:
         settings = self.settings
+        if settings.refresh and not (isinstance(ctx.target, ModelAdapter) and ctx.target.offset == 0):
+            raise ValueError("triforce refresh reads the prompt's entries from the target's own full cache: "
+                             "one sequence on a plain ModelAdapter only (not batches, llama.cpp or "
+                             "compressed caches); use refresh=0 there")
         model = ctx.target.model
         prompt = ctx.tokens[:-1]  # what the loop's target has cached: all but the root
         cache = DynamicCache()
@@ -194,11 +207,19 @@ class TriForce(Drafter):
             adapter.start(torch.tensor([kept + [0]], dtype=torch.long))  # caches all but the dummy root
         return Streaming(adapter, len(committed))
 
+    def cache_bytes(self, state: TriForceState) -> int:
+        """KV bytes this drafter holds: the middle level's retrieval cache (the selected
+        prompt entries and every token fed since) and the small model's streaming cache."""
+        return cache_bytes(state.middle.cache) + (holder_kv_bytes(state.small.adapter) or 0)
+
     def propose(self, ctx: DraftContext) -> Draft:
         count = min(self.settings.gamma, ctx.max_depth)
         if count < 1:
             return EMPTY_DRAFT
         state, tokens = ctx.state, ctx.tokens
+        state.steps += 1
+        if self.settings.refresh and state.steps % self.settings.refresh == 0 and state.middle.prompt:
+            state.middle = self._refreshed(ctx, state.middle)
         small = state.small
         if small.entries + len(tokens) - small.base - len(small.fed) > self.settings.sinks + 2 * self.settings.window:
             small = state.small = self._streaming(tokens[:-1])  # slide the window (rebuilt once per window)
@@ -223,6 +244,24 @@ class TriForce(Drafter):
         drafted = drafted[:count]
         probs = None if ctx.sampling.greedy else torch.cat(rows)[:count]
         return Draft.chain(drafted, probs)
+
+    def _refreshed(self, ctx: DraftContext, middle: Middle) -> Middle:
+        """The middle level with the prompt's chunks chosen again by the newest token's query:
+        the prompt's entries come from the loop's full cache, the generated ones stay."""
+        tokens = ctx.tokens
+        shared = _common_prefix(middle.fed, tokens, middle.prompt)
+        middle.keep(shared)
+        with last_queries(middle.model) as queries:
+            middle.forward(tokens[middle.prompt + shared:])  # ends with the root: its query is recorded
+        middle.keep(len(tokens) - 1 - middle.prompt)  # the root's entry goes: the drafting rounds feed it
+        prompt_part = DynamicCache()
+        for index, layer in enumerate(ctx.target.cache.layers):  # [1, kv_heads, committed, head_dim]
+            prompt_part.update(layer.keys[:, :, : middle.prompt], layer.values[:, :, : middle.prompt], index)
+        picked = retrieval_cache(prompt_part, queries, self.settings.budget, self.settings.chunk_size)
+        selected = picked.get_seq_length()
+        for index, layer in enumerate(middle.cache.layers):  # the generated tokens' entries, kept as they are
+            picked.update(layer.keys[:, :, middle.selected:], layer.values[:, :, middle.selected:], index)
+        return Middle(middle.model, picked, selected, middle.prompt, list(middle.fed))
 
     def _small_draft(self, ctx: DraftContext, small: Streaming, known: list[int],
                      count: int) -> tuple[list[int], torch.Tensor | None]:
