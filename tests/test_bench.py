@@ -182,7 +182,8 @@ def test_report_writes_json_markdown_and_charts(tmp_path, models):
     md = paths[1].read_text()
     for heading in ("## repeat (2 prompts)", "## other (1 prompts)", f"## {OVERALL} (3 prompts)"):
         assert heading in md
-    assert "| method | tok/s | vs AR | vs HF greedy | vs HF same path | tau | efficiency | note |" in md
+    assert ("| method | tok/s | vs AR | vs HF greedy | vs HF same path | tau | efficiency | target KV MB | "
+            "drafter KV MB | note |") in md
     assert "draft_model (needs a draft model)" in md
     # per category, hasten's fastest method against Hugging Face's fastest
     from hasten.bench.report import best_per_category

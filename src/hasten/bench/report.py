@@ -23,6 +23,10 @@ def _num(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}"
 
 
+def _mb(value: int | None) -> str:
+    return "-" if value is None else f"{value / 1e6:.1f}"
+
+
 def _note(row: dict, kinds: dict[str, str]) -> str:
     """Say so wherever a hasten method is slower than a Hugging Face path."""
     if kinds.get(row["method"]) != "hasten":
@@ -86,21 +90,24 @@ def markdown(results: dict) -> str:
         "Speedups are ratios of the summed per-prompt median times, so a category's speedup is what "
         "running all its prompts would see. tau = new tokens per target forward (for Hugging Face, "
         "counted from the target model's forward calls); efficiency = speedup vs AR / tau (1.0 would "
-        "mean drafting and verifying cost nothing).",
+        "mean drafting and verifying cost nothing). KV MB (10^6 bytes): the largest KV cache a prompt's "
+        "generation ended with, the target's (a lossy compression's or retrieval cache's own where one "
+        "was used) and the drafter's own caches (- where not measured).",
     ]
     if results.get("skipped"):
         lines += ["", "Methods left out: " + "; ".join(f"{k} ({v})" for k, v in results["skipped"].items())]
     lines += _best_lines(results)
-    header = "| method | tok/s | vs AR | vs HF greedy | vs HF same path | tau | efficiency | note |"
+    header = ("| method | tok/s | vs AR | vs HF greedy | vs HF same path | tau | efficiency | target KV MB | "
+              "drafter KV MB | note |")
     for category, rows in results["by_category"].items():
         count = sum(1 for t in results["tasks"] if category in (OVERALL, t["category"]))
-        lines += ["", f"## {category} ({count} prompts)", "", header, "|---" * 8 + "|"]
+        lines += ["", f"## {category} ({count} prompts)", "", header, "|---" * 10 + "|"]
         for r in rows:
             match = f"{_x(r['speedup_vs_hf_match'])} ({r['hf_match']})" if r["hf_match"] else "-"
             lines.append(
                 f"| {r['method']} | {r['tokens_per_second']:.1f} | {_x(r['speedup_vs_ar'])} | "
                 f"{_x(r['speedup_vs_hf_generate'])} | {match} | {_num(r['tau'])} | {_num(r['efficiency'])} | "
-                f"{_note(r, kinds)} |"
+                f"{_mb(r.get('target_kv_bytes'))} | {_mb(r.get('drafter_kv_bytes'))} | {_note(r, kinds)} |"
             )
     lines += ["", "## Where hasten's time goes (all prompts, summed per-prompt medians)", "",
               "| method | total s | prefill s | draft s | verify s | target forwards | tau |", "|---" * 7 + "|"]
@@ -109,9 +116,25 @@ def markdown(results: dict) -> str:
         f"{r['median_verify_seconds']:.2f} | {r['steps']} | {r['tau']:.2f} |"
         for r in results["by_category"][OVERALL] if "median_verify_seconds" in r
     ]
-    lines += ["", "## Prompts", "", "| task | category | prompt tokens | source |", "|---|---|---|---|"]
-    lines += [f"| {t['name']} | {t['category']} | {t['prompt_tokens']} | {t['source']} |" for t in results["tasks"]]
+    lines += _needle_lines(results)
+    hits = {t["task"]: t.get("needle_hit") for t in results["by_task"]}
+    lines += ["", "## Prompts", "", "| task | category | prompt tokens | needle hit | source |", "|---" * 5 + "|"]
+    lines += [f"| {t['name']} | {t['category']} | {t['prompt_tokens']} | {_yes_no(hits.get(t['name']))} | "
+              f"{t['source']} |" for t in results["tasks"]]
     return "\n".join(lines) + "\n"
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else ("yes" if value else "no")
+
+
+def _needle_lines(results: dict) -> list[str]:
+    """Needle accuracy: one number for every method, as every output equals autoregressive's."""
+    hits = [t["needle_hit"] for t in results["by_task"] if "needle_hit" in t]
+    if not hits:
+        return []
+    return ["", f"Needle accuracy: {sum(hits)}/{len(hits)} prompts continue with the needle's next lines exactly "
+            "(the same for every method: every output equals autoregressive's)."]
 
 
 def _speedup_chart(results: dict, path: Path) -> None:

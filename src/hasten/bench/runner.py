@@ -162,6 +162,9 @@ def compare(cells: dict[str, list[Cell]]) -> list[dict]:
             "steps": stats.steps,
             # only hasten knows which draft positions were accepted
             "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position] or None,
+            # peak KV memory over the tasks (None: not measured, e.g. Hugging Face generate)
+            "target_kv_bytes": stats.target_kv_bytes,
+            "drafter_kv_bytes": stats.drafter_kv_bytes,
         }
         if stats.verify_seconds > 0:  # hasten methods: where the time goes, summed per-task medians
             for part in ("prefill_seconds", "draft_seconds", "verify_seconds"):
@@ -190,9 +193,21 @@ def check_lengths(model, tasks: list[Task], input_ids: list[torch.Tensor], max_n
     """Every task must fit the model's positions, checked before anything is timed."""
     for task, ids in zip(tasks, input_ids):
         try:
+            check_positions(model, ids.shape[1], 0)
+        except ValueError as err:  # the prompt alone is too long: no --max-new-tokens helps
+            raise ValueError(f"task {task.name!r}: {err}; it needs a model with more positions "
+                             "(e.g. zoo:code-tiny-long for the long tasks), or leave out that task") from None
+        try:
             check_positions(model, ids.shape[1], max_new_tokens)
         except ValueError as err:
             raise ValueError(f"task {task.name!r}: {err}; use fewer --max-new-tokens or leave out that task") from None
+
+
+def needle_hit(task: Task, output: list[int]) -> bool | None:
+    """Whether ``output`` starts with the task's needle, token for token (None: no needle)."""
+    if not task.expected_ids:
+        return None
+    return output[: len(task.expected_ids)] == list(task.expected_ids)
 
 
 def run_bench(
@@ -236,9 +251,13 @@ def run_bench(
             _check(method.name, task, outputs[task.name][method.name], reference)
     bar.close()
 
-    by_task = [
-        {"task": t.name, "category": t.category, "rows": compare({m: [c] for m, c in cells[t.name].items()})} for t in tasks
-    ]
+    by_task = []
+    for t in tasks:
+        entry = {"task": t.name, "category": t.category, "rows": compare({m: [c] for m, c in cells[t.name].items()})}
+        hit = needle_hit(t, outputs[t.name][AUTOREGRESSIVE])  # every method's output is that one
+        if hit is not None:
+            entry["needle_hit"] = hit
+        by_task.append(entry)
     groups: dict[str, list[Task]] = {}
     for t in tasks:
         groups.setdefault(t.category, []).append(t)

@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from itertools import zip_longest
+from typing import Iterable
+
+# Fields that are a peak, not a count: adding two stats keeps the larger (None: not measured).
+PEAK_FIELDS = ("target_kv_bytes", "drafter_kv_bytes")
 
 
 @dataclass
@@ -16,6 +20,11 @@ class DecodeStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # target forward + acceptance + cache commit
+    # KV memory at the end of the generation (caches only grow, so this is their peak but for
+    # a step's scratch): the target's cache (a lossy compression's or llama.cpp's own when they
+    # report it) and the drafter's own caches (Drafter.cache_bytes); None where not measured
+    target_kv_bytes: int | None = None
+    drafter_kv_bytes: int | None = None
 
     def record(self, max_depth: int, drafted: int, accepted: int, committed: int) -> None:
         self.steps += 1
@@ -33,7 +42,13 @@ class DecodeStats:
         total = DecodeStats()
         for f in fields(self):
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            merged = [a + b for a, b in zip_longest(mine, theirs, fillvalue=0)] if isinstance(mine, list) else mine + theirs
+            if f.name in PEAK_FIELDS:  # the peak of several generations is the largest one's
+                known = [x for x in (mine, theirs) if x is not None]
+                merged = max(known) if known else None
+            elif isinstance(mine, list):
+                merged = [a + b for a, b in zip_longest(mine, theirs, fillvalue=0)]
+            else:
+                merged = mine + theirs
             setattr(total, f.name, merged)
         return total
 
@@ -67,4 +82,40 @@ class DecodeStats:
             "draft_seconds": round(self.draft_seconds, 6),
             "verify_seconds": round(self.verify_seconds, 6),
             "tokens_per_second": round(self.tokens_per_second, 3),
+            "target_kv_bytes": self.target_kv_bytes,
+            "drafter_kv_bytes": self.drafter_kv_bytes,
         }
+
+
+# ---- KV memory -------------------------------------------------------------------------------------
+def allocated_bytes(tensors: Iterable) -> int:
+    """Bytes of memory behind ``tensors`` (None entries skipped): each distinct storage counted
+    once and whole, since a cropped cache's view, or a buffer's filled part, keeps all of
+    its storage allocated."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is not None:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def cache_bytes(cache) -> int:
+    """Allocated bytes of a Hugging Face KV cache: a ``DynamicCache`` (layers with ``keys``
+    and ``values``) or both halves of an ``EncoderDecoderCache``. Duck-typed: this floor
+    imports nothing from transformers' cache classes."""
+    halves = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
+    caches = [half for half in halves if half is not None] or [cache]
+    return allocated_bytes(getattr(layer, part, None) for c in caches for layer in getattr(c, "layers", ())
+                           for part in ("keys", "values"))
+
+
+def holder_kv_bytes(holder) -> int | None:
+    """KV bytes of something holding a cache: its own ``cache_bytes()`` if it has one (a
+    llama.cpp session may), else its Hugging Face ``cache`` attribute (a ModelAdapter's);
+    None when neither is there."""
+    own = getattr(holder, "cache_bytes", None)
+    if callable(own):
+        return own()
+    cache = getattr(holder, "cache", None)
+    return None if cache is None else cache_bytes(cache)

@@ -144,6 +144,11 @@ class Drafter:
     def observe(self, ctx: DraftContext, result: StepResult) -> None:
         """Learn from the verdict (adapt draft length, keep rider logits) in ``ctx.state``."""
 
+    def cache_bytes(self, state: Any) -> int | None:
+        """Bytes the drafter's own per-generation caches hold (allocated, not the target's):
+        the bench's "drafter KV" column. None: the drafter keeps no cache of its own."""
+        return None
+
 
 REGISTRY: dict[str, type[Drafter]] = {}
 

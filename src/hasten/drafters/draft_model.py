@@ -15,6 +15,7 @@ from transformers import PreTrainedModel
 
 from ..core.sampling import sample
 from ..core.settings import Settings
+from ..core.stats import holder_kv_bytes
 from ..models.adapter import ModelAdapter, model_name, vocab_size
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, StepResult, register
 
@@ -75,6 +76,11 @@ class DraftModel(Drafter):
         prompt = torch.tensor([ctx.source if ctx.target.encoder_decoder else ctx.tokens], dtype=torch.long)
         cached = len(adapter.start(prompt)[0]) - 1  # the decoder-side tokens but the root
         return DraftState(adapter, cached, [], self.settings.num_tokens)
+
+    def cache_bytes(self, state: DraftState) -> int | None:
+        """KV bytes of the draft model's cache: its adapter's, or the state's own ``cache`` in
+        subclasses that keep a bare one (EasySpec); None for a llama.cpp draft that does not say."""
+        return holder_kv_bytes(getattr(state, "adapter", state))
 
     def propose(self, ctx: DraftContext) -> Draft:
         state = ctx.state

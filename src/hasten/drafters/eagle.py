@@ -31,6 +31,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..core.settings import Settings, option
+from ..core.stats import allocated_bytes
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
 from .candidates import GrowingTree, dynamic_tree
 from .nn import Block, CommittedRun, KVCache, causal, heads_for
@@ -140,6 +141,10 @@ class Eagle(TrainedDrafter):
     def start(self, ctx: DraftContext) -> CommittedRun:
         # the layer over the committed pairs; its cache then holds the current tree's nodes
         return CommittedRun()
+
+    def cache_bytes(self, state: CommittedRun) -> int:
+        """KV bytes of the layer's cache: its whole preallocated buffers (a view's storage)."""
+        return allocated_bytes(state.cache.view())
 
     def draft(self, ctx: DraftContext) -> Draft:
         state: CommittedRun = ctx.state

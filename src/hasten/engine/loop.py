@@ -82,6 +82,7 @@ def decode(
     stats.prefill_seconds += time.perf_counter() - clock
     while not sequence.finished:
         yield step(target, [sequence])[0]
+    sequence.record_kv_bytes()
     return sequence.finish_reason
 
 

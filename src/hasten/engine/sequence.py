@@ -17,7 +17,7 @@ import torch
 
 from ..core.sampling import Sampling
 from ..core.state import GrowingBuffer
-from ..core.stats import DecodeStats
+from ..core.stats import DecodeStats, holder_kv_bytes
 from ..core.tree import TokenTree
 from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult
 from ..models.adapter import ForwardOutput, Riders
@@ -174,6 +174,12 @@ class Sequence:
 
     def cancel(self) -> None:
         self.finish_reason = "cancelled"
+
+    def record_kv_bytes(self) -> None:
+        """Put the target's and the drafter's KV bytes in the stats. Once, at the end of a
+        generation (caches only grow): it walks every cache layer, too much for every step."""
+        self.stats.target_kv_bytes = holder_kv_bytes(self.cache)  # None for a batch row: the batch holds the cache
+        self.stats.drafter_kv_bytes = None if self.drafter is None else self.drafter.cache_bytes(self.ctx.state)
 
 
 def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
