@@ -4,8 +4,9 @@ Tiny random LLaVA (a CLIP and a SigLIP vision tower), Idefics3 and SmolVLM: gree
 equals Hugging Face ``generate(input_ids, pixel_values=...)`` token for token with no
 drafter, the training-free drafters, and scripted chains and trees (oracle, adversarial,
 planted errors); sampled output with a draft model follows the exact law of the first 2
-new tokens, enumerated from the model itself; image files go through a processor; bad
-image inputs fail with errors naming the argument.
+new tokens, enumerated from the model itself; image files go through a processor, plain
+prompts and chats (the processor's chat template); bad image inputs fail with errors naming
+the argument. Qwen2-VL and Gemma 3 are in test_vlm_families.py.
 """
 import pytest
 import torch
@@ -154,15 +155,25 @@ def test_prefill_features_are_the_text_models():
 
 
 # ---- text and image files through a processor ------------------------------------------------------
+# A chat template that writes <image> for each image entry of a content list
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: "
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for entry in message['content'] %}"
+    "{% if entry['type'] == 'image' %}<image>\n{% else %}{{ entry['text'] }}{% endif %}{% endfor %}{% endif %}"
+    "\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
 @pytest.fixture(scope="module")
 def processor_and_model():
-    """A LlavaProcessor over the tests' tokenizer with an added <image> token (id 96), for a
-    LLaVA whose vocabulary has room for it."""
+    """A LlavaProcessor over the tests' tokenizer with an added <image> token (id 96) and a
+    chat template, for a LLaVA whose vocabulary has room for it."""
     tokenizer = tiny_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<image>"]})
     images = tf.CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     processor = tf.LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8,
-                                  vision_feature_select_strategy="default", num_additional_image_tokens=1)
+                                  vision_feature_select_strategy="default", num_additional_image_tokens=1,
+                                  chat_template=CHAT_TEMPLATE)
     return processor, llava("clip", vocab=len(tokenizer))
 
 
@@ -388,3 +399,71 @@ def test_engine_and_cli_with_image_files(processor_and_model, tmp_path):
     text_only = hasten.load(tiny_model("llama"), tokenizer=tiny_tokenizer())
     with pytest.raises(ValueError, match="images given, but LlamaForCausalLM is a text-only model"):
         text_only.generate("hi", images=[path])
+
+
+# ---- chats with images --------------------------------------------------------------------------
+def chat_messages(image_entry: dict) -> list[dict]:
+    return [{"role": "system", "content": "be brief"},
+            {"role": "user", "content": [image_entry, {"type": "text", "text": "def add(a, b):"}]}]
+
+
+def test_chat_with_images(processor_and_model, tmp_path):
+    """A chat whose user turn holds an image goes through the processor's chat template:
+    the prompt holds the template's text and the image's 16 placeholders, and Engine.chat
+    (the image given by images= or in the entry itself) and `hasten generate --chat --image`
+    decode as Hugging Face generates from processor.apply_chat_template's own output."""
+    import contextlib
+    import io
+    import json
+
+    from hasten.cli import main
+
+    processor, model = processor_and_model
+    model.save_pretrained(tmp_path / "llava")
+    processor.save_pretrained(tmp_path / "llava")
+    path = str(image_file(tmp_path / "a.png", seed=2))
+    encoded = processor.apply_chat_template(chat_messages({"type": "image", "image": vlm.read_images([path])[0]}),
+                                            add_generation_prompt=True, tokenize=True, return_dict=True,
+                                            return_tensors="pt")
+    reference = model.generate(**encoded, do_sample=False, max_new_tokens=NEW, pad_token_id=0)
+    new = reference[0, encoded["input_ids"].shape[1]:].tolist()
+    engine = hasten.load(tmp_path / "llava", "prompt_lookup")
+    input_ids, model_inputs = engine.encode_chat_images(chat_messages({"type": "image"}), [path])
+    assert input_ids.tolist() == encoded["input_ids"].tolist()
+    assert int((input_ids == 96).sum()) == 16
+    assert engine.chat(chat_messages({"type": "image"}), images=[path], max_new_tokens=NEW).token_ids == new
+    assert engine.chat(chat_messages({"type": "image", "image": path}), max_new_tokens=NEW).token_ids == new
+    assert "".join(engine.chat_stream(chat_messages({"type": "image"}), images=[path], max_new_tokens=NEW)) == \
+        engine.chat(chat_messages({"type": "image"}), images=[path], max_new_tokens=NEW).text
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["generate", "--model", str(tmp_path / "llava"), "--prompt", "def add(a, b):", "--chat",
+                     "--system", "be brief", "--image", path, "--max-new-tokens", str(NEW), "--json"]) == 0
+    assert json.loads(printed.getvalue())["token_ids"] == new
+
+
+def test_chat_image_errors(processor_and_model, tmp_path):
+    processor, model = processor_and_model
+    path = str(image_file(tmp_path / "a.png"))
+    engine = hasten.Engine(model, processor.tokenizer, None, "plain", processor=processor)
+    with pytest.raises(ValueError, match="images gives 2 image\\(s\\) but the messages hold 1 bare image entries"):
+        engine.chat(chat_messages({"type": "image"}), images=[path, path])
+    with pytest.raises(ValueError, match="messages\\[1\\]\\['content'\\]\\[0\\] is an image entry with no 'image'"):
+        engine.chat(chat_messages({"type": "image"}))
+    with pytest.raises(ValueError, match="messages\\[1\\]\\['content'\\]\\[0\\] must be .*got \\{'type': 'video'"):
+        engine.chat(chat_messages({"type": "video"}), images=[path])
+    with pytest.raises(ValueError, match="images\\[0\\] '.*missing.png' could not be read as an image"):
+        engine.chat(chat_messages({"type": "image", "image": str(tmp_path / "missing.png")}))
+    with pytest.raises(ValueError, match="images gives 1 image\\(s\\) but the messages hold 0 bare image entries"):
+        engine.chat([{"role": "user", "content": "hi"}], images=[path])
+    no_template = tf.LlavaProcessor(image_processor=processor.image_processor, tokenizer=processor.tokenizer,
+                                    patch_size=8, vision_feature_select_strategy="default",
+                                    num_additional_image_tokens=1)
+    bare = hasten.Engine(model, processor.tokenizer, None, "plain", processor=no_template)
+    with pytest.raises(ValueError, match="LlavaProcessor has no chat template"):
+        bare.chat(chat_messages({"type": "image"}), images=[path])
+    text_only = hasten.load(tiny_model("llama"), tokenizer=tiny_tokenizer())
+    with pytest.raises(ValueError, match="images given, but LlamaForCausalLM is a text-only model"):
+        text_only.chat(chat_messages({"type": "image"}), images=[path])
+    with pytest.raises(TypeError, match="images go with a text prompt; a chat takes its images"):
+        next(engine.steps(torch.tensor([[1, 5, 6]]), hasten.DecodeStats(), images=[path]))

@@ -211,15 +211,25 @@ class Engine:
         return outputs
 
     # ---- chats -----------------------------------------------------------------------------
-    def chat(self, messages: list[dict[str, str]], **kwargs) -> EngineOutput:
+    def chat(self, messages: list[dict], **kwargs) -> EngineOutput:
         """The assistant's reply to ``messages`` (``[{"role": "user", "content": "..."}, ...]``),
         formatted by the tokenizer's chat template; same keywords as :meth:`generate`. As in
-        Hugging Face ``generate``, the generation config's EOS ids end the reply."""
-        return self._collect(self.encode_chat(messages), kwargs)
+        Hugging Face ``generate``, the generation config's EOS ids end the reply. A
+        vision-language model's chat may hold images (see :meth:`encode_chat_images`):
+        ``{"type": "image"}`` entries in a content list, their images given by ``images=``."""
+        return self._collect(self._chat_prompt(messages, kwargs), kwargs)
 
-    def chat_stream(self, messages: list[dict[str, str]], **kwargs) -> Iterator[str]:
+    def chat_stream(self, messages: list[dict], **kwargs) -> Iterator[str]:
         """:meth:`chat`, yielding text pieces as tokens are accepted."""
-        return self._pieces(self.encode_chat(messages), kwargs)
+        return self._pieces(self._chat_prompt(messages, kwargs), kwargs)
+
+    def _chat_prompt(self, messages, kwargs: dict) -> torch.Tensor | tuple[torch.Tensor, dict]:
+        """The chat's input ids, with its image inputs where it holds images (``images`` is
+        taken out of ``kwargs``: the encoded prompt carries them)."""
+        images = kwargs.pop("images", None)
+        if images is None and not _has_image_entries(messages):
+            return self.encode_chat(messages)
+        return self.encode_chat_images(messages, images)
 
     # ---- text -> input ids -----------------------------------------------------------------
     def encode(self, prompt: str) -> torch.Tensor:
@@ -230,11 +240,24 @@ class Engine:
         """A vision-language prompt: ids [1, T] with the image placeholders written out, and
         the processor's tensors (``pixel_values``, ...) for the prefill. ``images``: paths or
         images; a prompt without the image token gets one per image in front."""
+        self._check_vision()
+        return vlm.processor_inputs(self.processor, self._text(prompt), images)
+
+    def encode_chat_images(self, messages: list[dict], images: list | None = None) -> tuple[torch.Tensor, dict]:
+        """A vision-language chat through the processor's chat template, the assistant's turn
+        opened: ids [1, T] with the image placeholders written out, and the processor's
+        tensors for the prefill, as Hugging Face's ``processor.apply_chat_template`` gives
+        them. A content is a str or a list of ``{"type": "text", "text": ...}`` and
+        ``{"type": "image"}`` entries; an image entry takes its own ``"image"`` (a path or an
+        image), else the next of ``images`` (paths or images)."""
+        self._check_vision()
+        return vlm.chat_inputs(self.processor, messages, images)
+
+    def _check_vision(self) -> None:
         if not vlm.is_vision_language(self.model):
             raise ValueError(f"images given, but {type(self.model).__name__} is a text-only model")
         if self.processor is None:
             raise ValueError("images need the model's processor: load(model, processor=...)")
-        return vlm.processor_inputs(self.processor, self._text(prompt), images)
 
     @staticmethod
     def _text(prompt) -> str:
@@ -309,15 +332,20 @@ class Engine:
         images: list | None = None,
     ) -> Iterator[tuple[str, list[int]]]:
         """Yield (text piece, token ids) per decode step; ``stats`` fills in as it runs.
-        ``prompt`` is text (see :meth:`encode`) or input ids [1, T] (e.g. :meth:`encode_chat`'s).
+        ``prompt`` is text (see :meth:`encode`), input ids [1, T] (e.g. :meth:`encode_chat`'s),
+        or input ids with a vision-language model's image inputs (as :meth:`encode_images` and
+        :meth:`encode_chat_images` return them).
         ``stop``: stop strings; generation ends at the token that completes one, and the
         text ends before it (as OpenAI's ``stop``). ``images``: with a text prompt, for a
         vision-language model (see :meth:`encode_images`)."""
         model_inputs: dict = {}
         if images is not None:
             if not isinstance(prompt, str):
-                raise TypeError("images go with a text prompt (chats with images are not supported yet)")
+                raise TypeError("images go with a text prompt; a chat takes its images in encode_chat_images "
+                                "(or chat(messages, images=...))")
             input_ids, model_inputs = self.encode_images(prompt, images)
+        elif isinstance(prompt, tuple):  # ids and image inputs, encoded already
+            input_ids, model_inputs = prompt
         else:
             input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         sampling, stops = self._options(temperature, top_k, top_p, seed, stop)
@@ -336,6 +364,14 @@ class Engine:
         tail = text.finish()
         if tail:
             yield tail, []
+
+
+def _has_image_entries(messages) -> bool:
+    """Whether a chat's messages hold an image entry in a content list."""
+    return isinstance(messages, (list, tuple)) and any(
+        isinstance(message, dict) and isinstance(message.get("content"), list)
+        and any(isinstance(entry, dict) and entry.get("type") == "image" for entry in message["content"])
+        for message in messages)
 
 
 def load(

@@ -64,7 +64,8 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
     parser.add_argument("--image", action="append", default=[], metavar="PATH",
                         help="image file for a vision-language model (repeatable); the prompt gets one image "
-                             "token per image in front unless it holds them")
+                             "token per image in front unless it holds them (with --chat: image entries in front "
+                             "of the user turn's text, through the processor's chat template)")
     add_sampling_arguments(parser)
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop string (repeatable): generation ends at it and the text stops before it; "
@@ -87,10 +88,13 @@ def _read_prompt(args: argparse.Namespace) -> str:
         raise UserError(f"--prompt-file {args.prompt_file}: {getattr(err, 'strerror', None) or err}") from None
 
 
-def _messages(args: argparse.Namespace, prompt: str) -> list[dict[str, str]]:
-    """--chat: the prompt as one user turn, after the --system message if one is given."""
+def _messages(args: argparse.Namespace, prompt: str) -> list[dict]:
+    """--chat: the prompt as one user turn, after the --system message if one is given;
+    with --image, the turn's content is one image entry per image, then the prompt (the
+    processor's chat template writes the image tokens)."""
     system = [] if args.system is None else [{"role": "system", "content": args.system}]
-    return [*system, {"role": "user", "content": prompt}]
+    content = [*[{"type": "image"} for _ in args.image], {"type": "text", "text": prompt}] if args.image else prompt
+    return [*system, {"role": "user", "content": content}]
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -100,8 +104,6 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UserError("prompt is empty")
     if args.system is not None and not args.chat:
         raise UserError("--system needs --chat (a system message is part of a chat)")
-    if args.image and args.chat:
-        raise UserError("--image does not go with --chat yet: send the prompt as plain text")
     Sampling(args.temperature, args.top_k, args.top_p)
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
@@ -114,12 +116,15 @@ def _run_generate(args: argparse.Namespace) -> int:
     runtime_args = dict(device=device, dtype=torch_dtype(args.dtype)) if args.backend == "torch" else {}
     engine = load(args.model, args.method, draft=args.draft, backend=args.backend, **runtime_args,
                   draft_size=args.draft_size, **method_kwargs)
-    inputs = engine.encode_chat(_messages(args, prompt)) if args.chat else prompt
+    inputs = prompt
+    if args.chat:  # the images go into the chat's messages, and the encoded chat carries them
+        messages = _messages(args, prompt)
+        inputs = engine.encode_chat_images(messages, args.image) if args.image else engine.encode_chat(messages)
     options = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         stop=[text.replace("\\n", "\n").replace("\\t", "\t") for text in args.stop],
-        images=args.image or None,
+        images=(args.image or None) if not args.chat else None,
     )
     stats = DecodeStats()
     text, token_ids = "", []
