@@ -18,6 +18,7 @@ MODELS = {
     "code-tiny-draft": "~0.9M-param draft model for code-tiny, same tokenizer and training data",
     "dlm-tiny": "masked-diffusion LM (~5.4M params) adapted from code-tiny: bidirectional, <|mask|> token (hasten.dlm)",
     "code-tiny-draft4": "~1.3M-param four-layer draft model for code-tiny (for layer-parallel drafting: easyspec)",
+    "code-tiny-long": "code-tiny continued on long files at 16k-token windows (RoPE base 320k, 16,384 positions)",
 }
 # Real models, installed separately (`make real`); they resolve to a .gguf file.
 PACKAGED = {name: model.description for name, model in real.MODELS.items()}
