@@ -6,9 +6,10 @@ import pytest
 import torch
 from helpers import tiny_model
 
-from hasten.dlm import DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, SparseD, generate
-from hasten.dlm.forward import ForwardCounts, KVStore, attention_flops_per_pair, full_forward, partial_forward
-from hasten.dlm.sparse import block_sparse_attention, pick_patterns
+from hasten.dlm import DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, SparseD, describe, generate
+from hasten.dlm.forward import (ForwardCounts, KVStore, attention_flops_per_pair, context_positions, full_forward,
+                                partial_forward)
+from hasten.dlm.sparse import block_mass, block_sparse_attention, pick_patterns
 
 MASK = 95
 ARCHS = ["llama", "qwen2"]
@@ -136,6 +137,63 @@ def test_sparsed_with_select_one_equals_full_attention(arch):
     assert model.config._attn_implementation == "sdpa"  # put back after the generation
 
 
+def test_partial_block_sparse_attention_equals_the_full_one_at_its_rows():
+    # A partial forward sees a subset of queries and the keys in cache order (context, then queries).
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(4, 30, 8, generator=g)  # [heads, length, dim]
+    key, value = torch.randn(2, 30, 8, generator=g), torch.randn(2, 30, 8, generator=g)  # [kv_heads, length, dim]
+    probs = torch.softmax(query @ key.repeat_interleave(2, 0).transpose(1, 2) * 0.3, -1)  # [4, 30, 30]
+    pattern = pick_patterns(probs, 7, 0.5)  # [4, 5, 3]
+    full = block_sparse_attention(query, key, value, pattern, 7, 0.3)  # [4, 30, 8]
+    rows = torch.tensor([2, 3, 9, 20, 29])
+    order = torch.cat([context_positions(rows, 30), rows])  # [30] key positions as the partial forward sees them
+    partial = block_sparse_attention(query[:, rows], key[:, order], value[:, order], pattern, 7, 0.3, rows, order)
+    torch.testing.assert_close(partial, full[:, rows])
+    # the mass of a partial select counts only the rows that ran, each key in its own position's block
+    only_rows = torch.zeros_like(probs)
+    only_rows[:, rows] = probs[:, rows]
+    torch.testing.assert_close(block_mass(probs[:, rows][:, :, order], 7, rows, order), block_mass(only_rows, 7))
+
+
+CACHES = [DKVCache(), DKVCache(variant="prefill"), DKVCache(variant="greedy", refresh=4), FastDLLMPrefix(),
+          FastDLLMDual()]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("cache", CACHES, ids=describe)
+def test_sparsed_on_a_cache_with_select_one_equals_the_cache_alone(arch, cache):
+    model = tiny_model(arch)
+    run = lambda policy: generate(model, prompt(20), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
+                                  steps=16, cache=policy)
+    alone = run(cache)
+    dense = run(SparseD(skip=0.25, select=1.0, block=6, cache=cache))
+    assert torch.equal(dense.sequences, alone.sequences)
+    for name in ("forwards", "tokens_recomputed", "attention_flops", "attention_flops_skipped"):
+        assert getattr(dense.stats, name) == getattr(alone.stats, name), name
+    sparse = run(SparseD(skip=0.25, select=0.4, block=6, cache=cache))
+    assert sparse.stats.forwards == alone.stats.forwards  # (which positions run can follow the decoded tokens)
+    assert sparse.stats.attention_flops_skipped > alone.stats.attention_flops_skipped
+    assert (sparse.sequences != MASK).all()
+    assert model.config._attn_implementation == "sdpa"  # put back after the generation
+
+
+def test_sparsed_counts_follow_the_rule_alone_and_on_the_dual_cache():
+    model = tiny_model("llama")
+    per_pair = attention_flops_per_pair(model.config)
+    run = lambda policy: generate(model, prompt(16), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
+                                  steps=8, cache=policy).stats
+    # 32 positions in 4 query blocks of 8; select 0.5 keeps 2 of 4 key blocks; skip 0.25 of 8 steps: 2 dense steps
+    alone = run(SparseD(skip=0.25, select=0.5, block=8))
+    # steps 0-1 dense, step 2 dense and picks every block's pattern, steps 3-7 sparse
+    assert alone.attention_flops == per_pair * 32 * 32 * (3 + 5 * 0.5)
+    dual = run(SparseD(skip=0.25, select=0.5, block=8, cache=FastDLLMDual()))
+    # block 0 (positions 16-23): full forward, then 3 forwards of its 8 positions; block 1 (24-31) the same.
+    # Step 2 is the first run of query block 2 (dense, picks it), step 3 sparse; step 4, block 1's full
+    # forward, meets query blocks 0, 1 and 3 for the first time (dense); steps 5-7 sparse.
+    assert dual.attention_flops == per_pair * (32 * 32 + 8 * 32 + 8 * 32 + 8 * 32 * 0.5 + 32 * 32 + 3 * 8 * 32 * 0.5)
+    assert dual.tokens_recomputed == run(FastDLLMDual()).tokens_recomputed == 2 * 32 + 6 * 8
+
+
 def test_threshold_decodes_confident_tokens_in_parallel():
     model = tiny_model("llama")
     run = lambda threshold: generate(model, prompt(), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
@@ -182,20 +240,34 @@ def test_policy_settings_are_checked():
         SparseD(select=0.0)
     with pytest.raises(ValueError, match="block"):
         SparseD(block=True)
+    with pytest.raises(ValueError, match="cache"):
+        SparseD(cache=SparseD())
+    assert describe(SparseD(cache=FastDLLMDual())) == "SparseD(skip=0.2, select=0.3, block=32, cache=FastDLLMDual())"
+    assert describe(SparseD()) == "SparseD(skip=0.2, select=0.3, block=32)"
 
 
-def test_bench_compares_every_setting_with_nocache_on_the_same_prompts(tmp_path):
+@pytest.mark.parametrize("body, parses", [("\n    return 1\n", 1.0), ("\n    return (\n", 0.0)])
+def test_bench_compares_every_setting_with_nocache_on_the_same_prompts(tmp_path, body, parses):
     from hasten.dlm import bench
 
     model, judge = tiny_model("llama", mask_token_id=MASK), tiny_model("qwen2")
-    tasks = [{"file": "x.py", "prompt": prompt(10, seed), "reference": prompt(8, seed + 9)[0]} for seed in (0, 1)]
-    settings = [bench.Setting(NoCache()), bench.Setting(FastDLLMDual()), bench.Setting(NoCache(), threshold=1e-9)]
-    section = bench.run_settings(model, judge, tasks, settings, gen_length=8, block_length=4, steps=8, progress=False)
-    nocache, dual, parallel = section["results"]
+    tasks = [{"file": "x.py", "prompt": prompt(10, seed), "reference": prompt(8, seed + 9)[0],
+              "head": "def f():\n    \"\"\"One.\"\"\"", "reference_text": "\n    return 1"} for seed in (0, 1)]
+    settings = [bench.Setting(NoCache()), bench.Setting(FastDLLMDual()), bench.Setting(NoCache(), threshold=1e-9),
+                bench.Setting(SparseD(skip=0.0, select=0.5, block=4, cache=FastDLLMDual()))]
+    decode = lambda ids: body + "def g():\n"  # noqa: E731  (every completion reads the same; the next def ends it)
+    section = bench.run_settings(model, judge, tasks, settings, gen_length=8, block_length=4, steps=8, decode=decode,
+                                 progress=False)
+    nocache, dual, parallel, sparse_dual = section["results"]
     assert nocache["agreement"] == 1.0 and nocache["token_forward_ratio"] == 1.0
     assert dual["token_forward_ratio"] < 1.0
+    assert sparse_dual["token_forward_ratio"] == dual["token_forward_ratio"]
+    assert sparse_dual["attention_flops_skipped_fraction"] > dual["attention_flops_skipped_fraction"]
     assert parallel["steps"] == 2 * 2 and nocache["steps"] == 2 * 8  # one step per block when everything passes
     assert 0.0 <= dual["agreement"] <= 1.0 and nocache["judge_nll"] > 0
+    for result in section["results"]:  # the task metrics read the decoded completion, for every setting
+        assert result["parses"] == parses and result["exact"] == parses
+        assert 0.0 <= result["reference_match"] <= 1.0
     report = {"main": section}
     assert "FastDLLMDual()" in bench.markdown(report) and "threshold 1e-09" in bench.markdown(report)
     bench.chart(report, tmp_path / "chart.png")

@@ -6,13 +6,14 @@ bidirectionally, with cache and attention policies chosen once.
     out.sequences, out.stats.tokens_recomputed
 
 Policies: ``NoCache`` (the reference), ``DKVCache`` (dKV-Cache), ``SparseD`` (head-wise block-sparse
-attention reused after full-attention early steps) and the peers ``FastDLLMPrefix`` and
-``FastDLLMDual`` (Fast-dLLM); ``threshold=`` turns on confidence-threshold parallel decoding.
+attention reused after full-attention early steps; ``SparseD(cache=DKVCache())`` runs it on a cache's
+forwards) and the peers ``FastDLLMPrefix`` and ``FastDLLMDual`` (Fast-dLLM); ``threshold=`` turns on
+confidence-threshold parallel decoding.
 See docs/dlm.md.
 """
-from .policies import DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, describe
+from .policies import CachePolicy, DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, describe
 from .sampler import DLMOutput, DLMStats, find_mask_token_id, generate
 from .sparse import SparseD
 
-__all__ = ["DKVCache", "DLMOutput", "DLMStats", "FastDLLMDual", "FastDLLMPrefix", "NoCache", "SparseD", "describe",
-           "find_mask_token_id", "generate"]
+__all__ = ["CachePolicy", "DKVCache", "DLMOutput", "DLMStats", "FastDLLMDual", "FastDLLMPrefix", "NoCache", "SparseD",
+           "describe", "find_mask_token_id", "generate"]

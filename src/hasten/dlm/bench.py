@@ -1,14 +1,17 @@
 """``hasten dlm bench``: speed against quality of every diffusion-LM policy on ``zoo:dlm-tiny``.
 
-Task: held-out function completion. Each prompt is the last ``prompt_length`` tokens of a held-out
-stdlib file up to and including a ``def`` line; the reference is the file's next ``gen_length``
-tokens. For every setting, against ``NoCache`` on the same prompts in the same run (settings run
-one after another for each prompt, so load drifts hit all of them alike):
+Task: held-out function completion (``tasks.py``): the prompt is a held-out stdlib file up to the end
+of a function's docstring (or first statement), the reference the rest of that function, at most
+``gen_length`` tokens so that the generation can cover it; the completion is trimmed where the
+function ends by indentation. For every setting, against ``NoCache`` on the same prompts in the
+same run (settings run one after another for each prompt, so load drifts hit all of them alike):
 
 * ``speedup``: total wall time of ``NoCache`` / total wall time of the setting;
 * ``token_forward_ratio``: positions run through the model / positions ``NoCache`` runs;
 * ``agreement``: fraction of generated tokens equal to ``NoCache``'s;
-* ``reference_match``: fraction of generated tokens equal to the true continuation;
+* ``reference_match``: fraction of the reference's tokens generated at their position;
+* ``exact``: fraction of completions equal to the reference once trimmed;
+* ``parses``: fraction of completions whose completed function ``ast.parse`` accepts;
 * ``judge_nll``: mean negative log-likelihood of the generated tokens under ``zoo:code-tiny`` (an
   autoregressive judge: lower reads more like real code).
 """
@@ -17,7 +20,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -25,6 +27,8 @@ from ..zoo import WEIGHTS_DIR, corpus
 from .policies import DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, describe
 from .sampler import generate
 from .sparse import SparseD
+from .tasks import completes_function, exact_match
+from .tasks import completion_tasks as function_tasks
 
 DLM_WEIGHTS = WEIGHTS_DIR / "dlm-tiny"
 JUDGE_WEIGHTS = WEIGHTS_DIR / "code-tiny"
@@ -53,6 +57,8 @@ def default_settings() -> list[Setting]:
         Setting(SparseD(skip=0.2, select=0.3, block=32)),
         Setting(FastDLLMPrefix()),
         Setting(FastDLLMDual()),
+        Setting(SparseD(skip=0.2, select=0.3, block=32, cache=DKVCache(variant="decode"))),
+        Setting(SparseD(skip=0.2, select=0.3, block=32, cache=FastDLLMDual())),
         Setting(NoCache(), threshold=0.9),
         Setting(FastDLLMDual(), threshold=0.9),
         Setting(DKVCache(variant="decode"), threshold=0.9),
@@ -62,7 +68,10 @@ def default_settings() -> list[Setting]:
 def long_context_settings() -> list[Setting]:
     return [Setting(NoCache()), Setting(SparseD(skip=0.2, select=0.3, block=64)),
             Setting(SparseD(skip=0.2, select=0.5, block=64)), Setting(DKVCache(variant="decode")),
-            Setting(FastDLLMDual())]
+            Setting(FastDLLMDual()),
+            # on a cache, SparseD blocks of 32 line up with the generation blocks, so a block's queries fill one tile
+            Setting(SparseD(skip=0.2, select=0.3, block=32, cache=DKVCache(variant="decode"))),
+            Setting(SparseD(skip=0.2, select=0.3, block=32, cache=FastDLLMDual()))]
 
 
 def load_models(weights: Path = DLM_WEIGHTS, judge: Path = JUDGE_WEIGHTS):
@@ -74,26 +83,9 @@ def load_models(weights: Path = DLM_WEIGHTS, judge: Path = JUDGE_WEIGHTS):
 
 
 def completion_tasks(tokenizer, samples: int, prompt_length: int, gen_length: int, seed: int = 0) -> list[dict]:
-    """Prompts ending at a held-out `def` line with enough context before and code after it."""
-    candidates = []
-    for path in corpus.heldout_files():
-        text = corpus.read_text(path)
-        encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-        ids, starts = encoding.input_ids, [start for start, _ in encoding.offset_mapping]
-        offset = 0
-        for line in text.splitlines(keepends=True):
-            offset += len(line)
-            if not line.lstrip().startswith("def ") or not line.rstrip().endswith(":"):
-                continue
-            split = int(np.searchsorted(starts, offset))  # the first token that starts after the `def` line
-            if split >= prompt_length and len(ids) - split >= gen_length:
-                candidates.append((path.name, ids[split - prompt_length:split], ids[split:split + gen_length]))
-    if len(candidates) < samples:
-        raise ValueError(f"only {len(candidates)} held-out functions have {prompt_length} tokens before them")
-    rng = np.random.default_rng(seed)
-    picked = sorted(rng.choice(len(candidates), samples, replace=False))
-    return [{"file": candidates[i][0], "prompt": torch.tensor([candidates[i][1]]),
-             "reference": torch.tensor(candidates[i][2])} for i in picked]
+    """Held-out function completions (see ``tasks.completion_tasks``) from the zoo corpus's held-out files."""
+    return function_tasks(tokenizer, corpus.heldout_files(), samples, prompt_length, gen_length, seed,
+                          read=corpus.read_text)
 
 
 @torch.no_grad()
@@ -106,10 +98,12 @@ def judge_nll(judge, prompt: torch.Tensor, generated: torch.Tensor) -> float:
 
 
 def run_settings(model, judge, tasks: list[dict], settings: list[Setting], gen_length: int, block_length: int,
-                 steps: int, progress: bool = True) -> dict:
-    """Every setting on every task; the first setting is the reference (NoCache)."""
+                 steps: int, decode, progress: bool = True) -> dict:
+    """Every setting on every task; the first setting is the reference (NoCache). ``decode``: token ids
+    (a list) -> text, to trim and parse the completions."""
     per_setting = [{"seconds": 0.0, "tokens": 0, "full_tokens": 0, "forwards": 0, "steps": 0, "agree": 0,
-                    "match": 0, "nll": 0.0, "flops": 0, "flops_skipped": 0} for _ in settings]
+                    "match": 0, "exact": 0, "parses": 0, "nll": 0.0, "flops": 0, "flops_skipped": 0}
+                   for _ in settings]
     for task in tqdm(tasks, desc="prompts", disable=not progress):
         prompt_length = task["prompt"].shape[1]
         reference_output = None
@@ -128,10 +122,15 @@ def run_settings(model, judge, tasks: list[dict], settings: list[Setting], gen_l
             acc["flops"] += s.attention_flops
             acc["flops_skipped"] += s.attention_flops_skipped
             acc["agree"] += int((generated == reference_output).sum())
-            acc["match"] += int((generated == task["reference"]).sum())
+            reference = task["reference"]  # [n <= gen_length]
+            acc["match"] += int((generated[:len(reference)] == reference).sum())
+            completion = decode(generated.tolist())
+            acc["exact"] += exact_match(task["head"], completion, task["reference_text"])
+            acc["parses"] += completes_function(task["head"], completion)
             acc["nll"] += judge_nll(judge, task["prompt"], generated)
     base = per_setting[0]
     total = gen_length * len(tasks)
+    reference_total = sum(len(task["reference"]) for task in tasks)
     results = []
     for setting, acc in zip(settings, per_setting):
         results.append({
@@ -139,7 +138,8 @@ def run_settings(model, judge, tasks: list[dict], settings: list[Setting], gen_l
             "speedup": base["seconds"] / acc["seconds"], "seconds": acc["seconds"],
             "token_forward_ratio": acc["tokens"] / base["tokens"], "forwards": acc["forwards"],
             "steps": acc["steps"], "attention_flops_skipped_fraction": acc["flops_skipped"] / base["flops"],
-            "agreement": acc["agree"] / total, "reference_match": acc["match"] / total,
+            "agreement": acc["agree"] / total, "reference_match": acc["match"] / reference_total,
+            "exact": acc["exact"] / len(tasks), "parses": acc["parses"] / len(tasks),
             "judge_nll": acc["nll"] / len(tasks),
         })
     return {"prompts": len(tasks), "prompt_length": tasks[0]["prompt"].shape[1], "gen_length": gen_length,
@@ -155,11 +155,12 @@ def markdown(report: dict) -> str:
         lines += [f"### {key} context: {section['prompts']} prompts of {section['prompt_length']} tokens, "
                   f"{section['gen_length']} generated, blocks of {section['block_length']}, {section['steps']} steps",
                   "", "| setting | speedup | token-forwards | attention FLOPs skipped | steps | agreement with NoCache "
-                  "| reference match | judge NLL |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| reference match | exact | parses | judge NLL |", "|---" + "|---:" * 9 + "|"]
         for r in section["results"]:
             lines.append(f"| {r['setting']} | {r['speedup']:.2f}x | {r['token_forward_ratio']:.2f} "
                          f"| {r['attention_flops_skipped_fraction']:.0%} | {r['steps']} | {r['agreement']:.1%} "
-                         f"| {r['reference_match']:.1%} | {r['judge_nll']:.3f} |")
+                         f"| {r['reference_match']:.1%} | {r['exact']:.0%} | {r['parses']:.0%} "
+                         f"| {r['judge_nll']:.3f} |")
         lines.append("")
     return "\n".join(lines)
 

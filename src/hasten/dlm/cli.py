@@ -45,7 +45,7 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"no diffusion LM at {weights}; train it with `python -m hasten.dlm.train`")
     model, tokenizer, judge = bench.load_models(weights)
     common = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
-                  progress=not args.no_progress)
+                  decode=tokenizer.decode, progress=not args.no_progress)
     report = {"model": str(weights.name), "machine": machine_info()}
     with torch.no_grad():
         if args.prompts:

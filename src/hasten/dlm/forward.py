@@ -91,19 +91,27 @@ def full_forward(model, tokens: torch.Tensor, rows: torch.Tensor, counts: Forwar
     return out.logits[0]
 
 
-def partial_forward(model, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, store: KVStore,
-                    counts: ForwardCounts, per_pair: int) -> torch.Tensor:
-    """Only ``positions`` (sorted) are run; every other position's K/V come from ``store``. Their new K/V
-    are written back to ``store``. Returns logits at ``rows`` (a subset of ``positions``) [rows, vocab]."""
-    length = tokens.shape[0]
-    is_query = torch.zeros(length, dtype=torch.bool, device=tokens.device)
+def context_positions(positions: torch.Tensor, length: int) -> torch.Tensor:
+    """The positions a partial forward running ``positions`` [queries] takes from the cache, ascending.
+    Its attention sees the keys as ``cat(context_positions(...), positions)``."""
+    is_query = torch.zeros(length, dtype=torch.bool, device=positions.device)
     is_query[positions] = True
-    context = (~is_query).nonzero().squeeze(1)  # [length - queries]
+    return (~is_query).nonzero().squeeze(1)  # [length - queries]
+
+
+def partial_forward(model, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, store: KVStore,
+                    counts: ForwardCounts, per_pair: int, kept: float = 1.0, **model_kwargs) -> torch.Tensor:
+    """Only ``positions`` (sorted) are run; every other position's K/V come from ``store``. Their new K/V
+    are written back to ``store``. Returns logits at ``rows`` (a subset of ``positions``) [rows, vocab].
+    The attention sees the keys in the order (other positions ascending, then ``positions``);
+    ``kept`` and ``model_kwargs`` as in :func:`full_forward`."""
+    length = tokens.shape[0]
+    context = context_positions(positions, length)  # [length - queries]
     cache = store.context_cache(context)
     keep = torch.searchsorted(positions, rows)  # rows as offsets into the queries
     out = model(input_ids=tokens[positions][None], position_ids=positions[None], past_key_values=cache, use_cache=True,
                 attention_mask=bidirectional_mask(len(positions), length, model.dtype, tokens.device),
-                logits_to_keep=keep)
-    counts.add(len(positions), length, length, per_pair)
+                logits_to_keep=keep, **model_kwargs)
+    counts.add(len(positions), length, length, per_pair, kept)
     store.write(cache, len(context), positions, tokens[positions])
     return out.logits[0]

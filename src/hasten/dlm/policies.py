@@ -15,6 +15,10 @@ and counts what it ran. The sampler never asks a policy's name.
 * ``FastDLLMPrefix`` and ``FastDLLMDual`` (Wu et al. 2025, Fast-dLLM): a full forward at the first
   step of every block; then the prefix before the block is cached (prefix) and the suffix after
   it too (dual), and only the rest is recomputed until the next block.
+
+*Which positions run* (the cache policy) and *how attention is computed* (an attention object,
+dense by default) are separate: every cache policy's ``start`` takes an ``attention``, so SparseD
+runs on any cache's forwards (``SparseD(cache=DKVCache())``) with no branch on either's name.
 """
 from __future__ import annotations
 
@@ -48,27 +52,44 @@ class StepView:
     rows: torch.Tensor  # [rows] sorted positions whose logits the sampler needs
 
 
+class DenseAttention:
+    """The model's own attention over every query-key pair (what every cache policy uses alone).
+
+    An attention object answers, before each forward, the keyword arguments that forward passes
+    to the model (they reach the attention function) and the fraction of query-key pairs it
+    computes; ``queries`` is None for a full forward, else the sorted positions a partial forward runs."""
+
+    def prepare(self, step: int, queries: torch.Tensor | None) -> tuple[dict, float]:
+        return {}, 1.0
+
+    def close(self) -> None:
+        """Undo anything done to the model (called in a ``finally``)."""
+
+
 class Runtime:
     """One generation's forwards under a policy; this base runs every position every step."""
 
-    def __init__(self, model, layout: Layout):
+    def __init__(self, model, layout: Layout, attention=None):
         self.model, self.layout = model, layout
+        self.attention = DenseAttention() if attention is None else attention
         self.counts = ForwardCounts()
         self.per_pair = attention_flops_per_pair(model.config)
 
     def logits(self, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
         """tokens [length] -> logits at view.rows [rows, vocab]."""
-        return full_forward(self.model, tokens, view.rows, self.counts, self.per_pair)
+        kwargs, kept = self.attention.prepare(view.step, None)
+        return full_forward(self.model, tokens, view.rows, self.counts, self.per_pair, kept=kept, **kwargs)
 
     def close(self) -> None:
         """Undo anything the runtime changed on the model (called in a ``finally``)."""
+        self.attention.close()
 
 
 class _CachedRuntime(Runtime):
     """Full forward (refilling the store) when ``refresh_now``; otherwise runs ``positions`` plus the rows."""
 
-    def __init__(self, model, layout: Layout, refresh_now, positions):
-        super().__init__(model, layout)
+    def __init__(self, model, layout: Layout, attention, refresh_now, positions):
+        super().__init__(model, layout, attention)
         self.refresh_now, self.positions = refresh_now, positions
         self.store: KVStore | None = None
         self.index: torch.Tensor | None = None  # [length] positions, made on the first step
@@ -77,19 +98,28 @@ class _CachedRuntime(Runtime):
         if self.store is None or self.refresh_now(view):
             self.store = KVStore(len(tokens), tokens.device)
             self.index = torch.arange(len(tokens), device=tokens.device)
-            return full_forward(self.model, tokens, view.rows, self.counts, self.per_pair, store=self.store)
+            kwargs, kept = self.attention.prepare(view.step, None)
+            return full_forward(self.model, tokens, view.rows, self.counts, self.per_pair, store=self.store,
+                                kept=kept, **kwargs)
         run = self.positions(self, tokens, view)  # [length] bool
         run[view.rows] = True
-        return partial_forward(self.model, tokens, run.nonzero().squeeze(1), view.rows, self.store, self.counts,
-                               self.per_pair)
+        positions = run.nonzero().squeeze(1)  # [queries]
+        kwargs, kept = self.attention.prepare(view.step, positions)
+        return partial_forward(self.model, tokens, positions, view.rows, self.store, self.counts, self.per_pair,
+                               kept=kept, **kwargs)
+
+
+class CachePolicy(Settings):
+    """Base of the policies that choose which positions run; ``start(model, layout, attention=None)``
+    returns one generation's runtime, computing attention with ``attention`` (dense when None)."""
 
 
 @dataclass(frozen=True)
-class NoCache(Settings):
+class NoCache(CachePolicy):
     """Runs every position at every step: the reference every other policy is measured against."""
 
-    def start(self, model, layout: Layout) -> Runtime:
-        return Runtime(model, layout)
+    def start(self, model, layout: Layout, attention=None) -> Runtime:
+        return Runtime(model, layout, attention)
 
 
 # ---------------------------------------------------------------- dKV-Cache
@@ -117,7 +147,7 @@ DKV_VARIANTS = ("decode", "prefill", "greedy")
 
 
 @dataclass(frozen=True)
-class DKVCache(Settings):
+class DKVCache(CachePolicy):
     """dKV-Cache: delayed caching of decoded tokens' keys and values (see the module docstring)."""
 
     variant: str = "decode"  # decode | prefill | greedy
@@ -133,14 +163,14 @@ class DKVCache(Settings):
         if self.window < 1:
             raise ValueError(f"DKVCache: window must be >= 1, got {self.window}")
 
-    def start(self, model, layout: Layout) -> Runtime:
+    def start(self, model, layout: Layout, attention=None) -> Runtime:
         positions = {"decode": _decode_positions, "prefill": _prefill_positions,
                      "greedy": _greedy_positions(self.window)}[self.variant]
         interval = self.refresh
 
         def refresh_now(view: StepView) -> bool:
             return interval is not None and view.step % interval == 0
-        return _CachedRuntime(model, layout, refresh_now, positions)
+        return _CachedRuntime(model, layout, attention, refresh_now, positions)
 
 
 # ---------------------------------------------------------------- Fast-dLLM (the peers)
@@ -151,28 +181,31 @@ def _at_block_start(view: StepView) -> bool:
 
 
 @dataclass(frozen=True)
-class FastDLLMPrefix(Settings):
+class FastDLLMPrefix(CachePolicy):
     """Fast-dLLM prefix cache: a full forward at each block's first step; then the prefix before the block
     stays cached and the block and everything after it are recomputed."""
 
-    def start(self, model, layout: Layout) -> Runtime:
+    def start(self, model, layout: Layout, attention=None) -> Runtime:
         def positions(runtime: _CachedRuntime, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
             return runtime.index >= view.block_start
-        return _CachedRuntime(model, layout, _at_block_start, positions)
+        return _CachedRuntime(model, layout, attention, _at_block_start, positions)
 
 
 @dataclass(frozen=True)
-class FastDLLMDual(Settings):
+class FastDLLMDual(CachePolicy):
     """Fast-dLLM dual cache: a full forward at each block's first step; then prefix and suffix stay cached
     and only the current block is recomputed."""
 
-    def start(self, model, layout: Layout) -> Runtime:
+    def start(self, model, layout: Layout, attention=None) -> Runtime:
         def positions(runtime: _CachedRuntime, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
             return (runtime.index >= view.block_start) & (runtime.index < view.block_end)
-        return _CachedRuntime(model, layout, _at_block_start, positions)
+        return _CachedRuntime(model, layout, attention, _at_block_start, positions)
 
 
 def describe(policy) -> str:
-    """Short label, e.g. ``DKVCache(variant=decode, refresh=8, window=8)``."""
-    parts = [f"{f.name}={getattr(policy, f.name)}" for f in fields(policy)]
+    """Short label, e.g. ``DKVCache(variant=decode, refresh=8, window=8)``; a policy inside a policy
+    (SparseD's ``cache``) is described the same way and left out when None."""
+    values = [(f.name, getattr(policy, f.name)) for f in fields(policy)]
+    parts = [f"{name}={describe(value) if isinstance(value, Settings) else value}" for name, value in values
+             if value is not None or name != "cache"]
     return f"{type(policy).__name__}({', '.join(parts)})"
