@@ -248,3 +248,118 @@ def test_sampled_output_follows_llama_cpp_law_with_drafts_rejected_at_depth_2(ti
     distance = 0.5 * sum(abs(counts[k] / samples - law[k]) for k in law)
     assert distance < bound(law, samples), f"TV {distance:.3f} >= bound {bound(law, samples):.3f}"
     assert samples - reached[0] > 50 and reached[0] - reached[1] > 50, "rejections at depths 1 and 2 both seen"
+
+
+# ---- many generations in one llama.cpp context (the server's continuous batching) ---------------
+def test_a_batch_of_llama_cpp_sequences_decodes_each_row_as_llama_cpp_alone(tiny, tiny_gguf):
+    """Five requests through the scheduler over 3 llama.cpp sequences of one context: rows
+    join and leave at different steps, several share a llama_batch, and each row's tokens
+    equal llama.cpp's own greedy decoding of its prompt."""
+    from hasten.engine.batch import Request, Scheduler
+
+    scheduler = Scheduler(tiny, PromptLookup(num_tokens=4), max_batch=3)  # rows: sequences of one context
+    prompts = [repetitive(tiny.vocab_size, 16 + 4 * i, seed=i) for i in range(5)]
+    budgets = [NEW, NEW // 2, NEW, 7, NEW]
+    ids = [scheduler.submit(Request(p, n, eos_token_ids=frozenset())) for p, n in zip(prompts, budgets)]
+    widest, out = 0, {}
+    while scheduler.has_work():
+        for update in scheduler.step():
+            out.setdefault(update.row_id, []).extend(update.tokens)
+        widest = max(widest, scheduler.last_step.batch_size)
+    assert widest == 3
+    for row_id, prompt, budget in zip(ids, prompts, budgets):
+        assert out[row_id] == llama_cpp_greedy(tiny_gguf, prompt, budget, 512), f"row {row_id}"
+    assert scheduler.target.rows == [] and sorted(scheduler.target._free) == [0, 1, 2]  # every sequence freed
+
+
+def test_hasten_generate_on_a_list_of_prompts_batches_llama_cpp_sequences(tiny, tiny_gguf):
+    """hasten.generate with several prompts on a llama.cpp model: one Scheduler over
+    llama.cpp sequences, each row llama.cpp's own greedy decoding of its prompt."""
+    prompts = [torch.tensor(repetitive(tiny.vocab_size, 12 + 5 * i, seed=i)) for i in range(3)]
+    out = hasten.generate(tiny, prompts, drafter=PromptLookup(num_tokens=4), max_new_tokens=NEW, eos_token_id=[])
+    for prompt, row in zip(prompts, out.sequences):
+        assert row[len(prompt):].tolist() == llama_cpp_greedy(tiny_gguf, prompt.tolist(), NEW, 512)
+
+
+def test_a_llama_cpp_batch_refuses_feature_drafters_and_a_row_too_many(tiny):
+    from hasten.engine.batch import Scheduler
+
+    class ReadsFeatures(PromptLookup):
+        needs_features = True
+
+    with pytest.raises(ValueError, match="hidden states"):
+        Scheduler(tiny, ReadsFeatures())
+    batch = tiny.batch_target(1)
+    batch.add([5, 6, 7])
+    with pytest.raises(RuntimeError, match="all 1 llama.cpp sequences are in use"):
+        batch.add([5, 6, 7])
+
+
+def test_the_server_on_a_gguf_serves_greedy_completions_batched(tiny_gguf):
+    """``hasten serve --backend llama.cpp``'s app: two concurrent completions, each llama.cpp's
+    greedy continuation of its prompt, decoded in shared steps."""
+    pytest.importorskip("starlette", reason="hasten[serve] is not installed (pip install 'hasten[serve]')")
+    import threading
+    import time
+
+    from starlette.testclient import TestClient
+
+    from hasten.serve.app import ServeOptions, create_app
+    from hasten.engine.batch import Scheduler
+
+    engine = hasten.load(tiny_gguf, "prompt_lookup", backend="llama.cpp")
+    widths = []
+
+    def make():
+        scheduler = Scheduler(engine.model, engine.drafter, max_batch=2)
+        step = scheduler.step
+
+        def counted():
+            time.sleep(0.01)  # a step long enough for the other request to arrive while a row runs
+            updates = step()
+            widths.append(scheduler.last_step.batch_size)
+            return updates
+
+        scheduler.step = counted
+        return scheduler
+
+    prompts = ["def add(a, b):\n    return a + b\n" * 2, "for i in range(10):\n    print(i)\n" * 2]
+    eos = engine.model.eos_token_ids()
+    expected = []
+    for prompt in prompts:
+        greedy = llama_cpp_greedy(tiny_gguf, engine.encode(prompt)[0].tolist(), NEW, 4096)
+        cut = next((i + 1 for i, t in enumerate(greedy) if t in eos), NEW)  # the server stops at EOS
+        expected.append(greedy[:cut])
+    app = create_app(engine, make, ServeOptions("tiny", None, 1 << 20))
+    answers = [None, None]
+    barrier = threading.Barrier(2)
+    with TestClient(app) as client:
+        def ask(i):
+            barrier.wait()
+            answers[i] = client.post("/v1/completions", json={"model": "tiny", "prompt": prompts[i],
+                                                              "max_tokens": NEW, "temperature": 0})
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    for answer, tokens in zip(answers, expected):
+        assert answer.status_code == 200, answer.text
+        body = answer.json()
+        assert body["choices"][0]["text"] == engine.tokenizer.decode(tokens, skip_special_tokens=True)
+        assert body["usage"]["completion_tokens"] == len(tokens)
+    assert max(widths) == 2, "the two requests shared a step"
+
+
+def test_serve_builds_a_llama_cpp_app_from_its_flags(tiny_gguf, cli, monkeypatch):
+    uvicorn = pytest.importorskip("uvicorn", reason="hasten[serve] is not installed (pip install 'hasten[serve]')")
+    from hasten.models.llamacpp import LlamaCppBatch
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    code, _, err = cli("serve", "--model", str(tiny_gguf), "--backend", "llama.cpp", "--max-batch", "3")
+    assert code == 0, err
+    scheduler = seen["app"].state.service.worker.scheduler
+    assert isinstance(scheduler.target, LlamaCppBatch) and scheduler.max_batch == 3
+    code, _, err = cli("serve", "--model", str(tiny_gguf), "--backend", "llama.cpp", "--dtype", "bfloat16")
+    assert code == 2 and "drop --dtype" in err

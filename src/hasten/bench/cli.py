@@ -1,4 +1,5 @@
-"""``hasten bench``: time hasten's methods against Hugging Face generate on the same model."""
+"""``hasten bench``: time hasten's methods against Hugging Face generate on the same model, or
+(``--backend llama.cpp``) hasten on llama.cpp against llama.cpp's own decoding of the same GGUF."""
 from __future__ import annotations
 
 import argparse
@@ -17,10 +18,12 @@ from ..drafters.base import REGISTRY
 from .runner import (
     HF_BASELINES, OVERALL, LosslessnessError, check_lengths, hasten_method, hasten_method_names, hf_method, run_bench,
 )
+from . import llamacpp
 from .chat_tasks import CHAT_CATEGORIES, chat_tasks, has_chat_template, task_input_ids
-from .tasks import CATEGORIES, builtin_tasks, read_prompts
+from .tasks import ALL_CATEGORIES, CATEGORIES, LONG_CATEGORIES, builtin_tasks, read_prompts
 
 AUTO = "auto"
+LLAMA_CPP = "llama.cpp"
 # --tasks presets: "auto" is chat for a model whose tokenizer has a chat template, else code.
 TASK_PRESETS = {"code": CATEGORIES, "chat": CHAT_CATEGORIES}
 
@@ -39,14 +42,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--baselines", default=AUTO,
-        help=f"comma-separated Hugging Face baselines, or none (default: all of {', '.join(HF_BASELINES)} "
-        "that the given models allow)",
+        help=f"comma-separated baselines, or none (default: all that the given models allow; torch backend: "
+        f"{', '.join(HF_BASELINES)}; llama.cpp backend: {', '.join(llamacpp.BASELINES)})",
+    )
+    parser.add_argument(
+        "--backend", default="torch", choices=("torch", LLAMA_CPP),
+        help="torch (default): PyTorch models against Hugging Face generate; llama.cpp: a .gguf target (and "
+        "--draft) run by llama.cpp, hasten's methods against llama.cpp's own decoding of the same file, with "
+        "the same context and --threads (pip install 'hasten[llamacpp]'; docs/cpu.md)",
     )
     parser.add_argument(
         "--tasks", default=AUTO,
         help="built-in task categories, comma-separated: code (= " + ",".join(CATEGORIES) + "), chat (= "
-        + ",".join(CHAT_CATEGORIES) + ", through the model's chat template), or single categories "
-        "(default auto: chat if the tokenizer has a chat template, else code)",
+        + ",".join(CHAT_CATEGORIES) + ", through the model's chat template), or single categories; the "
+        "long-context " + ",".join(LONG_CATEGORIES) + " only by name (they need a model with 16k positions, "
+        "e.g. zoo:code-tiny-long) (default auto: chat if the tokenizer has a chat template, else code)",
     )
     parser.add_argument("--prompts", help="JSONL file of your own prompts ({prompt, category} or Spec-Bench turns)")
     parser.add_argument("--per-task", type=int, default=2, help="prompts per category (default 2)")
@@ -61,7 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # One thread by default: small models gain nothing from more, and on a CPU shared with other
     # work, extra threads thrash (zoo:code-tiny, 2 cores, other jobs running: 128 tokens took
     # 1.1-3.4 s on 1 thread and 5.6-69 s on 2). Give 0 for all cores on a large model.
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 = all cores)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads, and llama.cpp's with --backend llama.cpp (default 1; 0 = all cores)")
     parser.add_argument("--out", default="bench-out", metavar="DIR",
                         help="output directory, checked writable before the run (default bench-out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -105,19 +116,28 @@ def _check_method_args(pairs: list[str], names: list[str]) -> None:
 
 def _chosen(args) -> tuple[list[str], list[str]]:
     """The hasten methods and baselines asked for, checked before any model is loaded."""
+    on_llama_cpp = args.backend == LLAMA_CPP
     names = hasten_method_names() if args.methods == AUTO else _csv(args.methods)
     unknown = [n for n in names if n not in hasten_method_names()]
     if unknown:
         raise UserError(f"--methods: unknown {unknown}; known: {', '.join(hasten_method_names())}")
+    if on_llama_cpp:
+        try:
+            names = llamacpp.method_names(names, args.draft is not None, args.methods == AUTO)
+        except ValueError as err:
+            raise UserError(f"--methods: {err}") from None
+        if "auto" in draft_sizes(args.draft_size):
+            raise UserError("--draft-size auto calibrates a PyTorch forward; use fixed with --backend llama.cpp")
     if AUTOREGRESSIVE not in names:  # always timed: it is the reference output and the speed baseline
         names.insert(0, AUTOREGRESSIVE)
     _check_method_args(args.method_arg, names)
-    presets = {AUTO: list(HF_BASELINES), "none": []}
+    known_baselines = llamacpp.BASELINES if on_llama_cpp else tuple(HF_BASELINES)
+    presets = {AUTO: list(known_baselines), "none": []}
     baselines = presets[args.baselines] if args.baselines in presets else _csv(args.baselines)
-    unknown = [n for n in baselines if n not in HF_BASELINES]
+    unknown = [n for n in baselines if n not in known_baselines]
     if unknown:
-        raise UserError(f"--baselines: unknown {unknown}; known: {', '.join(HF_BASELINES)}, none")
-    known = [AUTO, *TASK_PRESETS, *CATEGORIES, *CHAT_CATEGORIES]
+        raise UserError(f"--baselines: unknown {unknown}; known: {', '.join(known_baselines)}, none")
+    known = [AUTO, *TASK_PRESETS, *ALL_CATEGORIES, *CHAT_CATEGORIES]
     unknown = [c for c in _csv(args.tasks) if c not in known]
     if unknown:
         raise UserError(f"--tasks: unknown {unknown}; known: {', '.join(known)}")
@@ -131,7 +151,7 @@ def _builtin(spec: str, tokenizer, per_task: int) -> list:
         if name == AUTO:
             name = "chat" if has_chat_template(tokenizer) else "code"
         chosen += TASK_PRESETS.get(name, (name,))
-    code = [c for c in CATEGORIES if c in chosen]
+    code = [c for c in ALL_CATEGORIES if c in chosen]  # the long ones only when named
     chat = [c for c in CHAT_CATEGORIES if c in chosen]
     try:
         return (builtin_tasks(tokenizer, code, per_task) if code else []) + (
@@ -172,7 +192,8 @@ def _build_methods(args, names, settings, baselines, model, draft, probe_ids) ->
         methods.append(method)
     for name in baselines:
         try:
-            methods.append(hf_method(name, model, draft))
+            methods.append(llamacpp.baseline_method(name, model) if args.backend == LLAMA_CPP
+                           else hf_method(name, model, draft))
         except ValueError as err:
             if args.baselines != AUTO:
                 raise
@@ -195,19 +216,34 @@ def run(args: argparse.Namespace) -> int:
     settings = {name: _settings_for(name, args.method_arg) for name in names}
     writable_directory(args.out)  # now, not after the whole run
     torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
-    model = load_model(args.model)
-    draft = load_model(args.draft) if args.draft else None
-    tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
+    if args.backend == LLAMA_CPP:
+        try:
+            tokenizer = llamacpp.load_tokenizer(args.model)
+        except ValueError as err:  # no GGUF file
+            raise UserError(str(err)) from None
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
     if args.prompts:
         tasks = read_prompts(args.prompts, tokenizer, args.per_task)
     else:
         tasks = _builtin(args.tasks, tokenizer, args.per_task)
     input_ids = [task_input_ids(tokenizer, t) for t in tasks]  # chat tasks through the template
+    if args.backend == LLAMA_CPP:  # llama.cpp's contexts sized to these prompts, the same for every method
+        context = llamacpp.context_for(input_ids, args.max_new_tokens)
+        try:
+            model = llamacpp.load(args.model, torch.get_num_threads(), context)
+            draft = llamacpp.load(args.draft, torch.get_num_threads(), context) if args.draft else None
+        except (ValueError, ImportError) as err:  # no GGUF file; llama-cpp-python missing (with the install hint)
+            raise UserError(str(err)) from None
+    else:
+        model = load_model(args.model)
+        draft = load_model(args.draft) if args.draft else None
     check_lengths(model, tasks, input_ids, args.max_new_tokens)
     methods, skipped = _build_methods(args, names, settings, baselines, model, draft, input_ids[0])
     print(
         f"hasten bench: {len(methods)} methods x {len(tasks)} prompts x {args.repeats} repeats, "
-        f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads",
+        f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads"
+        + (" (hasten and llama.cpp, on llama.cpp)" if args.backend == LLAMA_CPP else ""),
         file=sys.stderr,
     )
     machine = machine_info()  # before the run, so the load average shows only other work
@@ -221,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "settings": {
-            "model": args.model, "draft": args.draft, "max_new_tokens": args.max_new_tokens,
+            "model": args.model, "draft": args.draft, "backend": args.backend, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "per_task": args.per_task, "prompts": args.prompts,
             "tasks": None if args.prompts else args.tasks, "chat_template": any(t.messages for t in tasks),
         },

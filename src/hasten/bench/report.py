@@ -27,28 +27,38 @@ def _mb(value: int | None) -> str:
     return "-" if value is None else f"{value / 1e6:.1f}"
 
 
+def _other_side(kinds: dict[str, str]) -> tuple[str, str, str, str]:
+    """What hasten is set against in a run: (kind, plain baseline's speedup key, its name, label)."""
+    if "llama.cpp" in kinds.values():
+        return "llama.cpp", "speedup_vs_llama_cpp", "llama_cpp", "llama.cpp"
+    return "hf", "speedup_vs_hf_generate", "hf_generate", "HF"
+
+
 def _note(row: dict, kinds: dict[str, str]) -> str:
-    """Say so wherever a hasten method is slower than a Hugging Face path."""
+    """Say so wherever a hasten method is slower than the other runtime's path."""
     if kinds.get(row["method"]) != "hasten":
         return ""
+    _, plain_key, plain, _ = _other_side(kinds)
     slower = []
-    for key, other in (("speedup_vs_hf_generate", "hf_generate"), ("speedup_vs_hf_match", row["hf_match"])):
-        if row[key] is not None and row[key] < 1 and other not in slower:
+    for key, other in ((plain_key, plain), ("speedup_vs_hf_match", row["hf_match"])):
+        if row.get(key) is not None and row[key] < 1 and other not in slower:
             slower.append(other)
     return "; ".join(f"**slower than {name}**" for name in slower)
 
 
 def best_per_category(results: dict) -> list[dict]:
-    """Per category, hasten's fastest method against Hugging Face's fastest path (None where a
-    side ran nothing): the comparison a user choosing between the two would make."""
+    """Per category, hasten's fastest method against the other runtime's fastest path (Hugging
+    Face's, or llama.cpp's on that backend; None where a side ran nothing): the comparison a user
+    choosing between the two would make. The other side is under "hf" whichever runtime it is."""
     kinds = {m["name"]: m["kind"] for m in results["methods"]}
+    other = _other_side(kinds)[0]
     table = []
     for category, rows in results["by_category"].items():
         best = {}
-        for kind in ("hasten", "hf"):
+        for kind in ("hasten", other):
             mine = [r for r in rows if kinds.get(r["method"]) == kind]
             best[kind] = max(mine, key=lambda r: r["tokens_per_second"]) if mine else None
-        ours, theirs = best["hasten"], best["hf"]
+        ours, theirs = best["hasten"], best[other]
         table.append({
             "category": category, "hasten": ours, "hf": theirs,
             "ratio": ours["tokens_per_second"] / theirs["tokens_per_second"] if ours and theirs else None,
@@ -57,8 +67,11 @@ def best_per_category(results: dict) -> list[dict]:
 
 
 def _best_lines(results: dict) -> list[str]:
-    lines = ["", "## hasten's best vs Hugging Face's best, per category", "",
-             "| category | hasten best | tok/s | tau | HF best | tok/s | tau | hasten / HF |", "|---" * 8 + "|"]
+    label = _other_side({m["name"]: m["kind"] for m in results["methods"]})[3]
+    name = "Hugging Face" if label == "HF" else label
+    lines = ["", f"## hasten's best vs {name}'s best, per category", "",
+             f"| category | hasten best | tok/s | tau | {label} best | tok/s | tau | hasten / {label} |",
+             "|---" * 8 + "|"]
     for b in best_per_category(results):
         ours, theirs = b["hasten"], b["hf"]
         if not (ours and theirs):
@@ -97,7 +110,8 @@ def markdown(results: dict) -> str:
     if results.get("skipped"):
         lines += ["", "Methods left out: " + "; ".join(f"{k} ({v})" for k, v in results["skipped"].items())]
     lines += _best_lines(results)
-    header = ("| method | tok/s | vs AR | vs HF greedy | vs HF same path | tau | efficiency | target KV MB | "
+    _, plain_key, _, label = _other_side(kinds)
+    header = (f"| method | tok/s | vs AR | vs {label} greedy | vs {label} same path | tau | efficiency | target KV MB | "
               "drafter KV MB | note |")
     for category, rows in results["by_category"].items():
         count = sum(1 for t in results["tasks"] if category in (OVERALL, t["category"]))
@@ -106,7 +120,7 @@ def markdown(results: dict) -> str:
             match = f"{_x(r['speedup_vs_hf_match'])} ({r['hf_match']})" if r["hf_match"] else "-"
             lines.append(
                 f"| {r['method']} | {r['tokens_per_second']:.1f} | {_x(r['speedup_vs_ar'])} | "
-                f"{_x(r['speedup_vs_hf_generate'])} | {match} | {_num(r['tau'])} | {_num(r['efficiency'])} | "
+                f"{_x(r.get(plain_key))} | {match} | {_num(r['tau'])} | {_num(r['efficiency'])} | "
                 f"{_mb(r.get('target_kv_bytes'))} | {_mb(r.get('drafter_kv_bytes'))} | {_note(r, kinds)} |"
             )
     lines += ["", "## Where hasten's time goes (all prompts, summed per-prompt medians)", "",

@@ -32,8 +32,10 @@ HF_BASELINES = {
     "hf_prompt_lookup": {"prompt_lookup_num_tokens": 10},
     "hf_assisted": {"assistant_model": None},
 }
-# The Hugging Face path a user would otherwise run for the same idea.
-HF_COUNTERPART = {AUTOREGRESSIVE: HF_GENERATE, "prompt_lookup": "hf_prompt_lookup", "draft_model": "hf_assisted"}
+LLAMA_CPP = "llama_cpp"  # llama.cpp's own greedy decoding (bench/llamacpp.py), with --backend llama.cpp
+# The path a user would otherwise run for the same idea, on Hugging Face or on llama.cpp.
+COUNTERPARTS = {AUTOREGRESSIVE: (HF_GENERATE, LLAMA_CPP), "prompt_lookup": ("hf_prompt_lookup", "llama_cpp_lookup"),
+                "draft_model": ("hf_assisted",)}
 
 
 class LosslessnessError(RuntimeError):
@@ -147,7 +149,7 @@ def compare(cells: dict[str, list[Cell]]) -> list[dict]:
         tokens = stats.new_tokens
         speedup = _ratio(seconds.get(AUTOREGRESSIVE), seconds[method])
         tau = round(stats.mean_accepted, 4)
-        match = HF_COUNTERPART.get(method)
+        match = next((m for m in COUNTERPARTS.get(method, ()) if m in cells), None)
         row = {
             "method": method,
             "tokens": tokens,
@@ -155,8 +157,10 @@ def compare(cells: dict[str, list[Cell]]) -> list[dict]:
             "tokens_per_second": round(tokens / seconds[method], 3),
             "speedup_vs_ar": speedup,
             "speedup_vs_hf_generate": _ratio(seconds.get(HF_GENERATE), seconds[method]),
-            "hf_match": match if match in cells else None,
-            "speedup_vs_hf_match": _ratio(seconds.get(match), seconds[method]) if match in cells else None,
+            "speedup_vs_llama_cpp": _ratio(seconds.get(LLAMA_CPP), seconds[method]),
+            # the same idea on the other runtime (Hugging Face's or llama.cpp's), when it ran
+            "hf_match": match,
+            "speedup_vs_hf_match": _ratio(seconds.get(match), seconds[method]) if match else None,
             "tau": tau,
             "efficiency": _ratio(speedup, tau),
             "steps": stats.steps,

@@ -133,6 +133,10 @@ class Drafter:
         if target.encoder_decoder and not self.encoder_decoder_ok:
             raise ValueError(f"{self.name} does not support encoder-decoder targets; use a chain drafter such as "
                              "prompt_lookup, draft_model or gad")
+        if self.needs_features and not target.features_ok:
+            raise ValueError(f"{self.name} reads the target's hidden states, which this target "
+                             f"({type(target).__name__}) does not expose; use prompt_lookup, lookahead or "
+                             "draft_model, or a PyTorch target")
 
     def begin(self, ctx: DraftContext) -> Any:
         """Start a generation: return its per-generation state (kept in ``ctx.state``)."""

@@ -29,7 +29,7 @@ from ..core.stats import DecodeStats
 from ..drafters.base import Drafter
 from ..models.adapter import vocab_size
 from ..models.batch import BatchAdapter, BatchRow
-from .inputs import check_positions, eos_ids
+from .inputs import check_positions, eos_ids, opens_own_target
 from .sequence import Sequence, step
 from .sizing import SizingRule, sizing_rule
 from .stops import StopStrings
@@ -89,7 +89,8 @@ class Scheduler:
             raise ValueError(f"max_prefill_tokens must be an integer >= 1 or None, got {max_prefill_tokens!r}")
         if drafter is not None and not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a hasten Drafter or None, got {type(drafter).__name__}")
-        self.target = BatchAdapter(model)
+        # a model from another runtime (llama.cpp) brings its own many-row target
+        self.target = model.batch_target(max_batch) if opens_own_target(model) else BatchAdapter(model)
         if drafter is not None:
             drafter.check_target(self.target)
         self.model = model

@@ -36,6 +36,7 @@ class BatchRow:
     """One sequence's view of the batch cache."""
 
     trees_ok = True
+    features_ok = True
     encoder_decoder = False
 
     def __init__(self, batch: "BatchAdapter", slot: int, length: int):
@@ -75,6 +76,7 @@ class BatchAdapter:
     """Drives any number of sequences of one causal LM through shared forwards."""
 
     trees_ok = True
+    features_ok = True
     encoder_decoder = False
 
     def __init__(self, model: PreTrainedModel):

@@ -7,8 +7,14 @@ each step's block (the root and the draft tokens) goes to llama.cpp as one batch
 logits for every position, and the rejected entries leave llama.cpp's KV cache by a
 sequence removal of the positions past the accepted path. The verifier is hasten's own.
 
+Two targets share that machinery: :class:`LlamaCppTarget` runs one generation in its own
+llama.cpp context (``hasten.generate``), and :class:`LlamaCppBatch` runs many in one
+context, each row a llama.cpp sequence id, all rows' blocks in one ``llama_batch`` per step
+(the server's continuous batching, through the same interface as
+:class:`~hasten.models.batch.BatchAdapter`).
+
 Trees: llama.cpp could verify one through sequence ids (one per leaf path, the committed
-cells shared by all), which this target does not do yet: it verifies chains
+cells shared by all), which these targets do not do yet: they verify chains
 (``trees_ok = False``) and the loop cuts a tree draft to its main chain. Drafters that read
 the target's features (eagle, medusa, ...) need a PyTorch target.
 
@@ -20,7 +26,7 @@ logits only.
 Exactness: llama.cpp's own greedy decoding feeds the prompt in one batch, then one token
 at a time. With flash attention (always on here), a verification block gives each token
 the logits it gets alone, and the prompt goes in as llama.cpp feeds it (see
-:class:`LlamaCppTarget`), so greedy output equals llama.cpp's own greedy decoding with flash
+:class:`LlamaCppRow`), so greedy output equals llama.cpp's own greedy decoding with flash
 attention token for token. Without either, outputs part ways after a few dozen tokens on
 SmolLM2 (a near tie decided the other way).
 """
@@ -39,7 +45,7 @@ from .adapter import ForwardOutput, Riders
 INSTALL_HINT = ("pip install 'hasten[llamacpp]' (built from source; on a virtual machine whose CPU "
                 "reports AVX-512 or AMX build it with the flags in docs/cpu.md)")
 DEFAULT_CONTEXT = 4096  # positions per generation: prompt, new tokens and one draft block
-SEQUENCE = 0  # the one llama.cpp sequence id a target uses
+IDLE_CONTEXTS = 4  # finished generations' contexts a model keeps for the next ones
 
 
 def llama_cpp_module():
@@ -51,11 +57,26 @@ def llama_cpp_module():
     return llama_cpp
 
 
+class LlamaCppConfig:
+    """The few fields of a Hugging Face config that code around a target reads (the
+    server's vocabulary and context checks, lookahead's corpus key)."""
+
+    is_encoder_decoder = False
+
+    def __init__(self, vocab_size: int, name: str):
+        self.vocab_size, self._name_or_path = vocab_size, name
+
+    def get_text_config(self) -> "LlamaCppConfig":
+        return self
+
+
 class LlamaCppModel:
     """A GGUF file's weights, loaded once by llama.cpp; each generation opens its own
-    :class:`LlamaCppTarget` (its own KV cache) on them. ``threads`` defaults to torch's."""
+    :class:`LlamaCppTarget` (its own KV cache) on them, or a server its
+    :class:`LlamaCppBatch`. ``threads`` defaults to torch's."""
 
     encoder_decoder = False
+    device = torch.device("cpu")  # where the loop puts prompts and generators
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, context: int = DEFAULT_CONTEXT,
                  batch: int = 512, verbose: bool = False):
@@ -77,10 +98,18 @@ class LlamaCppModel:
         self._vocab = lib.llama_model_get_vocab(self._model)
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         self.max_positions = int(lib.llama_model_n_ctx_train(self._model))
+        self.config = LlamaCppConfig(self.vocab_size, str(path))
+        # Creating a context costs about 0.1 s for SmolLM2 at 4096 positions (5% of a 96-token
+        # generation), so finished generations hand theirs back for the next to reuse.
+        self._idle: list[LlamaCppContext] = []
 
     @property
     def name(self) -> str:
         return self.path.name
+
+    def get_output_embeddings(self) -> None:
+        """None: llama.cpp keeps its LM head (the vocabulary is ``config.vocab_size``)."""
+        return None
 
     def eos_token_ids(self) -> frozenset[int]:
         """The tokens that end a generation (llama.cpp's end-of-generation set)."""
@@ -90,7 +119,29 @@ class LlamaCppModel:
         """A fresh target (its own llama.cpp context and KV cache) for one generation."""
         return LlamaCppTarget(self)
 
+    def _take_context(self, threads: int | None) -> "LlamaCppContext":
+        """A one-sequence context: an idle one (emptied by the next prefill) or a new one."""
+        threads = threads or self.threads
+        for context in self._idle:
+            if context.threads == threads:
+                self._idle.remove(context)
+                return context
+        return LlamaCppContext(self, 1, threads)
+
+    def _give_back(self, context: "LlamaCppContext") -> None:
+        if getattr(self, "_model", None) and len(self._idle) < IDLE_CONTEXTS:
+            self._idle.append(context)
+        else:
+            context.close()
+
+    def batch_target(self, rows: int) -> "LlamaCppBatch":
+        """A target for up to ``rows`` generations at once in one llama.cpp context."""
+        return LlamaCppBatch(self, rows)
+
     def close(self) -> None:
+        for context in getattr(self, "_idle", ()):
+            context.close()
+        self._idle = []
         if getattr(self, "_model", None):
             self.lib.llama_model_free(self._model)
             self._model = None
@@ -99,10 +150,92 @@ class LlamaCppModel:
         self.close()
 
 
-class LlamaCppTarget:
-    """One generation on a :class:`LlamaCppModel`: a llama.cpp context whose KV cache holds
-    the committed tokens but the newest (the loop's cache invariant). Pass a model or the
-    path of a GGUF file.
+class LlamaCppContext:
+    """A llama.cpp context (its KV cache holds ``sequences`` independent sequences of
+    ``model.context`` positions each) and the ``llama_batch`` that feeds it."""
+
+    def __init__(self, model: LlamaCppModel, sequences: int, threads: int | None = None):
+        self.model, self.lib, self.sequences = model, model.lib, sequences
+        lib = self.lib
+        params = lib.llama_context_default_params()
+        params.n_ctx = model.context * sequences
+        params.n_batch = params.n_ubatch = model.batch
+        params.n_seq_max = sequences
+        # One KV stream per sequence, each of model.context cells: a row attends over a
+        # cache laid out as a lone generation's is, whatever the other rows hold.
+        params.kv_unified = False
+        self.threads = threads or model.threads
+        params.n_threads = params.n_threads_batch = self.threads
+        # Flash attention handles each query row on its own, which makes a verification block's
+        # logits equal, bit for bit, those of its tokens fed one at a time (measured on SmolLM2
+        # for blocks of up to 40 tokens; without it llama.cpp's attention rounds otherwise from
+        # a block's 4th row on). Compare with llama.cpp run so: Llama(..., flash_attn=True).
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.no_perf = True
+        self._ctx = lib.llama_init_from_model(model._model, params)
+        if not self._ctx:
+            raise RuntimeError(f"llama.cpp could not create a context of {params.n_ctx} positions")
+        self._memory = lib.llama_get_memory(self._ctx)
+        self.capacity = model.batch  # tokens per llama_decode
+        self._batch = lib.llama_batch_init(self.capacity, 0, 1)
+
+    def decode(self, sequences: list[int], positions: list[int], tokens: list[int],
+               outputs: list[bool]) -> torch.Tensor | None:
+        """One llama_decode of entries (sequence id, position, token, wants logits), at most
+        ``capacity`` of them; returns the asked-for logits [outputs, vocab] in entry order."""
+        lib, batch, vocab = self.lib, self._batch, self.model.vocab_size
+        for i, (sequence, position, token, output) in enumerate(zip(sequences, positions, tokens, outputs)):
+            if not 0 <= token < vocab:
+                raise ValueError(f"token id {token} is outside the model's vocabulary [0, {vocab})")
+            if position >= self.model.context:
+                raise ValueError(f"the llama.cpp context holds {self.model.context} positions; this generation "
+                                 f"needs {position + 1} (make the LlamaCppModel with a larger context)")
+            batch.token[i] = token
+            batch.pos[i] = position
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = sequence
+            batch.logits[i] = int(output)
+        batch.n_tokens = len(tokens)
+        status = lib.llama_decode(self._ctx, batch)
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status}")
+        rows = sum(outputs)
+        if rows == 0:
+            return None
+        view = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(rows, vocab))  # llama.cpp's buffer
+        return torch.from_numpy(view.copy())  # [rows, vocab] float32
+
+    def sequence_bytes(self, sequence: int) -> int:
+        """Bytes of ``sequence``'s state in llama.cpp: its KV cells, as llama.cpp would save them."""
+        return int(self.lib.llama_state_seq_get_size(self._ctx, sequence))
+
+    def remove(self, sequence: int, position: int) -> None:
+        """Forget ``sequence``'s cells from ``position`` on."""
+        if not self.lib.llama_memory_seq_rm(self._memory, sequence, position, -1):
+            raise RuntimeError("llama.cpp could not remove cache entries (a recurrent or sliding-window cache "
+                               "cannot be rolled back; speculative decoding would change its output)")
+
+    def forget(self, sequence: int) -> None:
+        """Empty ``sequence``'s cells; a one-sequence context is cleared whole, which puts
+        the next prompt where a new context would (reused contexts stay exact)."""
+        if self.sequences == 1:
+            self.lib.llama_memory_clear(self._memory, True)
+        else:
+            self.remove(sequence, 0)
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            self.lib.llama_batch_free(self._batch)
+            self.lib.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self):
+        self.close()
+
+
+class LlamaCppRow:
+    """One generation's llama.cpp sequence: its KV cells hold the committed tokens but the
+    newest (the loop's cache invariant).
 
     The prompt goes to llama.cpp whole, in one batch with the last position's logits, as
     llama.cpp's own decoding feeds it: llama.cpp rounds a position computed inside a batch of
@@ -114,101 +247,53 @@ class LlamaCppTarget:
 
     encoder_decoder = False
     trees_ok = False  # chains only: the loop verifies a tree draft's main chain
+    features_ok = False  # llama.cpp's hidden states are not exposed to drafters
 
-    def __init__(self, model: LlamaCppModel | str | os.PathLike, threads: int | None = None):
-        self.model = model if isinstance(model, LlamaCppModel) else LlamaCppModel(model, threads)
+    def __init__(self, context: LlamaCppContext, sequence: int):
+        self.context, self.sequence = context, sequence
+        self.model = context.model
         self.vocab_size = self.model.vocab_size
-        lib = self.lib = self.model.lib
-        params = lib.llama_context_default_params()
-        params.n_ctx = self.model.context
-        params.n_batch = params.n_ubatch = self.model.batch
-        params.n_seq_max = 1
-        params.n_threads = params.n_threads_batch = threads or self.model.threads
-        # Flash attention handles each query row on its own, which makes a verification block's
-        # logits equal, bit for bit, those of its tokens fed one at a time (measured on SmolLM2
-        # for blocks of up to 40 tokens; without it llama.cpp's attention rounds otherwise from
-        # a block's 4th row on). Compare with llama.cpp run so: Llama(..., flash_attn=True).
-        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
-        params.no_perf = True
-        self._ctx = lib.llama_init_from_model(self.model._model, params)
-        if not self._ctx:
-            raise RuntimeError(f"llama.cpp could not create a context of {params.n_ctx} positions")
-        self._memory = lib.llama_get_memory(self._ctx)
-        self._capacity = self.model.batch
-        self._batch = lib.llama_batch_init(self._capacity, 0, 1)
         self._cells = 0  # positions in llama.cpp's KV cache, the pending root included
         self._pending: tuple[int, torch.Tensor] | None = None  # (root token, its logits [1, vocab])
 
-    # ---- lifecycle ---------------------------------------------------------------------
-    def start(self, input_ids: torch.Tensor, hidden: bool = False) -> tuple[list[int], None]:
-        """Prefill the prompt ([1, T]); returns the committed tokens (the prompt)."""
-        if hidden:
-            raise ValueError(self._no_features())
-        tokens = input_ids[0].tolist()
+    def prefill(self, tokens: list[int]) -> None:
+        """Forget everything, then feed the prompt in llama.cpp's own chunks of n_batch."""
         self.crop(0)
-        logits = None
-        for begin in range(0, len(tokens), self._capacity):  # llama.cpp's own chunks of n_batch
-            end = min(begin + self._capacity, len(tokens))
-            logits = self._decode(tokens[begin:end], outputs="last" if end == len(tokens) else "none")
+        self.context.forget(self.sequence)
+        logits, capacity = None, self.context.capacity
+        for begin in range(0, len(tokens), capacity):
+            chunk = tokens[begin : begin + capacity]
+            last = begin + len(chunk) == len(tokens)
+            logits = self._decode(chunk, [last and i == len(chunk) - 1 for i in range(len(chunk))])
         self._pending = (tokens[-1], logits)
-        return tokens, None
 
-    def forward(self, block: list[int], tree: TokenTree | None = None, hidden: bool = False,
-                riders: Riders | None = None) -> ForwardOutput:
-        """Run ``block`` (a chain) after the cached tokens: logits [block, vocab] float32."""
+    def take_block(self, block: list[int], tree: TokenTree | None, hidden: bool,
+                   riders: Riders | None) -> tuple[torch.Tensor | None, list[int]]:
+        """Check a block and settle the pending root: (the root's reused logits or None, the
+        tokens still to decode)."""
         if hidden:
-            raise ValueError(self._no_features())
+            raise ValueError(no_features())
         if riders is not None:
             raise ValueError("riders (hidden transfer) need a PyTorch target; the llama.cpp backend has none")
         if tree is not None and not tree.is_chain:
             raise ValueError("the llama.cpp target verifies chains only (trees_ok is False)")
-        pieces = []
-        if self._pending is not None:
-            token, root_logits = self._pending
-            self._pending = None
-            if block and block[0] == token:  # the prefill computed it: reuse its cache entry and logits
-                pieces.append(root_logits)
-                block = block[1:]
-            else:
-                self._remove_from(self._cells - 1)
-        for begin in range(0, len(block), self._capacity):
-            pieces.append(self._decode(block[begin : begin + self._capacity], outputs="all"))
-        logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0, self.vocab_size)
-        return ForwardOutput(logits, None)
+        if self._pending is None:
+            return None, block
+        token, root_logits = self._pending
+        self._pending = None
+        if block and block[0] == token:  # the prefill computed it: reuse its cache entry and logits
+            return root_logits, block[1:]
+        self._remove_from(self._cells - 1)
+        return None, block
 
-    def forward_rows(self, rows: list["LlamaCppTarget"], blocks: list[list[int]], trees: list[TokenTree | None],
-                     hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]:
-        """The decode step's interface (see :mod:`hasten.engine.sequence`): one sequence, this one."""
-        if len(rows) != 1 or rows[0] is not self:
-            raise ValueError("a LlamaCppTarget runs one sequence")
-        return [self.forward(blocks[0], trees[0], hidden, riders[0])]
+    def place(self, count: int) -> list[int]:
+        """The positions of the next ``count`` cells, taken (the decode that fills them follows)."""
+        start = self._cells
+        self._cells = start + count
+        return list(range(start, start + count))
 
-    def _decode(self, tokens: list[int], outputs: str) -> torch.Tensor | None:
-        """One llama_decode of ``tokens`` at the next positions. ``outputs``: "all" (logits
-        [n, vocab]), "last" ([1, vocab]) or "none"."""
-        lib, batch, start = self.lib, self._batch, self._cells
-        if start + len(tokens) > self.model.context:
-            raise ValueError(f"the llama.cpp context holds {self.model.context} positions; this generation needs "
-                             f"{start + len(tokens)} (make the LlamaCppModel with a larger context)")
-        for i, token in enumerate(tokens):
-            if not 0 <= token < self.vocab_size:
-                raise ValueError(f"token id {token} is outside the model's vocabulary [0, {self.vocab_size})")
-            batch.token[i] = token
-            batch.pos[i] = start + i
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = SEQUENCE
-            batch.logits[i] = int(outputs == "all" or (outputs == "last" and i == len(tokens) - 1))
-        batch.n_tokens = len(tokens)
-        status = lib.llama_decode(self._ctx, batch)
-        if status != 0:
-            raise RuntimeError(f"llama_decode failed with status {status} at position {start}")
-        self._cells = start + len(tokens)
-        if outputs == "none":
-            return None
-        rows = len(tokens) if outputs == "all" else 1
-        pointer = lib.llama_get_logits(self._ctx)  # the asked-for rows, in batch order
-        view = np.ctypeslib.as_array(pointer, shape=(rows, self.vocab_size))  # llama.cpp's buffer, not a copy
-        return torch.from_numpy(view.copy())  # [rows, vocab] float32
+    def _decode(self, tokens: list[int], outputs: list[bool]) -> torch.Tensor | None:
+        return self.context.decode([self.sequence] * len(tokens), self.place(len(tokens)), tokens, outputs)
 
     # ---- cache -------------------------------------------------------------------------
     @property
@@ -223,10 +308,12 @@ class LlamaCppTarget:
             self._remove_from(new_length)
 
     def _remove_from(self, position: int) -> None:
-        if not self.lib.llama_memory_seq_rm(self._memory, SEQUENCE, position, -1):
-            raise RuntimeError("llama.cpp could not remove cache entries (a recurrent or sliding-window cache "
-                               "cannot be rolled back; speculative decoding would change its output)")
+        self.context.remove(self.sequence, position)
         self._cells = position
+
+    def cache_bytes(self) -> int:
+        """KV bytes this generation holds in llama.cpp (read once, at its end, by the loop)."""
+        return self.context.sequence_bytes(self.sequence)
 
     def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None:
         """After verifying the chain ``[root] + draft`` cached from ``start``: keep the root
@@ -235,20 +322,122 @@ class LlamaCppTarget:
             raise ValueError("the llama.cpp target verifies chains only; the accepted path must be a prefix")
         self.crop(start + 1 + len(accepted))
 
-    # ---- cleanup -----------------------------------------------------------------------
+
+class LlamaCppTarget(LlamaCppRow):
+    """One generation on a :class:`LlamaCppModel`, in a llama.cpp context of its own. Pass
+    a model or the path of a GGUF file."""
+
+    def __init__(self, model: LlamaCppModel | str | os.PathLike, threads: int | None = None):
+        model = model if isinstance(model, LlamaCppModel) else LlamaCppModel(model, threads)
+        super().__init__(model._take_context(threads), 0)
+        self.lib = model.lib
+
+    def start(self, input_ids: torch.Tensor, hidden: bool = False) -> tuple[list[int], None]:
+        """Prefill the prompt ([1, T]); returns the committed tokens (the prompt)."""
+        if hidden:
+            raise ValueError(no_features())
+        tokens = input_ids[0].tolist()
+        self.prefill(tokens)
+        return tokens, None
+
+    def forward(self, block: list[int], tree: TokenTree | None = None, hidden: bool = False,
+                riders: Riders | None = None) -> ForwardOutput:
+        """Run ``block`` (a chain) after the cached tokens: logits [block, vocab] float32."""
+        root_logits, rest = self.take_block(block, tree, hidden, riders)
+        pieces = [] if root_logits is None else [root_logits]
+        capacity = self.context.capacity
+        for begin in range(0, len(rest), capacity):
+            chunk = rest[begin : begin + capacity]
+            pieces.append(self._decode(chunk, [True] * len(chunk)))
+        logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0, self.vocab_size)
+        return ForwardOutput(logits, None)
+
+    def forward_rows(self, rows: list["LlamaCppTarget"], blocks: list[list[int]], trees: list[TokenTree | None],
+                     hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]:
+        """The decode step's interface (see :mod:`hasten.engine.sequence`): one sequence, this one."""
+        if len(rows) != 1 or rows[0] is not self:
+            raise ValueError("a LlamaCppTarget runs one sequence")
+        return [self.forward(blocks[0], trees[0], hidden, riders[0])]
+
     def close(self) -> None:
-        if getattr(self, "_ctx", None):
-            self.lib.llama_batch_free(self._batch)
-            self.lib.llama_free(self._ctx)
-            self._ctx = None
+        """Hand the context back to the model for the next generation (its cells are
+        forgotten by the next prefill)."""
+        context, self.context = getattr(self, "context", None), None
+        if context is not None and context._ctx:
+            self.model._give_back(context)
 
     def __del__(self):
         self.close()
 
-    @staticmethod
-    def _no_features() -> str:
-        return ("the llama.cpp backend exposes no hidden states: drafters that read the target's features "
-                "(needs_features: eagle, medusa, ...) need a PyTorch target")
+
+class LlamaCppBatch:
+    """Many generations in one llama.cpp context, each row a llama.cpp sequence id: the
+    interface of :class:`~hasten.models.batch.BatchAdapter` (``add``, ``remove``,
+    ``forward_rows``) for the scheduler. Each step every row's block goes into one
+    ``llama_batch`` (entries tagged with the row's sequence id and positions), and each
+    row's rejected entries leave by a removal on its own sequence."""
+
+    trees_ok = False
+    features_ok = False
+    encoder_decoder = False
+    device = torch.device("cpu")
+
+    def __init__(self, model: LlamaCppModel, rows: int):
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"rows must be an integer >= 1, got {rows!r}")
+        self.model, self.vocab_size = model, model.vocab_size
+        self.context = LlamaCppContext(model, rows)
+        self._free = list(range(rows))  # sequence ids no row holds
+        self.rows: list[LlamaCppRow] = []
+
+    def add(self, tokens: list[int], hidden: bool = False) -> tuple[LlamaCppRow, None]:
+        """Prefill a new generation (alone in its batches, as a lone generation's prompt) on a free sequence id."""
+        if hidden:
+            raise ValueError(no_features())
+        if not self._free:
+            raise RuntimeError(f"all {len(self.rows)} llama.cpp sequences are in use "
+                               "(the batch was made for that many)")
+        row = LlamaCppRow(self.context, self._free.pop(0))
+        row.prefill(list(tokens))
+        self.rows.append(row)
+        return row, None
+
+    def remove(self, row: LlamaCppRow) -> None:
+        """Free the row's sequence id and its cells."""
+        self.rows.remove(row)
+        self.context.forget(row.sequence)
+        self._free.append(row.sequence)
+
+    def forward_rows(self, rows: list[LlamaCppRow], blocks: list[list[int]], trees: list[TokenTree | None],
+                     hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]:
+        """Every row's block in one llama_batch (more than one only past n_batch tokens):
+        logits [block, vocab] per row."""
+        reused, entries = [], []  # entries: (row index, sequence, position, token)
+        for index, (row, block, tree, rider) in enumerate(zip(rows, blocks, trees, riders)):
+            root_logits, rest = row.take_block(block, tree, hidden, rider)
+            reused.append(root_logits)
+            entries += [(index, row.sequence, position, token) for position, token in zip(row.place(len(rest)), rest)]
+        decoded: list[list[torch.Tensor]] = [[] for _ in rows]
+        capacity = self.context.capacity
+        for begin in range(0, len(entries), capacity):
+            chunk = entries[begin : begin + capacity]
+            _, sequences, positions, tokens = (list(column) for column in zip(*chunk))
+            logits = self.context.decode(sequences, positions, tokens, [True] * len(chunk))  # [chunk, vocab]
+            for (index, *_), row_logits in zip(chunk, logits):
+                decoded[index].append(row_logits[None])
+        outs = []
+        for root_logits, pieces in zip(reused, decoded):
+            pieces = ([] if root_logits is None else [root_logits]) + pieces
+            outs.append(ForwardOutput(torch.cat(pieces) if pieces else torch.empty(0, self.vocab_size), None))
+        return outs
+
+    def close(self) -> None:
+        self.context.close()
+
+
+def no_features() -> str:
+    return ("the llama.cpp backend exposes no hidden states: drafters that read the target's features "
+            "(needs_features: eagle, medusa, ...) need a PyTorch target")
 
 
 def check_drafter(drafter) -> None:

@@ -53,6 +53,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request body accepted; larger ones get 413 (default 1 MiB)")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                         help="uvicorn's log level (default warning; info logs every request)")
+    parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
+                        help="torch (default) or llama.cpp: a .gguf target (and --draft) run by llama.cpp, each "
+                        "request a llama.cpp sequence, all rows in one llama_batch per step; draft sizing is "
+                        "then fixed (pip install 'hasten[llamacpp]'; docs/cpu.md)")
     add_runtime_arguments(parser)
     add_draft_size_argument(parser, "auto", ": a batch pads every row's draft to the widest, so on a "
                             "busy server fixed drafts can cost more than they bring")
@@ -78,12 +82,20 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..api import load
     from .app import ServeOptions, create_app, scheduler_factory
 
-    engine = load(args.model, args.method, draft=args.draft, device=device, dtype=torch_dtype(args.dtype),
-                  draft_size=args.draft_size, **method_kwargs)
+    if args.backend == "llama.cpp":
+        if args.dtype != "float32" or device != "cpu":
+            raise UserError("--backend llama.cpp runs the GGUF file's own quantisation on the CPU: "
+                            "drop --dtype/--device")
+        # auto sizing calibrates a PyTorch forward: the llama.cpp backend drafts each method's fixed depth
+        engine = load(args.model, args.method, draft=args.draft, backend="llama.cpp", **method_kwargs)
+    else:
+        engine = load(args.model, args.method, draft=args.draft, device=device, dtype=torch_dtype(args.dtype),
+                      draft_size=args.draft_size, **method_kwargs)
+    # on llama.cpp the Scheduler's rows are sequences of one llama.cpp context (LlamaCppBatch)
+    make_scheduler = scheduler_factory(engine, args.max_batch, args.max_tokens_in_flight, args.max_prefill_tokens)
     name = args.served_model_name or args.model
     options = ServeOptions(name, args.api_key, args.max_body_bytes)
-    app = create_app(engine, scheduler_factory(engine, args.max_batch, args.max_tokens_in_flight,
-                                                args.max_prefill_tokens), options)
+    app = create_app(engine, make_scheduler, options)
     if args.api_key is None and not is_loopback(args.host):
         print(f"hasten serve: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)

@@ -1,0 +1,142 @@
+"""``hasten bench --backend llama.cpp``: hasten's methods on a GGUF model run by llama.cpp,
+timed against llama.cpp's own decoding of the same file in the same interleaved run.
+
+hasten's side is the runner's own hasten methods over a
+:class:`~hasten.models.llamacpp.LlamaCppModel` (the loop opens a llama.cpp target for it):
+their reference is hasten's plain decoding on that backend. The baselines are
+llama-cpp-python's ``Llama`` generation loops on the same file, context size and threads:
+
+* ``llama_cpp``: its plain greedy decoding (the prompt in one batch, then one token a step);
+* ``llama_cpp_lookup``: the same loop with its prompt-lookup draft model
+  (``LlamaPromptLookupDecoding``), where this llama-cpp-python has it.
+
+Both run with flash attention on, as the backend does, so their greedy tokens equal hasten's
+(tests/test_llamacpp.py); the runner checks that on every prompt.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..api import AUTOREGRESSIVE
+from ..core.stats import DecodeStats
+from ..drafters.base import REGISTRY
+from ..models import gguf
+from ..models.llamacpp import LlamaCppModel, llama_cpp_module
+from .. import zoo
+from .runner import Method
+
+LLAMA_CPP = "llama_cpp"
+LLAMA_CPP_LOOKUP = "llama_cpp_lookup"
+BASELINES = (LLAMA_CPP, LLAMA_CPP_LOOKUP)
+LOOKUP_TOKENS = 10  # llama-cpp-python's own default for LlamaPromptLookupDecoding
+# The methods --methods auto times on this backend: the training-free drafters (plus
+# draft_model when a GGUF draft is given). Trained drafters read the target's features,
+# which llama.cpp does not expose.
+AUTO_METHODS = (AUTOREGRESSIVE, "prompt_lookup", "lookahead", "draft_model")
+CONTEXT_STEP = 256  # contexts are sized to the longest prompt and budget, rounded up to this
+
+
+def gguf_path(name: str | os.PathLike) -> Path:
+    """The .gguf file a zoo name, a file or a directory names; ValueError otherwise."""
+    path = os.fspath(name)
+    if zoo.is_zoo_name(path):
+        path = str(zoo.resolve(path, cache_dir=gguf.cache_root()))
+    source = gguf.find_gguf(path)
+    if source is None:
+        raise ValueError(f"--backend llama.cpp needs a .gguf file (or a zoo name of one); {name!r} is none")
+    return source
+
+
+def load_tokenizer(name: str | os.PathLike):
+    """The tokenizer written in the GGUF file (transformers rebuilds it from the file's
+    vocabulary), without dequantising the weights as a PyTorch load would."""
+    from transformers import AutoTokenizer
+
+    source = gguf_path(name)
+    return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+
+
+def context_for(input_ids: list[torch.Tensor], max_new_tokens: int) -> int:
+    """Positions enough for the longest prompt, its new tokens and one draft block past them."""
+    longest = max(ids.shape[1] for ids in input_ids) + max_new_tokens + 64
+    return -(-longest // CONTEXT_STEP) * CONTEXT_STEP
+
+
+def load(name, threads: int, context: int) -> LlamaCppModel:
+    return LlamaCppModel(gguf_path(name), threads=threads, context=context)
+
+
+def method_names(names: list[str], draft_given: bool, auto: bool) -> list[str]:
+    """The hasten methods to time on llama.cpp: with ``auto`` the training-free ones that the
+    given models allow; otherwise ``names``, each checked to run on this backend."""
+    if auto:
+        return [n for n in AUTO_METHODS if draft_given or not REGISTRY.get(n) or not REGISTRY[n].needs_draft_model]
+    for name in names:
+        if name in REGISTRY and REGISTRY[name].needs_features:
+            raise ValueError(f"{name} reads the target's hidden states, which the llama.cpp backend does not expose; "
+                             f"methods that run on it: {', '.join(AUTO_METHODS)}")
+    return names
+
+
+def lookup_available() -> bool:
+    """Whether this llama-cpp-python has its prompt-lookup draft model."""
+    try:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def baseline_method(name: str, model: LlamaCppModel) -> Method:
+    """llama-cpp-python's own greedy loop on the model's file, context and threads."""
+    if name not in BASELINES:
+        raise ValueError(f"unknown llama.cpp baseline {name!r}; known: {', '.join(BASELINES)}")
+    llama_cpp_module()  # the install hint, if it is missing
+    from llama_cpp import Llama
+
+    options = {}
+    if name == LLAMA_CPP_LOOKUP:
+        if not lookup_available():
+            raise ValueError("this llama-cpp-python has no LlamaPromptLookupDecoding")
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        options["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
+    # flash attention as the backend runs it (its greedy tokens then equal hasten's); n_batch
+    # as the backend feeds the prompt
+    llm = Llama(str(model.path), n_ctx=model.context, n_batch=model.batch, n_ubatch=model.batch,
+                n_threads=model.threads, n_threads_batch=model.threads, flash_attn=True, verbose=False, **options)
+    counting = _count_evals(llm)
+
+    def run(input_ids, max_new_tokens):
+        prompt = input_ids[0].tolist()
+        llm.reset()  # no reuse of the previous run's cache: every run prefills its prompt
+        counting.clear()
+        clock = time.perf_counter()
+        # repeat_penalty 1.0: plain greedy (llama-cpp-python's generate applies none by default either)
+        new = list(itertools.islice(llm.generate(prompt, temp=0.0, repeat_penalty=1.0), max_new_tokens))
+        seconds = time.perf_counter() - clock
+        # every eval is a step, the prompt's too (it yields the first token), as the runner counts Hugging Face's
+        return new, DecodeStats(steps=len(counting), new_tokens=len(new)), seconds
+
+    settings = {"flash_attn": True, "n_ctx": model.context, "threads": model.threads}
+    if name == LLAMA_CPP_LOOKUP:
+        settings["num_pred_tokens"] = LOOKUP_TOKENS
+    return Method(name, "llama.cpp", run, settings)
+
+
+def _count_evals(llm) -> list:
+    """Wrap ``llm.eval`` to count its calls (the target forwards, for tau)."""
+    calls: list = []
+    evaluate = llm.eval
+
+    def counted(tokens):
+        calls.append(len(tokens))
+        return evaluate(tokens)
+
+    llm.eval = counted
+    return calls

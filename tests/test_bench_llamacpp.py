@@ -1,0 +1,119 @@
+"""``hasten bench --backend llama.cpp``: hasten's methods on the llama.cpp backend timed with
+llama.cpp's own decoding of the same GGUF in one interleaved run, every output checked equal.
+
+Needs llama-cpp-python (``pip install 'hasten[llamacpp]'``, see docs/cpu.md); the GGUF is the
+tiny random Llama that tests/test_llamacpp.py writes."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip(
+    "llama_cpp", reason="llama-cpp-python is not installed: pip install 'hasten[llamacpp]' (see docs/cpu.md)")
+from test_llamacpp import NEW, llama_cpp_greedy, tiny_gguf  # noqa: E402,F401  (the fixture, by name)
+
+from hasten.bench import llamacpp  # noqa: E402
+
+PROMPTS = [
+    {"prompt": "def add(a, b):\n    return a + b\ndef add(a, b):\n", "category": "code"},
+    {"prompt": "for i in range(10):\n    print(i)\nfor i in range(10):\n", "category": "loop"},
+]
+
+
+@pytest.fixture
+def prompts(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(json.dumps(p) for p in PROMPTS))
+    return str(path)
+
+
+def bench(cli, gguf, prompts, out, *more):
+    return cli("bench", "--backend", "llama.cpp", "--model", str(gguf), "--prompts", prompts, "--per-task", "1",
+               "--repeats", "2", "--max-new-tokens", str(NEW), "--out", str(out), "--no-progress", *more)
+
+
+def test_the_bench_times_hasten_and_llama_cpp_on_one_gguf_with_equal_tokens(cli, tiny_gguf, prompts, tmp_path):
+    """Every method's tokens equal hasten's plain decoding on llama.cpp (the runner stops
+    otherwise) and llama-cpp-python's greedy loop is one of them, so all equal llama.cpp's
+    greedy; the baselines run on the same file and threads."""
+    code, printed, err = bench(cli, tiny_gguf, prompts, tmp_path / "out", "--draft", str(tiny_gguf))
+    assert code == 0, err
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    kinds = {m["name"]: m["kind"] for m in results["methods"]}
+    expected = {"autoregressive": "hasten", "prompt_lookup": "hasten", "lookahead": "hasten", "draft_model": "hasten",
+                "llama_cpp": "llama.cpp"}
+    if llamacpp.lookup_available():
+        expected["llama_cpp_lookup"] = "llama.cpp"
+    assert kinds == expected
+    assert results["settings"]["backend"] == "llama.cpp"
+    baseline = next(m for m in results["methods"] if m["name"] == "llama_cpp")
+    assert baseline["settings"]["threads"] == 1 and baseline["settings"]["flash_attn"] is True
+    rows = {r["method"]: r for r in results["by_category"]["overall"]}
+    assert all(rows[m]["tokens"] == NEW * len(PROMPTS) for m in expected)
+    assert rows["draft_model"]["tau"] > 1 and rows["prompt_lookup"]["tau"] > 1  # drafts were accepted
+    assert rows["llama_cpp"]["tau"] == 1.0  # one llama.cpp eval a token, the prompt's giving the first
+    assert "llama_cpp" in printed
+    # hasten is set against llama.cpp: its plain decoding and, for prompt lookup, llama.cpp's own
+    for method in ("autoregressive", "prompt_lookup"):
+        row = rows[method]
+        assert row["speedup_vs_llama_cpp"] == pytest.approx(rows["llama_cpp"]["seconds"] / row["seconds"], rel=1e-3)
+    if llamacpp.lookup_available():
+        assert rows["prompt_lookup"]["hf_match"] == "llama_cpp_lookup"
+    assert rows["autoregressive"]["hf_match"] == "llama_cpp"
+    report = (tmp_path / "out" / "results.md").read_text()
+    assert "vs llama.cpp greedy" in report and "hasten's best vs llama.cpp's best" in report
+
+
+def test_a_baseline_that_differs_stops_the_bench(cli, tiny_gguf, prompts, tmp_path, monkeypatch):
+    """The llama.cpp baselines go through the same check as hasten's methods: one token off
+    fails the run."""
+    real = llamacpp.baseline_method
+
+    def off_by_one(name, model):
+        method = real(name, model)
+        inner = method.run
+
+        def run(input_ids, max_new_tokens):
+            tokens, stats, seconds = inner(input_ids, max_new_tokens)
+            return tokens[:-1] + [(tokens[-1] + 1) % model.vocab_size], stats, seconds
+
+        method.run = run
+        return method
+
+    monkeypatch.setattr(llamacpp, "baseline_method", off_by_one)
+    code, _, err = bench(cli, tiny_gguf, prompts, tmp_path / "out", "--methods", "prompt_lookup",
+                         "--baselines", "llama_cpp")
+    assert code == 1 and "LOSSLESSNESS FAILURE" in err and "llama_cpp" in err
+
+
+def test_the_reference_is_llama_cpps_greedy_decoding(tiny_gguf):
+    """The plain loop on llama.cpp, as the bench runs it, gives llama.cpp's own greedy tokens."""
+    import torch
+
+    from hasten.bench.runner import hasten_method
+
+    model = llamacpp.load(tiny_gguf, 1, 512)
+    prompt = list(range(5, 17)) * 2
+    tokens, stats, _ = hasten_method("autoregressive", model).run(torch.tensor([prompt]), NEW)
+    assert tokens == llama_cpp_greedy(tiny_gguf, prompt, NEW, 512)
+    plain, _, _ = llamacpp.baseline_method("llama_cpp", model).run(torch.tensor([prompt]), NEW)
+    assert plain == tokens
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--draft-size", "auto"], "use fixed with --backend llama.cpp"),
+    (["--methods", "medusa"], "reads the target's hidden states"),
+    (["--baselines", "hf_generate"], "known: llama_cpp, llama_cpp_lookup"),
+])
+def test_bench_options_that_cannot_run_on_llama_cpp_fail_in_one_line(cli, tiny_gguf, prompts, tmp_path, args, match):
+    code, _, err = bench(cli, tiny_gguf, prompts, tmp_path / "out", *args)
+    assert code == 2 and match in err and err.count("\n") == 1, err
+
+
+def test_a_model_that_is_no_gguf_is_named(cli, prompts, tmp_path):
+    from helpers import save_checkpoint
+
+    path = save_checkpoint(tmp_path / "ckpt")
+    code, _, err = bench(cli, path, prompts, tmp_path / "out")
+    assert code == 2 and "needs a .gguf file" in err
