@@ -4,7 +4,8 @@ None of them is in the default category set: their prompts need a model with mor
 4,096 positions (``zoo:code-tiny-long``), and they take minutes where the default set
 takes seconds. Ask for them by name (``--tasks long4k,long16k,needle``).
 
-* ``long4k`` / ``long16k``: a long held-out stdlib file's first 4,096 / 16,384 tokens,
+* ``long4k`` / ``long16k``: a long held-out stdlib file's first 4,096 / 16,000 tokens (16,000,
+  not 16,384: a 16k-position model must have room to continue it),
   decoded back to text, exactly that many tokens long as the model's tokenizer encodes
   it; the model continues the file.
 * ``needle``: a function defined at least ``NEEDLE_DISTANCE_TOKENS`` tokens before the
@@ -22,7 +23,7 @@ from pathlib import Path
 from ..zoo.corpus import heldout_files, read_text, stdlib_root
 from .heldout import Function, Task, functions, spread, tail, token_count
 
-LONG_PREFIX_TOKENS = {"long4k": 4096, "long16k": 16384}
+LONG_PREFIX_TOKENS = {"long4k": 4096, "long16k": 16000}  # long16k leaves a 16,384-position model room for 384 new tokens
 LONG_CONTINUATION_TOKENS = 512  # a file must go on at least this long after the prefix: a real continuation
 NEEDLE_DISTANCE_TOKENS = 2048  # tokens between the needle function's end and the restatement, at least
 NEEDLE_LEAD_TOKENS = 256  # file context before the needle function

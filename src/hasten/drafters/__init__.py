@@ -7,6 +7,7 @@ from .easyspec import EasySpec, EasySpecSettings
 from .gad import GAD, GADSettings
 from .hidden_transfer import HiddenTransfer, HiddenTransferSettings
 from .lookahead import Lookahead, LookaheadSettings
+from .longspec import LongSpec, LongSpecSettings
 from .medusa import Medusa, MedusaHeads, MedusaSettings
 from .prompt_lookup import PromptLookup, PromptLookupSettings
 from .triforce import TriForce, TriForceSettings
@@ -30,6 +31,8 @@ __all__ = [
     "DraftModelSettings",
     "Lookahead",
     "LookaheadSettings",
+    "LongSpec",
+    "LongSpecSettings",
     "Medusa",
     "TriForce",
     "TriForceSettings",
