@@ -52,6 +52,40 @@ def test_greedy_decoding_with_hybrid_tree_attention_equals_hf(arch):
     assert out.sequences.tolist() == hf_greedy(model, prompt, 20).tolist()
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_grouped_kv_heads_read_in_place_equal_the_copied_ones(arch, monkeypatch):
+    """A long block's forward on the CPU reads grouped KV heads in place (enable_gqa) instead of
+    transformers' per-group copy: tree and chain logits equal the copying path's, the grouped
+    function really runs on grouped-query models, and the model's attention is put back."""
+    model = build(arch)
+    prompt = repetitive_prompt(30, seed=2)[0].tolist()
+    tokens = [5, 9, 11, 7, 3, 12, 40]
+    copied = tree_logits(model, MaskedTree(), prompt, tokens)
+    chain = TokenTree.chain(len(tokens))
+    copied_chain = ModelAdapter(model)
+    copied_chain.start(torch.tensor([prompt]))
+    copied_chain = copied_chain.forward([prompt[-1], *tokens], chain).logits
+    calls = []
+    real = attention.grouped_attention
+    monkeypatch.setattr(attention, "IN_PLACE_FROM", 8)  # the tiny prompt counts as long
+    monkeypatch.setattr(attention, "grouped_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    in_place = tree_logits(model, MaskedTree(), prompt, tokens)
+    adapter = ModelAdapter(model)
+    adapter.start(torch.tensor([prompt]))
+    in_place_chain = adapter.forward([prompt[-1], *tokens], chain).logits
+    torch.testing.assert_close(in_place, copied, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(in_place_chain, copied_chain, rtol=1e-5, atol=1e-5)
+    config = model.config.get_text_config()
+    grouped = getattr(config, "num_key_value_heads", None) not in (None, config.num_attention_heads)
+    assert bool(calls) == grouped
+    assert model.config._attn_implementation == "sdpa"
+    monkeypatch.undo()
+    prompt_tensor = torch.tensor([prompt])
+    monkeypatch.setattr(attention, "IN_PLACE_FROM", 8)
+    out = hasten.generate(model, prompt_tensor, drafter=Lookahead(), max_new_tokens=16)
+    assert out.sequences.tolist() == hf_greedy(model, prompt_tensor, 16).tolist()
+
+
 def test_unknown_attention_path_is_refused():
     with pytest.raises(ValueError, match="tree_attention"):
         attention_path("flash")

@@ -17,7 +17,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import cache as kv
-from .attention import MaskedTree
+from .attention import MaskedTree, kv_heads_in_place
 from . import vlm
 from .layers import attention_mask, forward_with_placeholders, model_name  # model_name: also imported from here
 from ..core.tree import TokenTree
@@ -147,7 +147,7 @@ class ModelAdapter:
         kwargs.update(model_inputs or {})
         ids_key = "decoder_input_ids" if self.encoder_decoder else "input_ids"
         path = self.tree_attention if "attention_mask" in kwargs else MaskedTree()  # only tree blocks have a mask
-        with path.active(self.model):
+        with path.active(self.model), kv_heads_in_place(self.model, len(block), past):
             out = self.model(
                 **{ids_key: ids}, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden, **kwargs
             )
@@ -181,11 +181,12 @@ class ModelAdapter:
         ids = torch.tensor([block], dtype=torch.long, device=self.device)  # [1, block]
         allowed, positions = self._tree_layout(tree, past)
         every_position = torch.arange(size, device=self.device)[None]  # [1, block]: each one anchors riders
-        out = forward_with_placeholders(
-            self.model, ids, allowed, positions, every_position,
-            riders.count, riders.layer, riders.transfer, past_positions=torch.arange(past, device=self.device),
-            past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
-        )
+        with kv_heads_in_place(self.model, size * (1 + riders.count), past):
+            out = forward_with_placeholders(
+                self.model, ids, allowed, positions, every_position,
+                riders.count, riders.layer, riders.transfer, past_positions=torch.arange(past, device=self.device),
+                past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
+            )
         self._check_rollback()
         logits = out.logits[0].float()  # [block + block * count, vocab]
         states = out.hidden_states[-1][0, :size] if hidden else None

@@ -26,6 +26,7 @@ from transformers import PreTrainedModel
 
 from . import cache as kv
 from .adapter import ForwardOutput, ModelAdapter, Riders, vocab_size
+from .attention import kv_heads_in_place
 from .layers import attention_mask, model_name
 from ..core.tree import TokenTree
 
@@ -186,10 +187,11 @@ class BatchAdapter:
         ids, block_mask, query_pos = ids.to(self.device), block_mask.to(self.device), query_pos.to(self.device)
         allowed = torch.cat([self.valid[:, None, :].expand(count, width, past), block_mask], dim=2)  # [rows, width, past + width]
         key_pos = torch.cat([self.key_pos, query_pos], dim=1)  # [rows, past + width]
-        out = self.model(
-            input_ids=ids, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
-            attention_mask=attention_mask(self.model, allowed, query_pos, key_pos), position_ids=query_pos,
-        )
+        with kv_heads_in_place(self.model, width, past):
+            out = self.model(
+                input_ids=ids, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
+                attention_mask=attention_mask(self.model, allowed, query_pos, key_pos), position_ids=query_pos,
+            )
         if not self._checked:
             kv.check_rollback(self.cache, model_name(self.model))
             self._checked = True
