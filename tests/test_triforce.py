@@ -70,6 +70,34 @@ def test_refreshed_selection_keeps_greedy_output_and_really_changes(arch):
         hasten.generate(model, [prompt[0], prompt[0, :20]], drafter=drafter, max_new_tokens=4)
 
 
+def test_begin_selects_from_the_loops_cache_and_leaves_it_as_it_was():
+    """One sequence: the retrieval cache is chosen from the loop's own cache (no second
+    prefill) with one root forward that is cropped away: the loop's entries are untouched,
+    and the middle level holds a selection within the budget."""
+    from hasten.core.sampling import Sampling
+    from hasten.drafters.base import DraftContext
+    from hasten.engine.verify import GreedyAcceptance
+    from hasten.models.adapter import ModelAdapter
+
+    model, small = tiny_model("llama"), tiny_model("llama", seed=7)
+    tokens = repetitive_prompt(48, seed=3)[0].tolist()
+    target = ModelAdapter(model)
+    target.start(torch.tensor([tokens]))  # caches all but the root
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in target.cache.layers]
+    prefills = []
+    real_forward = model.forward
+    model.forward = lambda *a, **k: prefills.append(k["input_ids"].shape[1]) or real_forward(*a, **k)
+    state = TriForce(small, **SMALL).begin(DraftContext(tokens=tokens, max_depth=5, sampling=Sampling(),
+                                                        generator=None, target=target, acceptance=GreedyAcceptance()))
+    del model.forward
+    assert prefills == [1]  # the root alone, no prompt-long prefill
+    assert target.cache_length == 47
+    for (keys, values), layer in zip(before, target.cache.layers):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+    # 47 entries in chunks of 4: the first chunk, the latest 3 and the best 2 whole chunks fit in 16
+    assert state.middle.selected == 4 + 2 * 4 + 3 and state.middle.prompt == 47
+
+
 def test_batched_rows_equal_hf_greedy():
     model, small = tiny_model("llama"), tiny_model("llama", seed=7)
     prompts = [repetitive_prompt(40, seed=1)[0], repetitive_prompt(12, seed=2)[0]]

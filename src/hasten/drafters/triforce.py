@@ -19,9 +19,12 @@ speculative sampling), so the middle level's output is distributed exactly as it
 ``p``; that ``p`` is the ``q`` handed to the top level, whose verification keeps the
 target's law exactly. Greedy output is the target's.
 
-The retrieval cache is built from a second prefill that also records the queries (the
-target's own prefill stays the loop's): this doubles prefill work, as the reference
-implementation's separate retrieval cache does. The reference chooses the chunks once;
+The retrieval cache is chosen from the loop's own full cache with the query of the newest
+token (one extra one-token forward, cropped away), not from a second prefill as the
+reference's separate cache is (which doubled prefill work: at 16k tokens that second
+prefill cost more than all the decoding); batch rows, llama.cpp and compressed caches,
+whose entries it cannot read as one sequence's, still get a prefill of their own. The
+reference chooses the chunks once;
 ``refresh=N`` re-chooses them every N steps with the newest token's query (the prompt's
 entries are read from the loop's full cache, the generated tokens stay), one extra
 middle-level forward of the pending tokens per refresh. Full-attention decoders only: a
@@ -180,14 +183,21 @@ class TriForce(Drafter):
 
     def begin(self, ctx: DraftContext) -> TriForceState:
         settings = self.settings
-        if settings.refresh and not (isinstance(ctx.target, ModelAdapter) and ctx.target.offset == 0):
+        if settings.refresh and not self._reads_target_cache(ctx):
             raise ValueError("triforce refresh reads the prompt's entries from the target's own full cache: "
                              "one sequence on a plain ModelAdapter only (not batches, llama.cpp or "
                              "compressed caches); use refresh=0 there")
         model = ctx.target.model
         prompt = ctx.tokens[:-1]  # what the loop's target has cached: all but the root
         cache = DynamicCache()
-        if prompt:
+        if prompt and self._reads_target_cache(ctx) and ctx.target.cache_length == len(prompt):
+            # the loop's own cache holds the prompt's entries: one forward of the root records
+            # the query that picks the chunks, and is cropped away again
+            with last_queries(model) as queries:
+                ctx.target.forward([ctx.tokens[-1]], tree=None)
+            ctx.target.crop(len(prompt))
+            cache = self._selection(ctx, queries, len(prompt))
+        elif prompt:  # batch rows, llama.cpp, compressed caches: a prefill of its own, as the reference
             with torch.no_grad(), last_queries(model) as queries:
                 ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
                 model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -195,6 +205,18 @@ class TriForce(Drafter):
         selected = cache.get_seq_length() if prompt else 0
         middle = Middle(model, cache, selected, len(prompt))
         return TriForceState(middle, self._streaming(ctx.tokens[:-1]))
+
+    @staticmethod
+    def _reads_target_cache(ctx: DraftContext) -> bool:
+        """Whether the loop's target is one sequence's full cache (a plain ModelAdapter)."""
+        return isinstance(ctx.target, ModelAdapter) and ctx.target.offset == 0 and not ctx.target.encoder_decoder
+
+    def _selection(self, ctx: DraftContext, queries: dict[int, torch.Tensor], prompt: int) -> DynamicCache:
+        """The retrieval selection of the first ``prompt`` entries of the loop's full cache."""
+        prompt_part = DynamicCache()
+        for index, layer in enumerate(ctx.target.cache.layers):  # [1, kv_heads, committed, head_dim]
+            prompt_part.update(layer.keys[:, :, :prompt], layer.values[:, :, :prompt], index)
+        return retrieval_cache(prompt_part, queries, self.settings.budget, self.settings.chunk_size)
 
     def _streaming(self, committed: list[int]) -> Streaming:
         """A fresh small-model cache standing for ``committed``: its sinks and its window."""
@@ -254,10 +276,7 @@ class TriForce(Drafter):
         with last_queries(middle.model) as queries:
             middle.forward(tokens[middle.prompt + shared:])  # ends with the root: its query is recorded
         middle.keep(len(tokens) - 1 - middle.prompt)  # the root's entry goes: the drafting rounds feed it
-        prompt_part = DynamicCache()
-        for index, layer in enumerate(ctx.target.cache.layers):  # [1, kv_heads, committed, head_dim]
-            prompt_part.update(layer.keys[:, :, : middle.prompt], layer.values[:, :, : middle.prompt], index)
-        picked = retrieval_cache(prompt_part, queries, self.settings.budget, self.settings.chunk_size)
+        picked = self._selection(ctx, queries, middle.prompt)
         selected = picked.get_seq_length()
         for index, layer in enumerate(middle.cache.layers):  # the generated tokens' entries, kept as they are
             picked.update(layer.keys[:, :, middle.selected:], layer.values[:, :, middle.selected:], index)
