@@ -30,8 +30,10 @@ def test_resolve_rejects_unknown_names_and_lists_known_ones():
 
 def test_resolve_explains_how_to_train_missing_weights(monkeypatch, tmp_path):
     monkeypatch.setattr(zoo, "WEIGHTS_DIR", tmp_path)
-    with pytest.raises(FileNotFoundError, match="python -m hasten.zoo.recipe"):
+    with pytest.raises(FileNotFoundError, match="python -m hasten.zoo.recipe all"):
         zoo.resolve("zoo:code-tiny")
+    with pytest.raises(FileNotFoundError, match="python -m hasten.zoo.vlm_recipe"):
+        zoo.resolve("zoo:vlm-tiny")
 
 
 def test_is_zoo_name():
@@ -74,11 +76,17 @@ def test_read_text_survives_invalid_utf8(tmp_path):
 # ---------------------------------------------------------------- shipped tokenizer and models
 
 
+def text_models() -> list[str]:
+    """The zoo's causal text models (vlm-tiny is a LLaVA: tests/test_vlm_recipe.py)."""
+    return [name for name in zoo.MODELS
+            if json.loads((zoo.resolve(name) / "config.json").read_text())["architectures"][0].endswith("ForCausalLM")]
+
+
 @pytest.fixture(scope="module")
 def shipped():
-    """{name: (model, tokenizer, training report)} for every zoo model."""
+    """{name: (model, tokenizer, training report)} for every zoo text model."""
     out = {}
-    for name in zoo.MODELS:
+    for name in text_models():
         path = zoo.resolve(name)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         out[name] = (model, AutoTokenizer.from_pretrained(path), json.loads((path / "training.json").read_text()))
@@ -94,7 +102,7 @@ def test_shipped_tokenizer_round_trips_code_exactly(shipped):
 
 
 def test_target_and_draft_share_one_tokenizer():
-    files = [(zoo.resolve(name) / "tokenizer.json").read_bytes() for name in zoo.MODELS]
+    files = [(zoo.resolve(name) / "tokenizer.json").read_bytes() for name in text_models()]
     assert files[0] == files[1]
 
 

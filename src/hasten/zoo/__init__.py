@@ -19,7 +19,11 @@ MODELS = {
     "dlm-tiny": "masked-diffusion LM (~5.4M params) adapted from code-tiny: bidirectional, <|mask|> token (hasten.dlm)",
     "code-tiny-draft4": "~1.3M-param four-layer draft model for code-tiny (for layer-parallel drafting: easyspec)",
     "code-tiny-long": "code-tiny continued on long files at 16k-token windows (RoPE base 320k, 16,384 positions)",
+    "vlm-tiny": "small LLaVA (~6.2M params): CLIP-style tower (256 image tokens per 128x128 image) + code-tiny, "
+                "trained on procedural shape scenes (captions, QA)",
 }
+# How to rebuild a model's weights, where it is not hasten.zoo.recipe
+RECIPES = {"vlm-tiny": "python -m hasten.zoo.vlm_recipe --out-root {root} --minutes 25 --threads 1"}
 # Real models, installed separately (`make real`); they resolve to a .gguf file.
 PACKAGED = {name: model.description for name, model in real.MODELS.items()}
 
@@ -43,7 +47,6 @@ def resolve(name: str, cache_dir: Path | None = None) -> Path:
         raise ValueError(f"unknown zoo model {name!r}; known models: {', '.join(sorted(known()))}")
     path = WEIGHTS_DIR / short
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(
-            f"zoo model {short!r} has no weights at {path}; train them with "
-            f"`python -m hasten.zoo.recipe all --out-root {WEIGHTS_DIR}`")
+        recipe = RECIPES.get(short, "python -m hasten.zoo.recipe all --out-root {root}").format(root=WEIGHTS_DIR)
+        raise FileNotFoundError(f"zoo model {short!r} has no weights at {path}; train them with `{recipe}`")
     return path

@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -171,11 +172,16 @@ class Settings:
     resume: bool = False
 
 
+def lr_scale(step: int, progress: float, s) -> float:
+    """Linear warmup over steps, then cosine decay to final_lr_ratio over `progress` in [0, 1]
+    (a share of the peak). Progress is measured in wall-clock time because the number of
+    steps a time budget buys is unknown in advance."""
+    return warmup_cosine(step, s.warmup_steps, progress, s.final_lr_ratio)
+
+
 def lr_at(step: int, progress: float, s: Settings) -> float:
-    """Linear warmup over steps, then cosine decay to final_lr_ratio * lr over `progress`
-    in [0, 1]. Progress is measured in wall-clock time because the number of steps a time
-    budget buys is unknown in advance."""
-    return s.lr * warmup_cosine(step, s.warmup_steps, progress, s.final_lr_ratio)
+    """The learning rate of `s.lr` on that schedule."""
+    return s.lr * lr_scale(step, progress, s)
 
 
 def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int) -> torch.Tensor:
@@ -223,18 +229,15 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer) -> dict:
 
 
 @torch.enable_grad()  # callers (e.g. the test suite) may have turned autograd off
-def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_stream: np.ndarray,
-                out_dir: Path, ckpt_dir: Path, s: Settings) -> dict:
-    """Train `model` for the time budget, save it (float16) with the tokenizer and a
-    training.json into out_dir, and return that report."""
-    matrices = [p for p in model.parameters() if p.dim() >= 2]  # no weight decay on norm gains
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": s.weight_decay},
-                                   {"params": vectors, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
-    rng = np.random.default_rng(s.seed)
-    n_eval = min(s.eval_windows, len(heldout_stream) // s.seq_len)
-    eval_windows = torch.from_numpy(heldout_stream[:n_eval * s.seq_len].astype(np.int64)).view(n_eval, s.seq_len)
-
+def timed_training(name: str, model, optimizer, rng: np.random.Generator,
+                   next_loss: Callable[[np.random.Generator], torch.Tensor], heldout: Callable[[], float],
+                   ckpt_dir: Path, s, seen: tuple[str, int]) -> dict:
+    """The zoo's training loop: steps of ``next_loss(rng)`` until ``s.minutes`` of wall clock
+    (or ``s.max_steps``) are spent, each optimizer group's ``peak`` learning rate on a warmup +
+    cosine schedule over the elapsed share of the budget (the steps a time budget buys are unknown
+    in advance), ``heldout()`` evaluated and a checkpoint written every ``s.eval_minutes``
+    and at the end, resuming from ``ckpt_dir`` if ``s.resume``. ``seen``: (what a step
+    consumes, how many per step), for the evaluations' log. Returns the training state."""
     state = {"step": 0, "elapsed_s": 0.0, "train_losses": [], "evals": [], "rng": rng.bit_generator.state}
     if s.resume and (ckpt_dir / "checkpoint.json").is_file():
         state = load_checkpoint(ckpt_dir, model, optimizer)
@@ -245,9 +248,9 @@ def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_s
 
     def evaluate_and_checkpoint():
         state["elapsed_s"] = time.monotonic() - start
-        loss = heldout_loss(model, eval_windows, s.batch_size)
+        loss = heldout()
         state["evals"].append({"step": state["step"], "minutes": round(state["elapsed_s"] / 60, 2),
-                               "tokens": state["step"] * s.batch_size * s.seq_len, "heldout_loss": loss})
+                               seen[0]: state["step"] * seen[1], "heldout_loss": loss})
         state["rng"] = rng.bit_generator.state
         save_checkpoint(ckpt_dir, model, optimizer, state)
         tqdm.write(f"{name}: step {state['step']} heldout loss {loss:.4f}", file=sys.stderr)
@@ -263,9 +266,8 @@ def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_s
         if s.max_steps:
             progress = max(progress, state["step"] / s.max_steps)
         for group in optimizer.param_groups:
-            group["lr"] = lr_at(state["step"], progress, s)
-        batch = sample_batch(train_stream, rng, s.batch_size, s.seq_len)  # [batch, seq_len]
-        loss = model(input_ids=batch, labels=batch).loss  # labels are shifted inside the model
+            group["lr"] = group["peak"] * lr_scale(state["step"], progress, s)
+        loss = next_loss(rng)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -280,6 +282,30 @@ def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_s
     bar.close()
     if state["evals"][-1]["step"] != state["step"]:
         evaluate_and_checkpoint()
+    return state
+
+
+@torch.enable_grad()  # callers (e.g. the test suite) may have turned autograd off
+def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_stream: np.ndarray,
+                out_dir: Path, ckpt_dir: Path, s: Settings) -> dict:
+    """Train `model` for the time budget, save it (float16) with the tokenizer and a
+    training.json into out_dir, and return that report."""
+    matrices = [p for p in model.parameters() if p.dim() >= 2]  # no weight decay on norm gains
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": s.weight_decay},
+                                   {"params": vectors, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    for group in optimizer.param_groups:
+        group["peak"] = s.lr
+    rng = np.random.default_rng(s.seed)
+    n_eval = min(s.eval_windows, len(heldout_stream) // s.seq_len)
+    eval_windows = torch.from_numpy(heldout_stream[:n_eval * s.seq_len].astype(np.int64)).view(n_eval, s.seq_len)
+
+    def next_loss(rng: np.random.Generator) -> torch.Tensor:
+        batch = sample_batch(train_stream, rng, s.batch_size, s.seq_len)  # [batch, seq_len]
+        return model(input_ids=batch, labels=batch).loss  # labels are shifted inside the model
+
+    state = timed_training(name, model, optimizer, rng, next_loss, lambda: heldout_loss(model, eval_windows, s.batch_size),
+                           ckpt_dir, s, ("tokens", s.batch_size * s.seq_len))
 
     report = {
         "model": name,
