@@ -160,14 +160,6 @@ def test_kv_peaks_add_up_as_the_largest():
 
 
 # ---- the CLI ----------------------------------------------------------------------------------------
-def _cli_takes_long_tasks() -> bool:
-    from hasten.bench import cli as bench_cli
-
-    return hasattr(bench_cli, "LONG_CATEGORIES")
-
-
-@pytest.mark.skipif(not _cli_takes_long_tasks(), reason="bench/cli.py does not take the long categories yet: "
-                    "apply the cli.py diff from the longbench helper's report")
 def test_cli_bench_runs_needle_tasks_by_name_and_refuses_short_models(tmp_path, capsys):
     from hasten.cli import main
     from helpers import tiny_tokenizer

@@ -273,7 +273,7 @@ class Engine:
         its own BOS where the model wants one, so the tokenizer must not add another."""
         from jinja2.exceptions import TemplateError  # transformers' chat templates are jinja
 
-        self._check_messages(messages)
+        vlm.check_messages(messages, entries_ok=False)
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValueError(
                 "this model's tokenizer has no chat template, so it cannot format chat messages: "
@@ -286,19 +286,6 @@ class Engine:
         except TemplateError as err:  # the template's own check, e.g. "roles must alternate"
             raise ValueError(f"the chat template refused these messages: {err}") from err
         return encoded["input_ids"]  # [1, T]
-
-    @staticmethod
-    def _check_messages(messages) -> None:
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError(
-                f"messages must be a non-empty list of {{'role': str, 'content': str}} dicts, got {messages!r:.80}"
-            )
-        for i, message in enumerate(messages):
-            if not (isinstance(message, dict) and isinstance(message.get("role"), str) and message["role"]
-                    and isinstance(message.get("content"), str)):
-                raise ValueError(
-                    f"messages[{i}] must be a dict with a str 'role' and a str 'content', got {message!r:.80}"
-                )
 
     # ---- input ids -> text -----------------------------------------------------------------
     def _collect(self, input_ids: torch.Tensor, kwargs: dict) -> EngineOutput:
@@ -441,7 +428,8 @@ def load(
 def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, method_kwargs) -> Engine:
     """The llama.cpp backend: a GGUF target (and draft) loaded by llama.cpp; the tokenizer is
     read from the same file (converted once into the cache, like the PyTorch path)."""
-    from .models.llamacpp import LlamaCppModel, check_drafter
+    from .drafters.base import Drafter
+    from .models.llamacpp import LlamaCppModel, LlamaCppRow
 
     if dtype is not None or (device is not None and str(device) != "cpu"):
         raise ValueError("the llama.cpp backend runs the GGUF file's own quantisation on the CPU: "
@@ -463,7 +451,8 @@ def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(name_or_path if tokenizer is None else tokenizer)
     drafter = make_drafter(method, None if draft is None else open_gguf(draft), **method_kwargs)
-    check_drafter(drafter)
+    if drafter is not None:  # now, not at the first generation: what every llama.cpp target declares
+        Drafter.check_target(drafter, LlamaCppRow)  # (features_ok, encoder_decoder are class attributes)
     return Engine(model, tokenizer, drafter, method, draft_size)
 
 

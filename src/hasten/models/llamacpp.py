@@ -439,9 +439,3 @@ def no_features() -> str:
     return ("the llama.cpp backend exposes no hidden states: drafters that read the target's features "
             "(needs_features: eagle, medusa, ...) need a PyTorch target")
 
-
-def check_drafter(drafter) -> None:
-    """ValueError when ``drafter`` cannot run on a llama.cpp target (it reads features)."""
-    if drafter is not None and getattr(drafter, "needs_features", False):
-        raise ValueError(f"{drafter.name} reads the target's hidden states, which the llama.cpp backend does not "
-                         "expose; use prompt_lookup, lookahead or draft_model, or a PyTorch target")

@@ -281,6 +281,22 @@ def processor_inputs(processor, text: str, images: list) -> tuple[torch.Tensor, 
 
 
 # ---- chats with images ------------------------------------------------------------------------
+def check_messages(messages, entries_ok: bool) -> None:
+    """A chat's shape, the one check of it: a non-empty list of dicts with a non-empty str
+    'role' and a 'content' that is a str or, where ``entries_ok`` (a chat with images), a
+    list (whose entries :func:`chat_images` reads); a ValueError naming the message."""
+    content = "a str or a list of text and image entries" if entries_ok else "a str"
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError(f"messages must be a non-empty list of {{'role': str, 'content': {content}}} dicts, "
+                         f"got {messages!r:.80}")
+    kinds = (str, list) if entries_ok else (str,)
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and message["role"]
+                and isinstance(message.get("content"), kinds)):
+            raise ValueError(f"messages[{i}] must be a dict with a str 'role' and a 'content' that is {content}, "
+                             f"got {message!r:.80}")
+
+
 def chat_images(messages: list, images: list | None) -> tuple[list[dict], list]:
     """The chat's messages with every image entry bare (``{"type": "image"}``: the processor's
     chat template writes the image token there), and the chat's images in order: an entry's
@@ -289,14 +305,11 @@ def chat_images(messages: list, images: list | None) -> tuple[list[dict], list]:
     else is a ValueError naming the message and entry."""
     if images is not None and not isinstance(images, (list, tuple)):
         raise TypeError(f"images must be a list of image paths or images, got {type(images).__name__}")
+    check_messages(messages, entries_ok=True)
     given = list(images) if images is not None else []
     bare, found, taken = [], [], 0
     for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"] \
-                or not isinstance(content, (str, list)):
-            raise ValueError(f"messages[{i}] must be a dict with a str 'role' and a 'content' that is a str or a "
-                             f"list of text and image entries, got {message!r:.80}")
+        content = message["content"]
         if isinstance(content, str):
             bare.append(message)
             continue
@@ -331,9 +344,6 @@ def chat_inputs(processor, messages: list, images: list | None) -> tuple[torch.T
     ids [1, T], its image placeholders written out, and the other tensors for the prefill."""
     from jinja2.exceptions import TemplateError  # transformers' chat templates are jinja
 
-    if not isinstance(messages, (list, tuple)) or not messages:
-        raise ValueError(f"messages must be a non-empty list of {{'role': str, 'content': ...}} dicts, got "
-                         f"{messages!r:.80}")
     bare, found = chat_images(messages, images)
     if not found:
         raise ValueError("a chat with images needs at least one image entry ({'type': 'image'}) in its messages")
