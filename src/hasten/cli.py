@@ -20,6 +20,7 @@ from .arguments import (
     checked_device, method_settings, one_line, readable_warnings, torch_dtype,
 )
 from .bench import cli as bench_cli
+from .bench import vlm as vlm_bench
 from .core import settings as settings_io
 from .core.sampling import Sampling
 from .core.stats import DecodeStats
@@ -157,6 +158,7 @@ COMMANDS: list[Command] = [
     *training_cli.COMMANDS,
     *diffusion_cli.COMMANDS,
     *dlm_cli.COMMANDS,
+    *vlm_bench.COMMANDS,
     *serve_cli.COMMANDS,
 ]
 

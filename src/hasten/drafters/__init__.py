@@ -3,6 +3,7 @@ from .base import REGISTRY, Draft, DraftContext, Drafter, StepResult, create, re
 from .chimera import Chimera, ChimeraSettings
 from .draft_model import DraftModel, DraftModelSettings
 from .eagle import Eagle, EagleSettings
+from .eagle_vlm import EagleVlm, EagleVlmSettings
 from .easyspec import EasySpec, EasySpecSettings
 from .gad import GAD, GADSettings
 from .hidden_transfer import HiddenTransfer, HiddenTransferSettings
@@ -20,6 +21,8 @@ __all__ = [
     "EasySpecSettings",
     "Eagle",
     "EagleSettings",
+    "EagleVlm",
+    "EagleVlmSettings",
     "GAD",
     "GADSettings",
     "HiddenTransfer",

@@ -167,7 +167,7 @@ class Chimera(TopKTreeDrafter):
             return None
 
         def encode(start: int, end: int, *args) -> torch.Tensor:
-            return self.module.encode_context(features[start:end][None], *args, start)
+            return self.module.encode_context(features[start:end][None], *args)
 
         context = ctx.state.catch_up(len(features), encode, features.device)  # [D] at the newest feature
         recent = ctx.tokens[-GRAMS:]

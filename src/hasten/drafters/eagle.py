@@ -65,14 +65,17 @@ class EagleLayer(TrainedModule):
         sizes = cls.target_sizes(target)
         hidden = sizes["hidden_size"]
         embed = target.get_input_embeddings().weight.shape[1]
-        return cls(EagleConfig(**sizes, embed_size=int(embed), heads=heads_for(hidden), mlp_size=mlp_ratio * hidden))
+        return cls(cls.Config(**sizes, embed_size=int(embed), heads=heads_for(hidden), mlp_size=mlp_ratio * hidden))
 
     def forward(self, features: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                 visible: torch.Tensor | None, cache: KVCache | None = None, start: int = 0) -> torch.Tensor:
         """features: [B, n, H] f_t; token_embeds: [B, n, E] embed(x_{t+1}) -> guesses of
         f_{t+1} [B, n, H]. With a cache, the n pairs' keys and values go into it at ``start``."""
-        x = self.fc(torch.cat([features, token_embeds.to(features.dtype)], dim=-1))
-        return self.block(x, positions, visible, cache, start)
+        return self.block(self.fuse(features, token_embeds), positions, visible, cache, start)
+
+    def fuse(self, features: torch.Tensor, token_embeds: torch.Tensor) -> torch.Tensor:
+        """The layer's input: [B, n, H] features and [B, n, E] next-token embeddings -> [B, n, H]."""
+        return self.fc(torch.cat([features, token_embeds.to(features.dtype)], dim=-1))
 
 
 # ---- training (``hasten train eagle``) -------------------------------------------------------------
@@ -96,19 +99,28 @@ class EagleTraining(TrainedTraining):
         return EagleLayer.for_target(self.target, self.options.mlp_ratio)
 
     def loss(self, module: EagleLayer, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        lm_head, embed = self.target.get_output_embeddings(), self.target.get_input_embeddings()
+        embed = self.target.get_input_embeddings()
         features = batch.hidden  # [B, T, H]
-        inputs = features[:, :-1]
-        if module.training and self.options.noise:
-            scale = inputs.pow(2).mean(-1, keepdim=True).sqrt()
-            inputs = inputs + (torch.rand_like(inputs) - 0.5) * 2 * self.options.noise * scale
+        inputs = self.noisy(module, features[:, :-1])
         length = features.shape[1] - 1
         positions = torch.arange(length, device=features.device).expand(len(features), -1)
         guess = module(inputs, embed(batch.ids[:, 1:]), positions, causal(length, device=features.device))
         keep = valid_positions(batch)[:, 1:]  # guess at t is scored against f_{t+1}
-        guess, truth = guess[keep], features[:, 1:][keep]  # [M, H]
+        return self.feature_loss(guess[keep], features[:, 1:][keep])
+
+    def noisy(self, module: nn.Module, features: torch.Tensor) -> torch.Tensor:
+        """Input features with uniform noise while training (deeper draft levels read predicted features)."""
+        if not (module.training and self.options.noise):
+            return features
+        scale = features.pow(2).mean(-1, keepdim=True).sqrt()
+        return features + (torch.rand_like(features) - 0.5) * 2 * self.options.noise * scale
+
+    def feature_loss(self, guess: torch.Tensor, truth: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """guess, truth: [M, H] guessed and true next features. Smooth-L1 regression plus the
+        cross-entropy of the LM head on the guess against the target's own next-token law."""
         if not len(truth):
             return torch.zeros(()), {}
+        lm_head = self.target.get_output_embeddings()
         regression = F.smooth_l1_loss(guess, truth)
         with torch.no_grad():
             p = lm_head(truth).float().softmax(-1)  # the target's own next-token law  [M, V]
@@ -152,7 +164,7 @@ class Eagle(TrainedDrafter):
 
         def pairs(start: int, end: int, *args) -> torch.Tensor:  # (f_t, x_{t+1}) for t in [start, end)
             embeds = self.embed(torch.tensor(ctx.tokens[start + 1 : end + 1], device=device))[None]  # [1, new, E]
-            return self.module(features[start:end][None], embeds, *args, start)
+            return self.module(features[start:end][None], embeds, *args)
 
         newest = state.catch_up(0 if features is None else len(features), pairs, device)  # [H] guess of f_r
         if newest is None:  # no committed feature yet (one-token prompt)

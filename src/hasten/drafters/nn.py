@@ -119,25 +119,32 @@ class KVCache:
 class CommittedRun:
     """A drafter layer kept up to date with the committed positions, one generation's
     worth: its KV cache and its output at the newest committed position (where drafting
-    continues from). Committed positions never change, so each is run once."""
+    continues from). Committed positions never change, so each is run once.
+
+    ``shift``: committed positions minus cache entries, for a layer whose cache holds the
+    prompt in fewer entries than positions (eagle_vlm's compressed images); positions past
+    the prompt map one to one onto entries."""
 
     def __init__(self) -> None:
         self.cache = KVCache()
         self.newest: torch.Tensor | None = None  # [size] the layer's output at the newest position
+        self.shift = 0
 
     def catch_up(self, count: int, layer: Callable[..., torch.Tensor], device) -> torch.Tensor | None:
-        """Run ``layer(start, end, positions, visible, cache)`` -> [1, end - start, size]
-        over the positions [start, end) of the first ``count`` that it has not seen, and
-        return the output at position count - 1 (None while there is none)."""
+        """Run ``layer(start, end, positions, visible, cache, entry)`` -> [1, end - start, size]
+        over the positions [start, end) of the first ``count`` that it has not seen (their
+        keys and values go into the cache from entry ``entry``; ``positions`` are the layer's
+        own, entry indices), and return the output at position count - 1 (None while there is none)."""
         cache = self.cache
-        if cache.length > count:  # the loop cut inside the accepted path: redo the newest position
-            cache.truncate(max(count - 1, 0))
+        if cache.length + self.shift > count:  # the loop cut inside the accepted path: redo the newest position
+            cache.truncate(max(count - 1 - self.shift, 0))
             self.newest = None
-        start = cache.length
+        entry = cache.length
+        start = entry + self.shift
         if count > start:
-            positions = torch.arange(start, count, device=device)[None]  # [1, new]
-            out = layer(start, count, positions, causal(count - start, start, device), cache)  # [1, new, size]
-            cache.commit(count)
+            positions = torch.arange(entry, count - self.shift, device=device)[None]  # [1, new]
+            out = layer(start, count, positions, causal(count - start, entry, device), cache, entry)  # [1, new, size]
+            cache.commit(count - self.shift)
             self.newest = out[0, -1]
         return self.newest
 

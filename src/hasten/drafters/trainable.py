@@ -30,6 +30,9 @@ class Batch:
     ids: torch.Tensor  # [B, T] token ids, zero-padded after each row's length
     hidden: torch.Tensor  # [B, T, H] target's last-layer hidden states; hidden[:, t] predicts ids[:, t + 1]
     label_mask: torch.Tensor  # [B, T] bool: ids[:, t] is the target's own token (a label to learn)
+    # [B, T, E] what the target's language model read at each position (its projected visual
+    # features at image placeholders); only from online sources of image-text targets
+    embeds: torch.Tensor | None = None
 
 
 class Trainable:
@@ -41,6 +44,9 @@ class Trainable:
     """
 
     Options: ClassVar[type]
+    # where batches come from: None, self-distilled text (hasten.training.distill); a name:
+    # an online source in hasten.training.online that runs the target on fresh inputs per batch
+    data_source: ClassVar[str | None] = None
 
     def __init__(self, target: PreTrainedModel, options: Any):
         self.target, self.options = target, options

@@ -42,6 +42,7 @@ class ForwardOutput:
     logits: torch.Tensor  # [block, vocab] float32
     hidden: torch.Tensor | None  # [block, hidden] last layer, when asked for
     riders: torch.Tensor | None = None  # [block, count, vocab] rider logits, when riders were given
+    embeds: torch.Tensor | None = None  # [block, embed] the inputs the language model read (an image prefill's)
 
 
 def vocab_size(model: PreTrainedModel) -> int:
@@ -82,6 +83,10 @@ class ModelAdapter:
         # fewer entries than the prompt has tokens; every length this adapter reports or takes
         # is in positions, the cache's own in entries
         self.offset = 0
+        # [T - 1, embed] what the language model read at the prefilled prompt positions (the
+        # projected visual features at image placeholders): set by an image prefill with hidden
+        # states asked for, for drafters whose inputs there are the target's (eagle_vlm)
+        self.prompt_embeds: torch.Tensor | None = None
         self._encoder_kwargs: dict = {}
         self._checked = False
 
@@ -116,6 +121,7 @@ class ModelAdapter:
         model_inputs = vlm.prefill_inputs(self.model, model_inputs)
         with vlm.placeholder_errors(self.model, input_ids, model_inputs):
             out = self.forward(tokens[:-1], tree=None, hidden=hidden, logits_to_keep=1, model_inputs=model_inputs)
+        self.prompt_embeds = out.embeds
         return tokens, out.hidden
 
     @torch.no_grad()
@@ -152,10 +158,12 @@ class ModelAdapter:
                 **{ids_key: ids}, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden, **kwargs
             )
         self._check_rollback()
-        states = None
+        states = embeds = None
         if hidden:
             states = (out.decoder_hidden_states if self.encoder_decoder else out.hidden_states)[-1][0]
-        return ForwardOutput(out.logits[0].float(), states)
+            if model_inputs:  # an image prefill: keep what the language model read there too
+                embeds = out.hidden_states[0][0]
+        return ForwardOutput(out.logits[0].float(), states, embeds=embeds)
 
     def forward_rows(self, rows: list["ModelAdapter"], blocks: list[list[int]], trees: list[TokenTree | None],
                      hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]:

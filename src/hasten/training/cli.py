@@ -22,6 +22,7 @@ import torch
 from ..arguments import UserError, writable_directory
 from ..core.settings import add_flags, from_args
 from .distill import DistillSettings, distill, read_documents, zoo_documents
+from .online import SOURCES, OnlineSettings
 from .trainer import Trainable, TrainSettings, train
 
 
@@ -39,13 +40,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument("--model", required=True, help="target: zoo name (zoo:code-tiny), local directory or hub id")
         sub.add_argument("--out", required=True, type=Path, metavar="DIR",
                          help="directory the trained drafter is written to (checked writable before training)")
-        source = sub.add_mutually_exclusive_group(required=True)
-        source.add_argument("--data", type=Path, help="text to cut prompts from: .txt (one document) or .jsonl "
-                            '(one JSON string or {"text": ...} object per line)')
-        source.add_argument("--zoo-corpus", action="store_true", help="cut prompts from the zoo's training corpus")
+        if training.data_source is None:
+            source = sub.add_mutually_exclusive_group(required=True)
+            source.add_argument("--data", type=Path, help="text to cut prompts from: .txt (one document) or .jsonl "
+                                '(one JSON string or {"text": ...} object per line)')
+            source.add_argument("--zoo-corpus", action="store_true", help="cut prompts from the zoo's training corpus")
+            data_group = ("distillation", DistillSettings)
+        else:  # the target runs on fresh inputs every step (hasten.training.online)
+            data_group = (f"online data ({training.data_source}, made on the fly)", OnlineSettings)
         added: set[str] = set()
-        for title, settings_cls in ((f"{name} options", training.Options), ("distillation", DistillSettings),
-                                    ("training", TrainSettings)):
+        for title, settings_cls in ((f"{name} options", training.Options), data_group, ("training", TrainSettings)):
             add_flags(sub.add_argument_group(title), settings_cls, added)
         runtime = sub.add_argument_group("run")
         runtime.add_argument("--work-dir", type=Path, help="distilled data and checkpoints (default: OUT/work)")
@@ -61,27 +65,37 @@ def run(args: argparse.Namespace) -> int:
     # Validate what is cheap before loading anything.
     training = trainable_drafters()[args.drafter]
     options = from_args(training.Options, args)
-    distill_settings = from_args(DistillSettings, args)
+    online = training.data_source is not None
+    data_settings = from_args(OnlineSettings if online else DistillSettings, args)
     train_settings = from_args(TrainSettings, args)
     if args.threads is not None:
         if args.threads < 1:
             raise UserError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # the tokenizers' thread pool
-    documents = read_documents(args.data) if args.data else zoo_documents()
+    documents = None if online else read_documents(args.data) if args.data else zoo_documents()
     writable_directory(args.out)  # before distilling and training, not after
-    source = str(args.data.resolve()) if args.data else "zoo-corpus"
+    source = training.data_source if online else str(args.data.resolve()) if args.data else "zoo-corpus"
 
     from transformers import AutoTokenizer
 
     model = load_model(args.model, device=args.device)
     if model.config.is_encoder_decoder:
         raise UserError(f"hasten train supports causal LMs; {args.model!r} is an encoder-decoder")
-    tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
     work_dir = args.work_dir or args.out / "work"
 
     started = time.monotonic()
-    data = distill(model, tokenizer, documents, distill_settings, work_dir, source=source, resume=args.resume)
+    if online:
+        try:
+            data = SOURCES[source](model, resolve_path(args.model), data_settings)
+        except ValueError as err:
+            raise UserError(f"{args.drafter}: {err}") from None
+        data_report = {**dataclasses.asdict(data_settings), "source": source, "online": True}
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
+        data = distill(model, tokenizer, documents, data_settings, work_dir, source=source, resume=args.resume)
+        data_report = {**dataclasses.asdict(data_settings), "source": source, "sequences": len(data),
+                       "generated_tokens": int((data.lengths - data.prompt_lengths).sum())}
     distilled_s = time.monotonic() - started
     trainable = training(model, options)
     result = train(trainable, data, train_settings, work_dir, resume=args.resume, device=args.device)
@@ -91,9 +105,7 @@ def run(args: argparse.Namespace) -> int:
         "target": args.model,
         **result.report,
         "options": dataclasses.asdict(options),
-        "distill": {**dataclasses.asdict(distill_settings), "source": source, "sequences": len(data),
-                    "generated_tokens": int((data.lengths - data.prompt_lengths).sum()),
-                    "seconds": round(distilled_s, 1)},
+        "distill": {**data_report, "seconds": round(distilled_s, 1)},
         "machine": {"cpu": platform.processor() or platform.machine(), "torch_threads": torch.get_num_threads(),
                     "device": args.device},
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
