@@ -263,3 +263,23 @@ def test_hasten_train_eagle_vlm(vlm_tiny, tmp_path):
     assert drafted.stats.drafted_tokens > 0
     report = json.loads((out / "training.json").read_text())
     assert report["distill"]["online"] and report["steps"] == 2 and math.isfinite(report["eval"]["loss"])
+
+
+def test_the_shipped_drafter_for_vlm_tiny(vlm_tiny):
+    """zoo:vlm-tiny ships eagle_vlm weights beside it: found without a warning, identical
+    output, and on a held-out caption it drafts well (several tokens accepted per forward)."""
+    from hasten.bench.vlm import items
+    from hasten.models.vlm import processor_inputs
+    from hasten.zoo import scenes
+    from transformers import AutoProcessor
+
+    model, directory = vlm_tiny
+    task, seed, line = items(1)[0]
+    assert task == "caption"
+    ids, inputs = processor_inputs(AutoProcessor.from_pretrained(directory), line, [scenes.make_scene(seed).image()])
+    reference = hasten.generate(model, ids, max_new_tokens=48, **inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = hasten.generate(model, ids, drafter=EagleVlm(), max_new_tokens=48, **inputs)
+    assert out.sequences.tolist() == reference.sequences.tolist()
+    assert out.stats.mean_accepted > 3

@@ -2,7 +2,7 @@
 
 On held-out generated scenes (zoo:vlm-tiny's world, seeds the training never drew), two tasks:
 ``caption`` ("Describe the image.": long templated replies) and ``qa`` (one question per
-scene: short replies, where the prefill dominates). Methods, timed in the same run, one scene
+scene: short replies, where the prefill dominates), and ``all`` (both, time-weighted). Methods, timed in the same run, one scene
 after another (so load drifts hit every method alike), greedy:
 
 * ``plain``: no drafter; ``prompt_lookup``: the training-free reference;
@@ -11,8 +11,8 @@ after another (so load drifts hit every method alike), greedy:
 * ``eagle_vlm[elastic]``: the gate's choice per input.
 
 Per task and method: tokens/s end to end (prefill included), speedup over ``plain`` on the
-same items, tau (tokens per target forward), the drafter's visual inputs per image and its
-own prefill time (reading the prompt once), the gate's choices, and whether every output
+same items, tau (tokens per target forward), the drafter's seconds per generation (its
+prefill and every draft), its visual inputs per image and its own prefill time (reading the prompt once), the gate's choices, and whether every output
 equalled ``plain``'s (it must: a mismatch stops the run).
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..arguments import UserError, at_least, writable_directory
+from ..arguments import UserError, at_least, method_settings, writable_directory
 from ..drafters import PromptLookup
 from ..drafters.compress import BRANCHES
 from ..drafters.eagle_vlm import EagleVlm, VlmRun
@@ -71,23 +71,25 @@ def items(count: int) -> list[tuple[str, int, str]]:
     return chosen
 
 
-def make_drafter(method: str, weights: str | None):
+def make_drafter(method: str, weights: str | None, settings: dict):
+    """``settings``: eagle_vlm's tree knobs (depth, top_k, total_tokens), for every branch alike."""
     if method == "plain":
         return None
     if method == "prompt_lookup":
         return PromptLookup()
     branch = method[len("eagle_vlm["):-1]
-    return RecordedEagleVlm(weights=weights, compressor=branch)
+    return RecordedEagleVlm(weights=weights, compressor=branch, **settings)
 
 
 def run(model, processor, chosen: list[tuple[str, int, str]], methods: list[str], weights: str | None,
-        max_new_tokens: int, repeats: int, progress: bool = True) -> list[dict]:
+        max_new_tokens: int, repeats: int, settings: dict | None = None, draft_size: str = "fixed",
+        progress: bool = True) -> list[dict]:
     """One record per (item, method, repeat); every output checked equal to plain's."""
     from ..engine.loop import generate
     from ..models.vlm import processor_inputs
     from ..zoo import scenes
 
-    drafters = {m: make_drafter(m, weights) for m in methods}
+    drafters = {m: make_drafter(m, weights, settings or {}) for m in methods}
     records = []
     bar = tqdm(total=len(chosen) * len(methods) * repeats, desc="vlm bench", disable=not progress, file=sys.stderr)
     for task, seed, line in chosen:
@@ -97,7 +99,8 @@ def run(model, processor, chosen: list[tuple[str, int, str]], methods: list[str]
             for method in methods:
                 drafter = drafters[method]
                 clock = time.perf_counter()
-                out = generate(model, ids, drafter=drafter, max_new_tokens=max_new_tokens, **inputs)
+                out = generate(model, ids, drafter=drafter, max_new_tokens=max_new_tokens,
+                               draft_size=draft_size if drafter is not None else "fixed", **inputs)
                 seconds = time.perf_counter() - clock
                 tokens = out.sequences[0, ids.shape[1]:].tolist()
                 if reference is None:
@@ -119,12 +122,13 @@ def run(model, processor, chosen: list[tuple[str, int, str]], methods: list[str]
 
 
 def summarise(records: list[dict], methods: list[str]) -> list[dict]:
-    """Per task and method: medians over repeats per item, then totals over items."""
+    """Per task (and over both: "all") and method: medians over repeats per item, then totals
+    over items."""
     rows = []
-    for task in TASKS:
+    for task in (*TASKS, "all"):
         per_item: dict[tuple[str, int], list[dict]] = {}
         for r in records:
-            if r["task"] == task:
+            if task in (r["task"], "all"):
                 per_item.setdefault((r["method"], r["seed"]), []).append(r)
         if not per_item:
             continue
@@ -138,6 +142,7 @@ def summarise(records: list[dict], methods: list[str]) -> list[dict]:
             row = {"task": task, "method": method, "items": len(mine), "tokens_per_s": tokens / total,
                    "speedup": plain_total / total, "tau": tokens / steps if steps else 0.0,
                    "visual_tokens": statistics.mean(r["visual_tokens"] for r in first)}
+            row["drafter_ms"] = 1000 * statistics.mean(statistics.median(r["draft_seconds"] for r in rs) for _, rs in mine)
             if "visual_inputs" in first[0]:
                 row["drafter_visual_inputs"] = statistics.mean(r["visual_inputs"] for r in first)
                 row["drafter_prompt_ms"] = 1000 * statistics.median(r["drafter_prompt_seconds"] for _, rs in mine
@@ -148,14 +153,14 @@ def summarise(records: list[dict], methods: list[str]) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| task | method | tok/s | speedup | tau | drafter visual inputs (of) | drafter prefill ms | branches |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| task | method | tok/s | speedup | tau | drafter ms / generation | drafter visual inputs (of) "
+             "| drafter prefill ms | branches |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         visual = f"{r['drafter_visual_inputs']:.0f} ({r['visual_tokens']:.0f})" if "drafter_visual_inputs" in r else ""
         prefill = f"{r['drafter_prompt_ms']:.1f}" if "drafter_prompt_ms" in r else ""
         gate = ", ".join(f"{b} {n}" for b, n in sorted(r.get("gate", {}).items()))
         lines.append(f"| {r['task']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r['tau']:.2f} "
-                     f"| {visual} | {prefill} | {gate} |")
+                     f"| {r['drafter_ms']:.1f} | {visual} | {prefill} | {gate} |")
     return "\n".join(lines) + "\n"
 
 
@@ -167,7 +172,7 @@ def chart(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     methods = [m for m in METHODS if any(r["method"] == m for r in rows)]
-    tasks = [t for t in TASKS if any(r["task"] == t for r in rows)]
+    tasks = [t for t in (*TASKS, "all") if any(r["task"] == t for r in rows)]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     width = 0.8 / len(tasks)
     for i, task in enumerate(tasks):
@@ -193,6 +198,10 @@ def _add(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--weights", help="eagle_vlm weights (default: beside the model)")
     bench.add_argument("--scenes", type=int, default=6, help="held-out scenes per task (default 6)")
     bench.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {', '.join(METHODS)}")
+    bench.add_argument("--draft-arg", action="append", default=[], metavar="KEY=VALUE",
+                       help="an eagle_vlm setting for every branch, e.g. total_tokens=6 (repeatable)")
+    bench.add_argument("--draft-size", choices=("fixed", "auto"), default="fixed",
+                       help="draft depth per step: the drafter's own (fixed) or cost-aware (auto)")
     bench.add_argument("--max-new-tokens", type=int, default=96)
     bench.add_argument("--repeats", type=int, default=2, help="timed runs per item and method; the median counts")
     bench.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
@@ -213,6 +222,9 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--methods: unknown {', '.join(unknown) or '(none given)'}; known: {', '.join(METHODS)}")
     if methods[0] != "plain":
         methods.insert(0, "plain")  # the reference every output and speedup is measured against
+    settings = method_settings("eagle_vlm", EagleVlm.Settings, args.draft_arg)
+    if "compressor" in settings:
+        raise UserError("--draft-arg compressor=...: the methods name the compressor (eagle_vlm[BRANCH])")
     writable_directory(args.out)
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
@@ -220,9 +232,10 @@ def _run(args: argparse.Namespace) -> int:
         raise UserError(f"--model {args.model}: not a vision-language model (no image_token_id in its config)")
     processor = AutoProcessor.from_pretrained(resolve_path(args.model))
     records = run(model, processor, items(args.scenes), methods, args.weights, args.max_new_tokens, args.repeats,
-                  progress=not args.no_progress)
+                  settings, args.draft_size, progress=not args.no_progress)
     rows = summarise(records, methods)
-    report = {"model": args.model, "methods": methods, "scenes": args.scenes, "max_new_tokens": args.max_new_tokens,
+    report = {"model": args.model, "methods": methods, "eagle_vlm": settings, "draft_size": args.draft_size,
+              "scenes": args.scenes, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "machine": machine_info(), "summary": rows, "records": records}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
