@@ -22,6 +22,23 @@ def test_prompt_lookup_copies_after_the_latest_longest_match():
     assert drafter.propose(ctx).tokens == (20, 21, 3)  # latest earlier "5 6 7"
 
 
+def test_prompt_lookup_can_copy_after_the_earliest_match():
+    drafter = PromptLookup(max_ngram=3, num_tokens=3, match="earliest")
+    tokens = [5, 6, 7, 8, 9, 1, 5, 6, 7, 20, 21, 3, 5, 6, 7]
+    ctx = context(tokens)
+    ctx.state = drafter.begin(ctx)
+    assert drafter.propose(ctx).tokens == (8, 9, 1)  # the first "5 6 7"
+    ctx.tokens.extend([8, 9, 4, 6, 7])  # later occurrences never replace the first
+    assert drafter.propose(ctx).tokens == (8, 9, 1)  # "6 7" now: its first occurrence is still the first
+
+
+def test_prompt_lookup_match_setting_is_checked():
+    import pytest
+
+    with pytest.raises(ValueError, match="match must be"):
+        PromptLookup(match="closest")
+
+
 def test_prompt_lookup_falls_back_to_shorter_ngrams_and_respects_depth():
     drafter = PromptLookup(max_ngram=3, min_ngram=1, num_tokens=5)
     ctx = context([4, 9, 8, 7, 6, 1, 2, 4], max_depth=2)

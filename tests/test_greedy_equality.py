@@ -68,7 +68,9 @@ def test_scripted_trees(setup, mode, right_sibling):
         assert out.stats.drafted_tokens <= DRAFT_LEN * out.stats.steps  # chains: one node per level
 
 
-@pytest.mark.parametrize("drafter", [PromptLookup(num_tokens=DRAFT_LEN), Lookahead(), Lookahead(draft_tokens=4, branch_length=2)], ids=["prompt_lookup", "lookahead", "lookahead_small"])
+@pytest.mark.parametrize("drafter", [PromptLookup(num_tokens=DRAFT_LEN), PromptLookup(num_tokens=DRAFT_LEN, match="earliest"),
+                                     Lookahead(), Lookahead(draft_tokens=4, branch_length=2)],
+                         ids=["prompt_lookup", "prompt_lookup_earliest", "lookahead", "lookahead_small"])
 def test_input_guided_drafters(setup, drafter):
     _, model, prompt, reference = setup
     check(model, prompt, reference, drafter)

@@ -1,5 +1,6 @@
-"""Input-guided drafting (IAD, prompt lookup): copy what followed the latest earlier
-occurrence of the current suffix.
+"""Input-guided drafting (IAD, prompt lookup): copy what followed an earlier occurrence of
+the current suffix (the latest one, or with ``match="earliest"`` the first, as Hugging Face's
+prompt lookup does: in an edit, the first occurrence is usually the original text).
 
 Ge et al.'s Aggressive Decoding drafts from the input for tasks whose output restates
 it (grammar correction, editing, retrieval-augmented answers); prompt lookup decoding
@@ -22,9 +23,12 @@ class PromptLookupSettings(Settings):
     max_ngram: int = 3  # longest suffix tried first
     min_ngram: int = 1  # shortest suffix accepted as a match
     num_tokens: int = 10  # tokens copied after the match
+    match: str = "latest"  # which occurrence of the suffix to copy after: "latest" or "earliest"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.match not in ("latest", "earliest"):
+            raise ValueError(f"match must be 'latest' or 'earliest', got {self.match!r}")
         if self.min_ngram < 1:
             raise ValueError(f"min_ngram must be >= 1, got {self.min_ngram}")
         if self.max_ngram < self.min_ngram:
@@ -34,10 +38,11 @@ class PromptLookupSettings(Settings):
 
 
 class NgramIndex:
-    """For each n, the latest end position of every n-gram that has a continuation."""
+    """For each n, the latest (or, with ``earliest``, the first) end position of every
+    n-gram that has a continuation."""
 
-    def __init__(self, sizes: range):
-        self.sizes = sizes
+    def __init__(self, sizes: range, earliest: bool = False):
+        self.sizes, self.earliest = sizes, earliest
         self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
         self.indexed = 0  # n-grams ending before this position are in the tables
 
@@ -46,7 +51,9 @@ class NgramIndex:
         for end in range(self.indexed, len(tokens) - 1):
             for n in self.sizes:
                 if end + 1 >= n:
-                    self.tables[n][tuple(tokens[end + 1 - n : end + 1])] = end
+                    key = tuple(tokens[end + 1 - n : end + 1])
+                    if not (self.earliest and key in self.tables[n]):
+                        self.tables[n][key] = end
         self.indexed = max(self.indexed, len(tokens) - 1)
 
     def find(self, suffix: tuple[int, ...]) -> int | None:
@@ -72,7 +79,8 @@ class PromptLookup(Drafter):
         self._sizes = range(self.settings.max_ngram, self.settings.min_ngram - 1, -1)  # longest first
 
     def begin(self, ctx: DraftContext) -> "LookupState":
-        state = LookupState(NgramIndex(self._sizes), NgramIndex(self._sizes), ctx.source or [])
+        earliest = self.settings.match == "earliest"
+        state = LookupState(NgramIndex(self._sizes, earliest), NgramIndex(self._sizes, earliest), ctx.source or [])
         state.source.extend(state.source_tokens)
         return state
 
@@ -88,7 +96,7 @@ class PromptLookup(Drafter):
             suffix = tuple(tokens[-n:])
             end = state.history.find(suffix)
             if end is not None:
-                # The latest match may overlap the suffix (a repeating stretch): the text
+                # The match may overlap the suffix (a repeating stretch): the text
                 # then continues with period len(tokens) - end - 1, so copy cyclically.
                 period = len(tokens) - end - 1
                 return Draft.chain(tokens[end + 1 + i % period] for i in range(count))
