@@ -76,6 +76,26 @@ def test_greedy_equality(setup, weights_of, compressor):
     assert out.stats.drafted_tokens > 0  # the drafter ran (and proposed trees) throughout
 
 
+@pytest.fixture(scope="module", params=["qwen2_vl", "gemma3"])
+def other_family(request):
+    from test_vlm_families import FAMILIES as OTHER_FAMILIES
+
+    make, inputs = OTHER_FAMILIES[request.param]
+    model = make()
+    prompt, model_inputs = inputs()
+    return model, prompt, model_inputs, hf_greedy(model, prompt, NEW, **model_inputs)
+
+
+@pytest.mark.parametrize("compressor", ["full", "pool", "elastic"])
+def test_greedy_equality_on_qwen2_vl_and_gemma3(other_family, weights_of, compressor):
+    """Images mid-prompt with 3D positions (Qwen2-VL) and bidirectional image blocks with
+    scaled embeddings (Gemma 3): the drafter's own positions and inputs change nothing."""
+    model, prompt, model_inputs, reference = other_family
+    drafter = EagleVlm(weights=weights_of(model), compressor=compressor, depth=3, top_k=3, total_tokens=8)
+    out = hasten.generate(model, prompt, **model_inputs, drafter=drafter, max_new_tokens=NEW)
+    assert out.sequences.tolist() == reference.tolist()
+
+
 def test_a_text_prompt_is_plain_eagle(weights_of):
     """No image: every pair is text, the drafter reads them all (no compression to do)."""
     model = llava("clip")
@@ -283,3 +303,11 @@ def test_the_shipped_drafter_for_vlm_tiny(vlm_tiny):
         out = hasten.generate(model, ids, drafter=EagleVlm(), max_new_tokens=48, **inputs)
     assert out.sequences.tolist() == reference.sequences.tolist()
     assert out.stats.mean_accepted > 3
+
+
+def test_hasten_train_eagle_vlm_on_a_text_model(tmp_path, capsys):
+    from hasten.cli import main
+
+    code = main(["train", "eagle_vlm", "--model", "zoo:code-tiny", "--out", str(tmp_path / "out"), "--steps", "1"])
+    assert code == 2
+    assert "needs a vision-language target" in capsys.readouterr().err
