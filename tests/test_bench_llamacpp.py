@@ -101,8 +101,20 @@ def test_the_reference_is_llama_cpps_greedy_decoding(tiny_gguf):
     assert plain == tokens
 
 
+def test_the_bench_times_auto_and_fixed_sizing_on_llama_cpp(cli, tiny_gguf, prompts, tmp_path, monkeypatch):
+    """--draft-size auto,fixed on the llama.cpp backend: each method both ways (auto with the
+    file's own calibrated curve, timed into a fresh cache), every output equal to llama.cpp's."""
+    monkeypatch.setenv("HASTEN_CACHE", str(tmp_path / "cache"))
+    code, _, err = bench(cli, tiny_gguf, prompts, tmp_path / "out", "--methods", "prompt_lookup",
+                         "--baselines", "llama_cpp", "--draft-size", "auto,fixed")
+    assert code == 0, err
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    sizes = {m["name"]: m.get("draft_size") for m in results["methods"]}
+    assert sizes["prompt_lookup"] == "auto" and sizes["prompt_lookup@fixed"] == "fixed"
+    assert list((tmp_path / "cache" / "cost").glob("*.json"))  # llama.cpp's curve, timed and cached
+
+
 @pytest.mark.parametrize("args, match", [
-    (["--draft-size", "auto"], "use fixed with --backend llama.cpp"),
     (["--methods", "medusa"], "reads the target's hidden states"),
     (["--baselines", "hf_generate"], "known: llama_cpp, llama_cpp_lookup"),
 ])

@@ -80,7 +80,7 @@ def test_full_acceptance_on_a_flat_curve_drafts_as_deep_as_allowed():
     assert rule.depth(state, 6) == 6  # the first step sees how deep the drafter goes
     observe_steps(rule, state, 10, depth=6, accepted=6)
     assert rule.depth(state, 6) == 6
-    assert rule.depth(state, 20) == 7  # one level past the deepest seen: reach can grow
+    assert rule.depth(state, 20) == 13  # up to twice the deepest seen (+1): reach can grow
 
 
 def test_a_steep_cost_curve_picks_an_intermediate_depth():
@@ -369,3 +369,51 @@ def test_batched_auto_sizing_stays_lossless():
     rule = CostAwareSize(STEEP)
     out = hasten.generate(model, prompts, drafter=PromptLookup(), max_new_tokens=24, draft_size=rule)
     assert [s.tolist() for s in out.sequences] == references
+
+
+# ---- a chunked cost curve: llama.cpp's Q4_0 kernels on one CPU thread --------------------------------------
+# SmolLM2-135M Q4_0, 1 thread, measured once (seconds / a single token's): rows go four at a time and a
+# leftover row costs about a whole step, so a block of 2 costs 2 steps but a block of 4 only 3
+CHUNKED = CostCurve(tuple(range(1, 17)), (1.0, 2.04, 3.23, 2.98, 4.12, 4.13, 5.27, 4.69, 5.84, 6.11, 7.26, 7.03,
+                                          8.27, 8.28, 9.47, 8.57))
+
+
+def test_the_probe_is_the_shallowest_depth_that_could_pay():
+    rule = CostAwareSize(FLAT)
+    assert rule.probe_depth(known_state(FLAT, 0.0), 8) == 1
+    assert rule.probe_depth(known_state(CHUNKED, 0.0, depth=15), 15) == 3  # 2 drafts in 3.23 steps: never a gain
+    assert rule.probe_depth(known_state(LINEAR, 0.0), 8) == 0  # no depth can pay: nothing to probe for
+
+
+def test_on_a_chunked_curve_a_drafter_never_right_gets_plain_steps_and_rare_probes_three_deep():
+    rule = CostAwareSize(CHUNKED, probe_gap=3)
+    state = rule.begin(None)
+    chosen = []
+    for _ in range(200):
+        depth = rule.depth(state, 15)
+        chosen.append(depth)
+        rule.observe(state, TokenTree.chain(depth), 0, 0.0, CHUNKED(depth + 1))
+    assert chosen[0] == 3  # the first draft: the prior (0.5) never pays here, so a probe's depth
+    assert set(chosen[20:]) == {0, 3} and chosen[20:].count(0) >= 0.9 * 180
+
+
+def test_on_a_chunked_curve_a_drafter_always_right_drafts_deep():
+    rule = CostAwareSize(CHUNKED)
+    state = rule.begin(None)
+    chosen = []
+    for _ in range(30):
+        depth = rule.depth(state, 15)
+        chosen.append(depth)
+        rule.observe(state, TokenTree.chain(depth), depth, 0.0, CHUNKED(depth + 1))
+    assert chosen[0] == 3 and chosen[-1] >= 7  # reach grows past the costly block of 5 to 8 and more
+
+
+def test_an_empty_proposal_is_not_a_failed_probe():
+    rule = CostAwareSize(FLAT, probe_gap=2)
+    state = rule.begin(None)
+    observe_steps(rule, state, 40, depth=4, accepted=0, seconds_per_depth=0.2)  # never right: plain steps
+    while rule.depth(state, 4) == 0:
+        rule.observe(state, TokenTree.chain(0), 0, 0.0, 1.0)
+    gap = state.probe_gap
+    rule.observe(state, TokenTree.chain(0), 0, 0.0, 1.0)  # the drafter had no match: nothing was tried
+    assert state.probe_gap == gap and rule.depth(state, 4) > 0  # so the next step probes again

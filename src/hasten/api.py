@@ -434,8 +434,6 @@ def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft
     if dtype is not None or (device is not None and str(device) != "cpu"):
         raise ValueError("the llama.cpp backend runs the GGUF file's own quantisation on the CPU: "
                          "leave dtype and device unset")
-    if draft_size != "fixed":
-        raise ValueError("draft_size='auto' calibrates a PyTorch forward; use 'fixed' with the llama.cpp backend")
     threads = torch.get_num_threads()
 
     def open_gguf(name) -> LlamaCppModel:
@@ -453,6 +451,8 @@ def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft
     drafter = make_drafter(method, None if draft is None else open_gguf(draft), **method_kwargs)
     if drafter is not None:  # now, not at the first generation: what every llama.cpp target declares
         Drafter.check_target(drafter, LlamaCppRow)  # (features_ok, encoder_decoder are class attributes)
+        if draft_size == "auto":
+            load_or_calibrate(model)  # llama.cpp's own cost curve, now rather than inside the first generation
     return Engine(model, tokenizer, drafter, method, draft_size)
 
 

@@ -164,6 +164,7 @@ def add_draft_size_argument(parser: argparse.ArgumentParser, default: str = DEFA
     parser.add_argument(
         "--draft-size", default=default, choices=DRAFT_SIZES,
         help="fixed: each method drafts as deep as its settings say; auto: each step's depth is chosen "
-        "from this machine's measured forward cost (calibrated once, cached under $HASTEN_CACHE/cost) "
+        "from this machine's measured forward cost (PyTorch's or llama.cpp's, calibrated once, cached under "
+        "$HASTEN_CACHE/cost) "
         f"and the method's measured acceptance, for a whole batch at once (default {default}{why})",
     )

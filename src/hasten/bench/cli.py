@@ -126,8 +126,6 @@ def _chosen(args) -> tuple[list[str], list[str]]:
             names = llamacpp.method_names(names, args.draft is not None, args.methods == AUTO)
         except ValueError as err:
             raise UserError(f"--methods: {err}") from None
-        if "auto" in draft_sizes(args.draft_size):
-            raise UserError("--draft-size auto calibrates a PyTorch forward; use fixed with --backend llama.cpp")
     if AUTOREGRESSIVE not in names:  # always timed: it is the reference output and the speed baseline
         names.insert(0, AUTOREGRESSIVE)
     _check_method_args(args.method_arg, names)

@@ -8,7 +8,8 @@ it likes (the token budget permitting). :class:`CostAwareSize` picks, each step,
     (1 + sum_{d<=k} prod_{i<=d} a_i) / (forward(nodes at depth <= k, + 1) + draft(k))
 
 from the target's forward cost per block size *on this machine* (a short calibration,
-cached on disk per model, device, dtype, threads and machine), the drafter's acceptance
+cached on disk per model, device, dtype, threads and machine; a llama.cpp model times its own
+``llama_decode``), the drafter's acceptance
 per depth (``a_d``: P(depth d accepted | depth d drafted and depth d - 1 accepted),
 measured online per generation) and its measured drafting seconds. ``k = 0`` (a plain
 step, no proposal at all) is allowed when drafting does not pay; a small probe now and
@@ -43,6 +44,9 @@ from ..models.gguf import cache_root
 CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_CONTEXT = 96  # cached tokens before each timed block
 CALIBRATION_REPS = 5  # timed reps per size (median kept), after one warm-up round
+# depths priced before a drafter has drafted (a drafter with no match proposes nothing, so this
+# can repeat for many steps: pricing a whole long budget each time would cost more than a step)
+FIRST_DEPTHS = 32
 
 
 class SizingRule:
@@ -108,7 +112,12 @@ def _cpu_name() -> str:
 
 
 def calibration_key(model: PreTrainedModel) -> dict:
-    """What a forward's cost depends on: the model, where and how it runs, and the machine."""
+    """What a forward's cost depends on: the model, where and how it runs, and the machine.
+    A model of another runtime (llama.cpp's :class:`~hasten.models.llamacpp.LlamaCppModel`)
+    names its own part through ``cost_key()``."""
+    machine = f"{_cpu_name()} x{os.cpu_count()} {platform.node()}"
+    if hasattr(model, "cost_key"):
+        return {**model.cost_key(), "machine": machine, "sizes": list(model_sizes(model))}
     device = model.device
     config = model.config.to_json_string(use_diff=False)
     return {
@@ -120,7 +129,7 @@ def calibration_key(model: PreTrainedModel) -> dict:
         "linear": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "threads": torch.get_num_threads(),
-        "machine": f"{_cpu_name()} x{os.cpu_count()} {platform.node()}",
+        "machine": machine,
         "torch": torch.__version__,
         "sizes": list(CALIBRATION_SIZES),
     }
@@ -136,11 +145,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def model_sizes(model) -> tuple[int, ...]:
+    """The block sizes to time: the model's own ``calibration_sizes`` where it has them
+    (llama.cpp's kernels make every size up to 16 worth timing), else CALIBRATION_SIZES."""
+    return tuple(getattr(model, "calibration_sizes", CALIBRATION_SIZES))
+
+
 @torch.no_grad()
-def calibrate(model: PreTrainedModel, sizes=CALIBRATION_SIZES, context: int = CALIBRATION_CONTEXT,
+def calibrate(model: PreTrainedModel, sizes: tuple[int, ...] | None = None, context: int = CALIBRATION_CONTEXT,
               reps: int = CALIBRATION_REPS) -> CostCurve:
     """Time the target's forward over each block size after ``context`` cached tokens
-    (median of ``reps``, sizes interleaved so drift falls on all alike)."""
+    (median of ``reps``, sizes interleaved so drift falls on all alike). A model of another
+    runtime times its own forward (``time_blocks``: llama.cpp's ``llama_decode``)."""
+    sizes = sizes or model_sizes(model)
+    if hasattr(model, "time_blocks"):
+        return CostCurve(*model.time_blocks(sizes, context, reps))
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if limit:  # leave room for the largest block
         context = max(1, min(context, limit - 2 - max(sizes)))
@@ -215,6 +234,7 @@ class SizingState:
     chosen: int = 0  # the depth chosen for the step under way
     rows: int = 1  # sequences sharing the target's forward (a batch): its cost is split among them
     cap: int | None = None  # in a batch: the depth the batch's plan chose for every row
+    timed: bool = False  # a step's verify time has been seen (the first is not used: see observe)
 
     def forward_seconds(self, positions: float) -> float:
         """This sequence's share of a forward in which every row runs ``positions``
@@ -237,7 +257,7 @@ class CostAwareSize(SizingRule):
 
     name = "auto"
 
-    def __init__(self, curve: CostCurve | None = None, prior: float = 0.5, prior_weight: float = 3.0,
+    def __init__(self, curve: CostCurve | None = None, prior: float = 0.5, prior_weight: float = 1.0,
                  decay: float = 0.9, probe_gap: int = 4, max_probe_gap: int = 64, probe_share: float = 0.03):
         self.curve, self.prior, self.prior_weight, self.decay = curve, prior, prior_weight, decay
         self.probe_share = probe_share
@@ -254,13 +274,16 @@ class CostAwareSize(SizingRule):
         matched for a while, the next token tends to match as well, so unexplored depths get
         tried). Real counts decay and the prior does not, so a drafter that is never right
         keeps an estimate of ``prior * prior_weight / (prior_weight + 1 / (1 - decay))``
-        (0.115 by default): optimism that measured better than letting it reach 0, which
-        starved copy drafters whose acceptance starts low and rises."""
+        (0.045 by default). The prior weighs one step (it weighed 3): where only a deep,
+        mostly accepted draft pays (llama.cpp on a CPU: a block of 4 costs 3 steps), one
+        fully accepted probe must be enough to start drafting, or a copy stretch is over
+        before the rule believes in it."""
         found, prior = [], self.prior
         for d in range(deepest):
             trials = state.trials[d] if d < len(state.trials) else 0.0
             hits = state.hits[d] if d < len(state.hits) else 0.0
-            estimate = (hits + prior * self.prior_weight) / (trials + self.prior_weight)
+            weight = trials + self.prior_weight
+            estimate = (hits + prior * self.prior_weight) / weight if weight > 0 else prior
             found.append(estimate)
             prior = max(estimate, self.prior)
         return found
@@ -284,14 +307,16 @@ class CostAwareSize(SizingRule):
         return tokens, nodes
 
     def affordable_gap(self, state: SizingState, depth: int) -> int:
-        """Plain steps between probes ``depth`` deep such that probing costs at most
-        ``probe_share`` of the time."""
+        """Plain steps between probes ``depth`` deep such that failed probes cost at most
+        ``probe_share`` of the time (a probe whose first token is accepted is no loss, so
+        the extra cost is weighed by the estimated chance that it is not)."""
         fixed, per_depth = self.draft_cost(state)
         scale = state.scale or 1.0
         plain = state.forward_seconds(1) * scale
         nodes = min(sum(state.width[:depth]) + max(depth - len(state.width), 0), max(state.most_nodes, depth))
         extra = state.forward_seconds(nodes + 1) * scale + fixed + per_depth * depth - plain
-        return min(int(extra / (self.probe_share * plain)), self.max_probe_gap)
+        miss = 1.0 - self.acceptances(state, 1)[0]
+        return min(int(extra * miss / (self.probe_share * plain)), self.max_probe_gap)
 
     def drafting_seconds(self, state: SizingState, depth: int) -> float:
         fixed, per_depth = self.draft_cost(state)
@@ -323,8 +348,8 @@ class CostAwareSize(SizingRule):
             for state in states:
                 state.cap = None
             return
-        top = max(min(limit, state.reach + 1) for state, limit in zip(states, limits))
-        per_row = [self.expected(state, min(limit, state.reach + 1)) for state, limit in zip(states, limits)]
+        top = max(self.top(state, limit) for state, limit in zip(states, limits))
+        per_row = [self.expected(state, self.top(state, limit)) for state, limit in zip(states, limits)]
         scale = sum(state.scale or 1.0 for state in states) / rows
         curve = states[0].curve
         best, best_rate = 0, 0.0
@@ -338,22 +363,50 @@ class CostAwareSize(SizingRule):
         for state in states:
             state.cap = best
 
+    def top(self, state: SizingState, limit: int) -> int:
+        """The deepest depth worth pricing: up to twice the deepest drafted so far, so that
+        reach can grow past a depth that costs more than the next (llama.cpp's kernels take
+        rows four at a time: a block of 5 can cost more than one of 4, which drafting one
+        level deeper at a time would never cross)."""
+        return min(limit, 2 * state.reach + 1)
+
+    def probe_depth(self, state: SizingState, limit: int) -> int:
+        """The shallowest depth at which a fully accepted draft beats a plain step (drafting
+        cost included): a shallower probe could never show that drafting pays (on a flat
+        curve that is 1; on SmolLM2 Q4_0 under llama.cpp, 3: a block of 2 costs two steps).
+        0 when no depth up to ``limit`` could pay: then there is nothing to probe for."""
+        scale = state.scale or 1.0
+        plain = 1.0 / (state.forward_seconds(1) * scale)
+        _, nodes = self.expected(state, limit)
+        for depth in range(1, limit + 1):
+            if (depth + 1) / (state.forward_seconds(nodes[depth] + 1) * scale + self.drafting_seconds(state, depth)) \
+                    > plain:
+                return depth
+        return 0
+
     def depth(self, state: SizingState, limit: int) -> int:
         if state.rows > 1 and state.cap is not None:  # a batch: the plan chose for every row
             state.chosen = min(state.cap, limit)
             return state.chosen
-        if state.reach is None:  # nothing drafted yet: see how deep the drafter goes
+        state.probing = False
+        if state.reach is None and state.rows > 1:  # a batch plans once every row has drafted: see how deep
             state.chosen = limit
             return limit
-        top = min(limit, state.reach + 1)  # one level past the deepest seen, so reach can grow
+        if state.reach is None:  # nothing drafted yet: the prior's best depth, at least a probe's
+            first = min(limit, FIRST_DEPTHS)
+            rates = self.rates(state, first)
+            best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+            state.chosen = max(best, self.probe_depth(state, first))
+            return state.chosen
+        top = self.top(state, limit)
         rates = self.rates(state, top)
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
-        state.probing = False
         if best == 0:
             state.skipped += 1
-            # now and then a probe one deep re-measures a_1 (full-depth probes measured no better)
-            if state.skipped > max(state.probe_gap, self.affordable_gap(state, 1)):
-                best, state.probing = 1, True
+            # now and then a probe re-measures acceptance, as shallow as could show a gain
+            probe = self.probe_depth(state, top) if top else 0
+            if probe and state.skipped > max(state.probe_gap, self.affordable_gap(state, probe)):
+                best, state.probing = probe, True
         state.chosen = best
         return best
 
@@ -365,16 +418,21 @@ class CostAwareSize(SizingRule):
         depths = tree.depths
         drafted = max(depths, default=0)
         positions = len(tree) + 1
-        if verify_seconds > 0:
+        # the first step's timing is left out: on llama.cpp its block reuses the prompt's last
+        # position (computed by the prefill), so it runs one position short of the curve
+        if verify_seconds > 0 and state.timed:
             ratio = verify_seconds / state.curve(positions * state.rows)  # the whole batch's forward
             state.scale = ratio if state.scale is None else 0.8 * state.scale + 0.2 * ratio
-        if state.chosen == 0:
+        state.timed = True
+        if state.chosen and not drafted:  # no proposal (prompt lookup without a match): a plain step,
+            # and the probe waits; but time passes, so old evidence fades as it would over a draft
+            state.trials[:] = [trials * self.decay for trials in state.trials]
+            state.hits[:] = [hits * self.decay for hits in state.hits]
+        if state.chosen == 0 or drafted == 0:
             return
         state.skipped = 0
         if state.probing:  # a failed probe doubles the wait for the next one
             state.probe_gap = self.first_probe_gap if accepted else min(2 * state.probe_gap, self.max_probe_gap)
-        if drafted == 0:
-            return
         state.reach = max(state.reach or 0, drafted)
         state.most_nodes = max(state.most_nodes, len(tree))
         sums = state.draft_sums

@@ -32,8 +32,10 @@ SmolLM2 (a near tie decided the other way).
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -46,6 +48,11 @@ INSTALL_HINT = ("pip install 'hasten[llamacpp]' (built from source; on a virtual
                 "reports AVX-512 or AMX build it with the flags in docs/cpu.md)")
 DEFAULT_CONTEXT = 4096  # positions per generation: prompt, new tokens and one draft block
 IDLE_CONTEXTS = 4  # finished generations' contexts a model keeps for the next ones
+# Block sizes that cost-aware draft sizing times (hasten.engine.sizing): every size up to 16,
+# since llama.cpp's repacked Q4_0 kernels take rows four at a time and a block of 3 can cost
+# more than one of 4 (SmolLM2 Q4_0, 1 thread: 3.2x and 3.0x a single token); then coarser,
+# for the wider blocks of a server's batches (past 64 the sizing extrapolates linearly).
+CALIBRATION_SIZES = (*range(1, 17), 24, 32, 64)
 
 
 def llama_cpp_module():
@@ -92,6 +99,8 @@ class LlamaCppModel:
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
+        if hasattr(lib, "LLAMA_LOAD_MODE_MMAP"):  # as llama-cpp-python's Llama loads (its default use_mmap=True)
+            params.load_mode = lib.LLAMA_LOAD_MODE_MMAP
         self._model = lib.llama_model_load_from_file(str(path).encode(), params)
         if not self._model:
             raise ValueError(f"llama.cpp could not load {path} (is it a GGUF model file?)")
@@ -133,6 +142,50 @@ class LlamaCppModel:
             self._idle.append(context)
         else:
             context.close()
+
+    # ---- the forward's cost on this machine, for cost-aware draft sizing ------------------
+    calibration_sizes = CALIBRATION_SIZES
+
+    def cost_key(self) -> dict:
+        """What a llama.cpp forward's cost depends on (besides the machine, which the sizing
+        module adds): the file (its size and the hash of its first MiB, which holds the
+        GGUF header: architecture, tensor types), the threads and the llama.cpp build."""
+        import llama_cpp
+
+        if getattr(self, "_head", None) is None:  # once per model: every generation asks (auto sizing's begin)
+            with open(self.path, "rb") as file:
+                self._head = hashlib.sha256(file.read(1 << 20)).hexdigest()[:16]
+        return {"backend": "llama.cpp", "model": self.path.name, "bytes": self.path.stat().st_size, "head": self._head,
+                "threads": self.threads, "llama_cpp": llama_cpp.__version__, "flash_attn": True,
+                "batch": self.batch}
+
+    def time_blocks(self, sizes: tuple[int, ...], context: int, reps: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        """Seconds of one llama_decode of each block size (logits for every entry, as a
+        verification asks) after ``context`` cached tokens, in one context of this model:
+        the median of ``reps`` rounds after a warm-up round, sizes interleaved so that drift
+        falls on all alike. Sizes that do not fit the context or one batch are left out."""
+        import statistics
+
+        context = max(1, min(context, self.context - max(sizes)))
+        sizes = tuple(s for s in sizes if context + s <= self.context and s <= self.batch) or (1,)
+        tokens = [3 + (7 * i) % max(self.vocab_size - 3, 1) for i in range(context + max(sizes))]  # any ids will do
+        llama = self._take_context(None)
+        times: dict[int, list[float]] = {s: [] for s in sizes}
+        try:
+            llama.forget(0)
+            llama.decode([0] * context, list(range(context)), tokens[:context], [False] * (context - 1) + [True])
+            for rep in range(reps + 1):
+                for size in sizes:
+                    clock = time.perf_counter()
+                    llama.decode([0] * size, list(range(context, context + size)), tokens[context : context + size],
+                                 [True] * size)
+                    if rep:
+                        times[size].append(time.perf_counter() - clock)
+                    llama.remove(0, context)
+        finally:
+            llama.forget(0)
+            self._give_back(llama)
+        return sizes, tuple(statistics.median(times[s]) for s in sizes)
 
     def batch_target(self, rows: int) -> "LlamaCppBatch":
         """A target for up to ``rows`` generations at once in one llama.cpp context."""

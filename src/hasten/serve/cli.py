@@ -55,8 +55,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="uvicorn's log level (default warning; info logs every request)")
     parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
                         help="torch (default) or llama.cpp: a .gguf target (and --draft) run by llama.cpp, each "
-                        "request a llama.cpp sequence, all rows in one llama_batch per step; draft sizing is "
-                        "then fixed (pip install 'hasten[llamacpp]'; docs/cpu.md)")
+                        "request a llama.cpp sequence, all rows in one llama_batch per step (pip install "
+                        "'hasten[llamacpp]'; docs/cpu.md)")
     add_runtime_arguments(parser)
     add_draft_size_argument(parser, "auto", ": a batch pads every row's draft to the widest, so on a "
                             "busy server fixed drafts can cost more than they bring")
@@ -86,8 +86,8 @@ def run_serve(args: argparse.Namespace) -> int:
         if args.dtype != "float32" or device != "cpu":
             raise UserError("--backend llama.cpp runs the GGUF file's own quantisation on the CPU: "
                             "drop --dtype/--device")
-        # auto sizing calibrates a PyTorch forward: the llama.cpp backend drafts each method's fixed depth
-        engine = load(args.model, args.method, draft=args.draft, backend="llama.cpp", **method_kwargs)
+        engine = load(args.model, args.method, draft=args.draft, backend="llama.cpp", draft_size=args.draft_size,
+                      **method_kwargs)
     else:
         engine = load(args.model, args.method, draft=args.draft, device=device, dtype=torch_dtype(args.dtype),
                       draft_size=args.draft_size, **method_kwargs)
