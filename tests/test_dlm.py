@@ -94,6 +94,27 @@ def test_dkv_cache_runs_fewer_tokens_and_refresh_every_step_is_exact(arch):
     assert decode.stats.tokens_recomputed == 32 + sum(m + 1 for m in masked_after)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_dkv_cache_fresh_before_block_recomputes_the_neighbourhood_and_at_its_extreme_is_nocache(arch):
+    model = tiny_model(arch)
+    run = lambda cache: generate(model, prompt(16), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
+                                 steps=16, cache=cache)
+    reference = run(NoCache())
+    # reaching back to position 0 from the last block's start (24), every position runs at every step:
+    # NoCache's work and output
+    everything = run(DKVCache(fresh_before_block=24))
+    assert torch.equal(everything.sequences, reference.sequences)
+    assert everything.stats.tokens_recomputed == reference.stats.tokens_recomputed == 16 * 32
+    # 8 back: step 0 runs all 32; block 0's steps 1-7 run prompt positions 8-15, the block's decoded tokens
+    # and every masked position (8 + s + 16 - s = 24); block 1's steps run positions 16-31 (16), and no
+    # prompt position (its K/V come from step 0's forward)
+    near = run(DKVCache(fresh_before_block=8))
+    assert near.stats.tokens_recomputed == 32 + 7 * 24 + 8 * 16
+    assert (near.sequences != MASK).all()
+    # None is the paper's rule (what DKVCache() ran before the knob existed: see the count test above)
+    assert run(DKVCache(fresh_before_block=None)).stats.tokens_recomputed == run(DKVCache()).stats.tokens_recomputed
+
+
 def test_fast_dllm_caches_count_exactly():
     model = tiny_model("llama")
     run = lambda cache: generate(model, prompt(16), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
@@ -155,8 +176,8 @@ def test_partial_block_sparse_attention_equals_the_full_one_at_its_rows():
     torch.testing.assert_close(block_mass(probs[:, rows][:, :, order], 7, rows, order), block_mass(only_rows, 7))
 
 
-CACHES = [DKVCache(), DKVCache(variant="prefill"), DKVCache(variant="greedy", refresh=4), FastDLLMPrefix(),
-          FastDLLMDual()]
+CACHES = [DKVCache(), DKVCache(variant="prefill"), DKVCache(variant="greedy", refresh=4),
+          DKVCache(fresh_before_block=4), FastDLLMPrefix(), FastDLLMDual()]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -236,6 +257,13 @@ def test_policy_settings_are_checked():
         DKVCache(variant="lazy")
     with pytest.raises(ValueError, match="refresh"):
         DKVCache(refresh=0)
+    with pytest.raises(ValueError, match="fresh_before_block"):
+        DKVCache(fresh_before_block=-1)
+    with pytest.raises(ValueError, match="fresh_before_block"):
+        DKVCache(fresh_before_block=True)
+    assert describe(DKVCache()) == "DKVCache(variant=decode, window=8)"  # knobs that are off are left out
+    assert describe(DKVCache(refresh=4, fresh_before_block=16)) == \
+        "DKVCache(variant=decode, refresh=4, window=8, fresh_before_block=16)"
     with pytest.raises(ValueError, match="select"):
         SparseD(select=0.0)
     with pytest.raises(ValueError, match="block"):

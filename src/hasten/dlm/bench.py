@@ -51,6 +51,9 @@ def default_settings() -> list[Setting]:
         Setting(NoCache()),
         Setting(DKVCache(variant="decode")),
         Setting(DKVCache(variant="decode", refresh=16)),
+        # the decode variant keeping the neighbourhood of the decoding fresh (>= 95% agreement on dlm-tiny)
+        Setting(DKVCache(variant="decode", fresh_before_block=16)),
+        Setting(DKVCache(variant="decode", fresh_before_block=32)),
         Setting(DKVCache(variant="prefill")),
         Setting(DKVCache(variant="greedy", refresh=16)),
         Setting(SparseD(skip=0.2, select=0.5, block=32)),
@@ -68,6 +71,7 @@ def default_settings() -> list[Setting]:
 def long_context_settings() -> list[Setting]:
     return [Setting(NoCache()), Setting(SparseD(skip=0.2, select=0.3, block=64)),
             Setting(SparseD(skip=0.2, select=0.5, block=64)), Setting(DKVCache(variant="decode")),
+            Setting(DKVCache(variant="decode", fresh_before_block=32)),
             Setting(FastDLLMDual()),
             # on a cache, SparseD blocks of 32 line up with the generation blocks, so a block's queries fill one tile
             Setting(SparseD(skip=0.2, select=0.3, block=32, cache=DKVCache(variant="decode"))),
