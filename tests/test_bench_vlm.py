@@ -21,7 +21,14 @@ def test_a_tiny_run(tmp_path):
     full, elastic = rows["all", "eagle_vlm[full]"], rows["all", "eagle_vlm[elastic]"]
     assert full["drafter_visual_inputs"] == full["visual_tokens"] == 256
     assert elastic["drafter_visual_inputs"] < 256 and sum(elastic["gate"].values()) == 2
-    assert "| caption | eagle_vlm[full] |" in (out / "results.md").read_text()
+    table = (out / "results.md").read_text()
+    assert "| caption | eagle_vlm[full] |" in table
+    assert table.count(f"| {elastic_branch(report)} |") == 2  # the gate's choice listed per input
+
+
+def elastic_branch(report) -> str:
+    (branch,) = {r["branch"] for r in report["records"] if r["method"] == "eagle_vlm[elastic]"}
+    return branch
 
 
 def test_items_are_held_out_scenes():

@@ -152,6 +152,18 @@ def summarise(records: list[dict], methods: list[str]) -> list[dict]:
     return rows
 
 
+def gate_choices(records: list[dict]) -> str:
+    """The elastic gate's branch for each input (first repeat), as Markdown lines."""
+    chosen = [r for r in records if r["method"] == "eagle_vlm[elastic]" and r["repeat"] == 0]
+    if not chosen:
+        return ""
+    lines = ["", "The gate's choice per input (eagle_vlm[elastic]):", "",
+             "| task | scene seed | branch | drafter visual inputs (of) |", "|---|---|---|---|"]
+    lines += [f"| {r['task']} | {r['seed']} | {r['branch']} | {r['visual_inputs']} ({r['visual_tokens']}) |"
+              for r in chosen]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| task | method | tok/s | speedup | tau | drafter ms / generation | drafter visual inputs (of) "
              "| drafter prefill ms | branches |", "|---|---|---|---|---|---|---|---|---|"]
@@ -239,7 +251,7 @@ def _run(args: argparse.Namespace) -> int:
               "repeats": args.repeats, "machine": machine_info(), "summary": rows, "records": records}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
-    table = markdown(rows)
+    table = markdown(rows) + gate_choices(records)
     (args.out / "results.md").write_text(table)
     chart(rows, args.out / "speedup.png")
     print(table)
