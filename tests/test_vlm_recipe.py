@@ -214,3 +214,17 @@ def test_the_shipped_vlm_tiny_decodes_an_image_prompt_as_hugging_face_does(tmp_p
     new = hasten.load("zoo:vlm-tiny", "prompt_lookup").generate("Describe the image.", images=[str(image)],
                                                                 max_new_tokens=24).token_ids
     assert new == reference.tolist()
+
+
+def test_scenes_written_as_png_files(tmp_path, capsys):
+    """``python -m hasten.zoo.scenes SEED --out DIR``: the file holds the scene's pixels and the
+    printed line its description."""
+    import numpy as np
+    from PIL import Image
+
+    from hasten.zoo import scenes as scene_module
+
+    assert scene_module.main(["7", "--out", str(tmp_path)]) == 0
+    scene = scene_module.make_scene(7)
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "scene-7.png")), scene.image())
+    assert capsys.readouterr().out.strip() == f"{tmp_path / 'scene-7.png'}: {scene.description()}"

@@ -143,3 +143,30 @@ def questions(scene: Scene) -> list[tuple[str, str, str]]:
     for s in shapes:
         out.append(("shape", f"What shape is in the {s.where}?", _answer(f"a {s.size} {s.colour} {s.kind}")))
     return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m hasten.zoo.scenes SEED [SEED ...] --out DIR``: write scenes as PNG files (to
+    try a VLM on) and print each one's description."""
+    import argparse
+    from pathlib import Path
+
+    from PIL import Image
+
+    parser = argparse.ArgumentParser(prog="python -m hasten.zoo.scenes", description=main.__doc__)
+    parser.add_argument("seeds", nargs="+", type=int, metavar="SEED", help="one scene per seed (>= 0)")
+    parser.add_argument("--out", type=Path, default=Path("."), help="folder for scene-SEED.png (default: here)")
+    args = parser.parse_args(argv)
+    if any(seed < 0 for seed in args.seeds):
+        parser.error("seeds must be >= 0")
+    args.out.mkdir(parents=True, exist_ok=True)
+    for seed in args.seeds:
+        scene = make_scene(seed)
+        path = args.out / f"scene-{seed}.png"
+        Image.fromarray(scene.image()).save(path)
+        print(f"{path}: {scene.description()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
