@@ -74,11 +74,16 @@ def test_partial_forward_equals_full_forward_when_cached_kv_are_fresh(arch):
     assert counts.attention_flops == per_pair * (24 * 24 + 5 * 24)
 
 
+def two_blocks_of_8(model):
+    """cache -> the generation of 16 tokens after a 16-token prompt, in 2 blocks of 8, 16 steps."""
+    return lambda cache: generate(model, prompt(16), mask_token_id=MASK, gen_length=16, block_length=8,
+                                  steps=16, cache=cache)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dkv_cache_runs_fewer_tokens_and_refresh_every_step_is_exact(arch):
     model = tiny_model(arch)
-    run = lambda cache: generate(model, prompt(16), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
-                                 steps=16, cache=cache)
+    run = two_blocks_of_8(model)
     reference = run(NoCache())
     assert torch.equal(run(DKVCache(refresh=1)).sequences, reference.sequences)
     for variant in ("decode", "prefill", "greedy"):
@@ -97,8 +102,7 @@ def test_dkv_cache_runs_fewer_tokens_and_refresh_every_step_is_exact(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_dkv_cache_fresh_before_block_recomputes_the_neighbourhood_and_at_its_extreme_is_nocache(arch):
     model = tiny_model(arch)
-    run = lambda cache: generate(model, prompt(16), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
-                                 steps=16, cache=cache)
+    run = two_blocks_of_8(model)
     reference = run(NoCache())
     # reaching back to position 0 from the last block's start (24), every position runs at every step:
     # NoCache's work and output

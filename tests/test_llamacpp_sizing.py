@@ -35,9 +35,9 @@ def private_cache(tmp_path, monkeypatch):
 
 def test_the_llama_cpp_cost_curve_is_timed_once_per_file_and_threads(tiny, tiny_gguf, private_cache, monkeypatch):
     timed = []
-    time_blocks = LlamaCppModel.time_blocks
-    monkeypatch.setattr(LlamaCppModel, "time_blocks",
-                        lambda self, *args: timed.append(self.threads) or time_blocks(self, *args))
+    timing_blocks = LlamaCppModel.timing_blocks
+    monkeypatch.setattr(LlamaCppModel, "timing_blocks",
+                        lambda self, *args: timed.append(self.threads) or timing_blocks(self, *args))
     curve = sizing.load_or_calibrate(tiny)
     assert curve.sizes[:16] == tuple(range(1, 17))  # every size up to 16: llama.cpp's kernels are chunked
     assert all(seconds > 0 for seconds in curve.seconds)

@@ -427,7 +427,7 @@ def load(
 
 def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, method_kwargs) -> Engine:
     """The llama.cpp backend: a GGUF target (and draft) loaded by llama.cpp; the tokenizer is
-    read from the same file (converted once into the cache, like the PyTorch path)."""
+    read from the same file, its weights left alone."""
     from .drafters.base import Drafter
     from .models.llamacpp import LlamaCppModel, LlamaCppRow
 
@@ -437,23 +437,38 @@ def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft
     threads = torch.get_num_threads()
 
     def open_gguf(name) -> LlamaCppModel:
-        path = os.fspath(name)
-        source = gguf.find_gguf(str(zoo.resolve(path, cache_dir=gguf.cache_root())) if zoo.is_zoo_name(path) else path)
-        if source is None:
-            raise ValueError(f"the llama.cpp backend needs a .gguf file (or a zoo name of one); {name!r} is none")
-        return LlamaCppModel(source, threads=threads)
+        return LlamaCppModel(gguf_source(name), threads=threads)
 
     if not isinstance(name_or_path, (str, os.PathLike)) or (draft is not None and not isinstance(draft, (str, os.PathLike))):
         raise TypeError("the llama.cpp backend loads models from .gguf paths or zoo names")
     model = open_gguf(name_or_path)
-    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-        tokenizer = load_tokenizer(name_or_path if tokenizer is None else tokenizer)
+    if tokenizer is None:
+        tokenizer = gguf_tokenizer(name_or_path)
+    elif isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
     drafter = make_drafter(method, None if draft is None else open_gguf(draft), **method_kwargs)
     if drafter is not None:  # now, not at the first generation: what every llama.cpp target declares
         Drafter.check_target(drafter, LlamaCppRow)  # (features_ok, encoder_decoder are class attributes)
         if draft_size == "auto":
             load_or_calibrate(model)  # llama.cpp's own cost curve, now rather than inside the first generation
     return Engine(model, tokenizer, drafter, method, draft_size)
+
+
+def gguf_source(name: str | os.PathLike) -> "os.PathLike":
+    """The .gguf file a zoo name, a file or a directory names (for the llama.cpp backend);
+    ValueError otherwise."""
+    path = os.fspath(name)
+    source = gguf.find_gguf(str(zoo.resolve(path, cache_dir=gguf.cache_root())) if zoo.is_zoo_name(path) else path)
+    if source is None:
+        raise ValueError(f"the llama.cpp backend needs a .gguf file (or a zoo name of one); {name!r} is none")
+    return source
+
+
+def gguf_tokenizer(name: str | os.PathLike):
+    """The tokenizer written in a GGUF file (transformers rebuilds it from the file's
+    vocabulary), without dequantising the weights as a PyTorch load does."""
+    source = gguf_source(name)
+    return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
 
 
 def as_model(model_or_path, dtype: torch.dtype | None, device) -> PreTrainedModel:

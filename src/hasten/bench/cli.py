@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 
 import torch
 
-from ..api import AUTOREGRESSIVE
+from ..api import AUTOREGRESSIVE, gguf_tokenizer
 from ..arguments import DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, method_settings, writable_directory
 from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
     if args.backend == LLAMA_CPP:
         try:
-            tokenizer = llamacpp.load_tokenizer(args.model)
+            tokenizer = gguf_tokenizer(args.model)
         except ValueError as err:  # no GGUF file
             raise UserError(str(err)) from None
     else:

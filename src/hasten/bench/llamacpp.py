@@ -16,18 +16,14 @@ Both run with flash attention on, as the backend does, so their greedy tokens eq
 from __future__ import annotations
 
 import itertools
-import os
 import time
-from pathlib import Path
 
 import torch
 
-from ..api import AUTOREGRESSIVE
+from ..api import AUTOREGRESSIVE, gguf_source
 from ..core.stats import DecodeStats
 from ..drafters.base import REGISTRY
-from ..models import gguf
 from ..models.llamacpp import LlamaCppModel, llama_cpp_module
-from .. import zoo
 from .runner import Method
 
 LLAMA_CPP = "llama_cpp"
@@ -41,26 +37,6 @@ AUTO_METHODS = (AUTOREGRESSIVE, "prompt_lookup", "lookahead", "draft_model")
 CONTEXT_STEP = 256  # contexts are sized to the longest prompt and budget, rounded up to this
 
 
-def gguf_path(name: str | os.PathLike) -> Path:
-    """The .gguf file a zoo name, a file or a directory names; ValueError otherwise."""
-    path = os.fspath(name)
-    if zoo.is_zoo_name(path):
-        path = str(zoo.resolve(path, cache_dir=gguf.cache_root()))
-    source = gguf.find_gguf(path)
-    if source is None:
-        raise ValueError(f"--backend llama.cpp needs a .gguf file (or a zoo name of one); {name!r} is none")
-    return source
-
-
-def load_tokenizer(name: str | os.PathLike):
-    """The tokenizer written in the GGUF file (transformers rebuilds it from the file's
-    vocabulary), without dequantising the weights as a PyTorch load would."""
-    from transformers import AutoTokenizer
-
-    source = gguf_path(name)
-    return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-
-
 def context_for(input_ids: list[torch.Tensor], max_new_tokens: int) -> int:
     """Positions enough for the longest prompt, its new tokens and one draft block past them."""
     longest = max(ids.shape[1] for ids in input_ids) + max_new_tokens + 64
@@ -68,7 +44,7 @@ def context_for(input_ids: list[torch.Tensor], max_new_tokens: int) -> int:
 
 
 def load(name, threads: int, context: int) -> LlamaCppModel:
-    return LlamaCppModel(gguf_path(name), threads=threads, context=context)
+    return LlamaCppModel(gguf_source(name), threads=threads, context=context)
 
 
 def method_names(names: list[str], draft_given: bool, auto: bool) -> list[str]:

@@ -106,7 +106,8 @@ class EagleTraining(TrainedTraining):
         positions = torch.arange(length, device=features.device).expand(len(features), -1)
         guess = module(inputs, embed(batch.ids[:, 1:]), positions, causal(length, device=features.device))
         keep = valid_positions(batch)[:, 1:]  # guess at t is scored against f_{t+1}
-        return self.feature_loss(guess[keep], features[:, 1:][keep])
+        per_pair, metrics = self.feature_losses(guess[keep], features[:, 1:][keep])
+        return (per_pair.mean() if len(per_pair) else torch.zeros(())), metrics
 
     def noisy(self, module: nn.Module, features: torch.Tensor) -> torch.Tensor:
         """Input features with uniform noise while training (deeper draft levels read predicted features)."""
@@ -115,20 +116,21 @@ class EagleTraining(TrainedTraining):
         scale = features.pow(2).mean(-1, keepdim=True).sqrt()
         return features + (torch.rand_like(features) - 0.5) * 2 * self.options.noise * scale
 
-    def feature_loss(self, guess: torch.Tensor, truth: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        """guess, truth: [M, H] guessed and true next features. Smooth-L1 regression plus the
-        cross-entropy of the LM head on the guess against the target's own next-token law."""
+    def feature_losses(self, guess: torch.Tensor, truth: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        """guess, truth: [M, H] guessed and true next features -> each pair's loss [M] (smooth-L1
+        regression plus ``ce_weight`` x the cross-entropy of the LM head on the guess against
+        the target's own next-token law; their mean is the loss) and the batch's metrics."""
         if not len(truth):
-            return torch.zeros(()), {}
+            return truth.new_zeros(0), {}
         lm_head = self.target.get_output_embeddings()
-        regression = F.smooth_l1_loss(guess, truth)
+        regression = F.smooth_l1_loss(guess, truth, reduction="none").mean(-1)  # [M]
         with torch.no_grad():
             p = lm_head(truth).float().softmax(-1)  # the target's own next-token law  [M, V]
         logits = lm_head(guess).float()
-        cross_entropy = -(p * logits.log_softmax(-1)).sum(-1).mean()
+        cross_entropy = -(p * logits.log_softmax(-1)).sum(-1)  # [M]
         accuracy = (logits.argmax(-1) == p.argmax(-1)).float().mean().item()
-        loss = regression + self.options.ce_weight * cross_entropy
-        return loss, {"regression": regression.item(), "ce": cross_entropy.item(), "top1": accuracy}
+        metrics = {"regression": regression.mean().item(), "ce": cross_entropy.mean().item(), "top1": accuracy}
+        return regression + self.options.ce_weight * cross_entropy, metrics
 
 
 # ---- the drafter -------------------------------------------------------------------------------------

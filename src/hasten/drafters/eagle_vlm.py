@@ -32,7 +32,6 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from ..core.settings import option
-from ..core.stats import allocated_bytes
 from .base import EMPTY_DRAFT, Draft, DraftContext, register
 from .compress import BRANCHES, VisualCompressor
 from .eagle import Eagle, EagleConfig, EagleLayer, EagleSettings, EagleTrainOptions, EagleTraining
@@ -142,8 +141,8 @@ class EagleVlmTraining(EagleTraining):
             positions = torch.arange(length, device=x.device).expand(len(x), -1)
             out = module.block(composed, positions, causal(length, device=x.device))
             guess = out[:, length - (x.shape[1] - last):]  # [B, L - last, H] the text pairs' guesses
-            loss, branch_metrics, per_pair = self.scored(guess[keep[:, last:]], truth_all[keep])
-            losses.append(loss)
+            per_pair, branch_metrics = self.feature_losses(guess[keep[:, last:]], truth_all[keep])  # [M]
+            losses.append(per_pair.mean() if len(per_pair) else torch.zeros(()))
             per_row = torch.zeros(len(x)).index_add_(0, rows, per_pair.detach()) / keep.sum(1).clamp(min=1)
             kept = sum(module.compressor.kept(branch, b - a) for a, b in runs) / max(1, sum(b - a for a, b in runs))
             row_costs.append(per_row + self.options.token_cost * kept)
@@ -162,18 +161,6 @@ class EagleVlmTraining(EagleTraining):
         labels = batch.label_mask[:, first_text:].int()
         first_label = torch.where(labels.any(1), labels.argmax(1), torch.full_like(labels[:, 0], labels.shape[1]))
         return int(first_label.min())
-
-    def scored(self, guess: torch.Tensor, truth: torch.Tensor) -> tuple[torch.Tensor, dict[str, float], torch.Tensor]:
-        """:meth:`feature_loss` and each pair's own loss ([M])."""
-        loss, metrics = self.feature_loss(guess, truth)
-        if not len(truth):
-            return loss, metrics, torch.zeros(0)
-        lm_head = self.target.get_output_embeddings()
-        with torch.no_grad():
-            p = lm_head(truth).float().softmax(-1)  # [M, V]
-            per_pair = (F.smooth_l1_loss(guess, truth, reduction="none").mean(-1)
-                        - self.options.ce_weight * (p * lm_head(guess).float().log_softmax(-1)).sum(-1))
-        return loss, metrics, per_pair
 
 
 # ---- the drafter -------------------------------------------------------------------------------------
@@ -210,9 +197,6 @@ class EagleVlm(Eagle):
 
     def start(self, ctx: DraftContext) -> VlmRun:
         return VlmRun()
-
-    def cache_bytes(self, state: VlmRun) -> int:
-        return allocated_bytes(state.cache.view())
 
     def draft(self, ctx: DraftContext) -> Draft:
         state: VlmRun = ctx.state

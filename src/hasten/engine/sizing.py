@@ -36,7 +36,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.tree import TokenTree
-from ..models.adapter import ModelAdapter
+from ..models.adapter import ModelAdapter, vocab_size
 from ..models.gguf import cache_root
 
 # block sizes timed (positions per forward); up to 128 so that a batch, whose forward runs rows x
@@ -156,30 +156,40 @@ def calibrate(model: PreTrainedModel, sizes: tuple[int, ...] | None = None, cont
               reps: int = CALIBRATION_REPS) -> CostCurve:
     """Time the target's forward over each block size after ``context`` cached tokens
     (median of ``reps``, sizes interleaved so drift falls on all alike). A model of another
-    runtime times its own forward (``time_blocks``: llama.cpp's ``llama_decode``)."""
+    runtime runs its own forward (``timing_blocks``: llama.cpp's ``llama_decode``)."""
     sizes = sizes or model_sizes(model)
-    if hasattr(model, "time_blocks"):
-        return CostCurve(*model.time_blocks(sizes, context, reps))
+    tokens = [3 + (7 * i) % max(vocab_size(model) - 3, 1) for i in range(context + 2 + max(sizes))]  # any ids will do
+    if hasattr(model, "timing_blocks"):
+        with model.timing_blocks(tokens, context, sizes) as (sizes, run, undo):
+            return _time_blocks(sizes, reps, run, undo)
     limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
     if limit:  # leave room for the largest block
         context = max(1, min(context, limit - 2 - max(sizes)))
         sizes = tuple(s for s in sizes if context + 2 + s <= limit) or (1,)
-    vocab = model.get_output_embeddings().weight.shape[0] if model.get_output_embeddings() is not None else 64
-    tokens = [3 + (7 * i) % max(vocab - 3, 1) for i in range(context + 2 + max(sizes))]  # any ids will do
     adapter = ModelAdapter(model)
     adapter.start(torch.tensor([tokens[:2]]))
     adapter.forward(tokens[2 : context + 2], tree=None)
     base = adapter.cache_length
+    _sync(adapter.device)
+
+    def run(size: int) -> None:
+        adapter.forward(tokens[base : base + size], tree=None)
+        _sync(adapter.device)
+
+    return _time_blocks(sizes, reps, run, lambda: adapter.crop(base))
+
+
+def _time_blocks(sizes: tuple[int, ...], reps: int, run, undo) -> CostCurve:
+    """Seconds of ``run(size)`` for each size: the median of ``reps`` rounds after a warm-up
+    round, sizes interleaved; ``undo()`` after each run restores the cached context."""
     times: dict[int, list[float]] = {s: [] for s in sizes}
     for rep in range(reps + 1):  # the first round warms up
         for size in sizes:
-            _sync(adapter.device)
             clock = time.perf_counter()
-            adapter.forward(tokens[base : base + size], tree=None)
-            _sync(adapter.device)
+            run(size)
             if rep:
                 times[size].append(time.perf_counter() - clock)
-            adapter.crop(base)
+            undo()
     return CostCurve(tuple(sizes), tuple(statistics.median(times[s]) for s in sizes))
 
 
@@ -240,8 +250,8 @@ class SizingState:
         """This sequence's share of a forward in which every row runs ``positions``
         positions: a batch of B rows runs B times as many, so a row's extra draft tokens cost
         what B extra positions cost (on a CPU that is far from free; on a GPU, at small
-        batches, nearly)."""
-        return self.curve(positions * self.rows) / self.rows
+        batches, nearly). The calibrated curve, rescaled by the measured verify times."""
+        return self.curve(positions * self.rows) * (self.scale or 1.0) / self.rows
 
 
 class CostAwareSize(SizingRule):
@@ -290,8 +300,7 @@ class CostAwareSize(SizingRule):
 
     def rates(self, state: SizingState, deepest: int) -> list[float]:
         """Expected tokens per second when drafting k = 0 .. ``deepest`` deep."""
-        scale = state.scale or 1.0
-        return [tokens / (state.forward_seconds(nodes + 1) * scale + self.drafting_seconds(state, d))
+        return [tokens / (state.forward_seconds(nodes + 1) + self.drafting_seconds(state, d))
                 for d, (tokens, nodes) in enumerate(zip(*self.expected(state, deepest)))]
 
     def expected(self, state: SizingState, deepest: int) -> tuple[list[float], list[float]]:
@@ -311,10 +320,9 @@ class CostAwareSize(SizingRule):
         ``probe_share`` of the time (a probe whose first token is accepted is no loss, so
         the extra cost is weighed by the estimated chance that it is not)."""
         fixed, per_depth = self.draft_cost(state)
-        scale = state.scale or 1.0
-        plain = state.forward_seconds(1) * scale
+        plain = state.forward_seconds(1)
         nodes = min(sum(state.width[:depth]) + max(depth - len(state.width), 0), max(state.most_nodes, depth))
-        extra = state.forward_seconds(nodes + 1) * scale + fixed + per_depth * depth - plain
+        extra = state.forward_seconds(nodes + 1) + fixed + per_depth * depth - plain
         miss = 1.0 - self.acceptances(state, 1)[0]
         return min(int(extra * miss / (self.probe_share * plain)), self.max_probe_gap)
 
@@ -375,11 +383,10 @@ class CostAwareSize(SizingRule):
         cost included): a shallower probe could never show that drafting pays (on a flat
         curve that is 1; on SmolLM2 Q4_0 under llama.cpp, 3: a block of 2 costs two steps).
         0 when no depth up to ``limit`` could pay: then there is nothing to probe for."""
-        scale = state.scale or 1.0
-        plain = 1.0 / (state.forward_seconds(1) * scale)
+        plain = 1.0 / state.forward_seconds(1)
         _, nodes = self.expected(state, limit)
         for depth in range(1, limit + 1):
-            if (depth + 1) / (state.forward_seconds(nodes[depth] + 1) * scale + self.drafting_seconds(state, depth)) \
+            if (depth + 1) / (state.forward_seconds(nodes[depth] + 1) + self.drafting_seconds(state, depth)) \
                     > plain:
                 return depth
         return 0

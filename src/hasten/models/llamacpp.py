@@ -32,10 +32,10 @@ SmolLM2 (a near tie decided the other way).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
-import time
 from pathlib import Path
 
 import numpy as np
@@ -159,33 +159,27 @@ class LlamaCppModel:
                 "threads": self.threads, "llama_cpp": llama_cpp.__version__, "flash_attn": True,
                 "batch": self.batch}
 
-    def time_blocks(self, sizes: tuple[int, ...], context: int, reps: int) -> tuple[tuple[int, ...], tuple[float, ...]]:
-        """Seconds of one llama_decode of each block size (logits for every entry, as a
-        verification asks) after ``context`` cached tokens, in one context of this model:
-        the median of ``reps`` rounds after a warm-up round, sizes interleaved so that drift
-        falls on all alike. Sizes that do not fit the context or one batch are left out."""
-        import statistics
-
+    @contextlib.contextmanager
+    def timing_blocks(self, tokens: list[int], context: int, sizes: tuple[int, ...]):
+        """For timing one llama_decode per block size (logits for every entry, as a
+        verification asks): ``tokens[:context]`` cached in one context of this model, then
+        yields ``(sizes, run, undo)``: the sizes that fit, ``run(size)`` decodes the next
+        ``size`` tokens, ``undo()`` forgets them. The timing loop is the sizing module's."""
         context = max(1, min(context, self.context - max(sizes)))
         sizes = tuple(s for s in sizes if context + s <= self.context and s <= self.batch) or (1,)
-        tokens = [3 + (7 * i) % max(self.vocab_size - 3, 1) for i in range(context + max(sizes))]  # any ids will do
         llama = self._take_context(None)
-        times: dict[int, list[float]] = {s: [] for s in sizes}
         try:
             llama.forget(0)
             llama.decode([0] * context, list(range(context)), tokens[:context], [False] * (context - 1) + [True])
-            for rep in range(reps + 1):
-                for size in sizes:
-                    clock = time.perf_counter()
-                    llama.decode([0] * size, list(range(context, context + size)), tokens[context : context + size],
-                                 [True] * size)
-                    if rep:
-                        times[size].append(time.perf_counter() - clock)
-                    llama.remove(0, context)
+
+            def run(size: int) -> None:
+                llama.decode([0] * size, list(range(context, context + size)), tokens[context : context + size],
+                             [True] * size)
+
+            yield sizes, run, lambda: llama.remove(0, context)
         finally:
             llama.forget(0)
             self._give_back(llama)
-        return sizes, tuple(statistics.median(times[s]) for s in sizes)
 
     def batch_target(self, rows: int) -> "LlamaCppBatch":
         """A target for up to ``rows`` generations at once in one llama.cpp context."""

@@ -77,8 +77,6 @@ def run(args: argparse.Namespace) -> int:
     writable_directory(args.out)  # before distilling and training, not after
     source = training.data_source if online else str(args.data.resolve()) if args.data else "zoo-corpus"
 
-    from transformers import AutoTokenizer
-
     model = load_model(args.model, device=args.device)
     if model.config.is_encoder_decoder:
         raise UserError(f"hasten train supports causal LMs; {args.model!r} is an encoder-decoder")
@@ -92,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"{args.drafter}: {err}") from None
         data_report = {**dataclasses.asdict(data_settings), "source": source, "online": True}
     else:
+        from transformers import AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
         data = distill(model, tokenizer, documents, data_settings, work_dir, source=source, resume=args.resume)
         data_report = {**dataclasses.asdict(data_settings), "source": source, "sequences": len(data),
