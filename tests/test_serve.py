@@ -68,7 +68,8 @@ def free_port() -> int:
 def engine():
     tokenizer = tiny_tokenizer()
     tokenizer.chat_template = TEMPLATE
-    return Engine(tiny_model("llama"), tokenizer, make_drafter("prompt_lookup"), "prompt_lookup")
+    # fixed draft sizes: the tests compare step counts, which auto sizing ties to measured times
+    return Engine(tiny_model("llama"), tokenizer, make_drafter("prompt_lookup"), "prompt_lookup", draft_size="fixed")
 
 
 def start_server(app) -> tuple[uvicorn.Server, threading.Thread, str]:

@@ -30,8 +30,8 @@ def observe_steps(rule, state, steps, depth, accepted, seconds_per_depth=0.0):
 
 def known_state(curve, acceptance, depth=8):
     """A state as if ``acceptance`` had been measured at every depth over many steps."""
-    return SizingState(curve, trials=[1000.0] * depth, hits=[1000.0 * acceptance] * depth, width=[1.0] * depth,
-                       reach=depth, scale=1.0, probe_gap=4)
+    return SizingState(curve, trials_by={None: [1000.0] * depth}, hits_by={None: [1000.0 * acceptance] * depth},
+                       width=[1.0] * depth, reach=depth, scale=1.0, probe_gap=4)
 
 
 def test_zero_acceptance_and_costly_drafting_means_no_draft():
@@ -44,11 +44,13 @@ def test_zero_acceptance_and_costly_drafting_means_no_draft():
         rule.observe(state, TokenTree.chain(depth), 0, 0.2 * depth, 1.0)
     rates = rule.rates(state, 10)
     assert max(range(len(rates)), key=rates.__getitem__) == 0
-    assert chosen[-30:].count(0) >= 27  # plain steps but for a rare probe
+    # plain steps but for rare probes and cheap exploratory drafts: drafting wastes <= 5% of the time
+    wasted = sum(0.2 * depth for depth in chosen[-30:])
+    assert chosen[-30:].count(0) >= 24 and wasted <= 0.05 * (30 + wasted)
 
 
 def test_plain_steps_probe_now_and_then_and_back_off_after_failures():
-    rule = CostAwareSize(FLAT, probe_gap=3)
+    rule = CostAwareSize(FLAT, probe_gap=3, explore_scale=0.0)  # probes alone (no exploratory drafts)
     state = rule.begin(None)
     chosen = []
     for _ in range(160):  # a drafter that is never right
@@ -72,6 +74,36 @@ def test_a_successful_probe_brings_drafting_back():
         depths.append(depth)
         rule.observe(state, TokenTree.chain(depth), depth, 0.05 * depth, 1.0)
     assert depths[-1] == 4
+
+
+BUMPY = CostCurve((1, 2, 4, 8, 16), (1.0, 1.65, 1.5, 1.75, 2.25))  # SmolLM2 (float32) on one CPU core
+
+
+def first_failure_then_always_right(rule, seed=0, steps=30):
+    state = rule.begin(None)
+    state.draws.seed(seed)
+    depths = []
+    for step in range(steps):
+        depth = rule.depth(state, 10)
+        depths.append(depth)
+        rule.observe(state, TokenTree.chain(depth), 0 if step == 0 else depth, 0.0, BUMPY(depth + 1))
+    return depths
+
+
+def test_one_early_failure_does_not_silence_a_good_drafter_where_exploring_is_cheap():
+    probes_only = first_failure_then_always_right(CostAwareSize(BUMPY, explore_scale=0.0))
+    assert probes_only[1:10] == [0] * 9  # one failure: the estimate falls and plain steps follow
+    for seed in range(5):
+        explored = first_failure_then_always_right(CostAwareSize(BUMPY), seed)
+        assert min(explored[4:]) >= 8  # exploratory drafts soon find the drafter is right
+
+
+def test_no_exploration_where_a_failed_draft_costs_more_than_a_plain_step():
+    rule = CostAwareSize(CHUNKED)  # llama.cpp Q4_0 on one CPU core: a block of 2 costs 2.04 steps
+    state = known_state(CHUNKED, 0.5, depth=15)
+    assert rule.exploring(state, rule.seconds_of(state, list(range(16)))) == (0.0, 0)
+    state = known_state(STEEP, 0.5)
+    assert rule.exploring(state, rule.seconds_of(state, list(range(9))))[1] == 5  # a block of 6 costs 1.95 steps, 7 2.2
 
 
 def test_full_acceptance_on_a_flat_curve_drafts_as_deep_as_allowed():
@@ -127,6 +159,8 @@ def test_drafting_cost_is_fitted_as_fixed_plus_per_depth():
     rule = CostAwareSize(FLAT)
     state = rule.begin(None)
     rule.depth(state, 4)
+    rule.observe(state, TokenTree.chain(4), 0, 9.0, 1.0)  # the first proposal read the whole prompt
+    assert rule.draft_cost(state) == (0.0, 0.0)  # ... so it does not count
     rule.observe(state, TokenTree.chain(4), 0, 0.7, 1.0)
     assert rule.draft_cost(state) == pytest.approx((0.0, 0.7 / 4))  # one depth seen: all of it per depth
     for depth in (1, 2, 3, 4, 2, 1):
@@ -267,12 +301,15 @@ def test_engine_and_load_take_draft_size(tmp_path, monkeypatch):
     monkeypatch.setattr(sizing, "_MEMO", {})
     monkeypatch.setattr(sizing, "calibrate", lambda model: STEEP)  # no timing in tests
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
-    fixed = hasten.load(model, "prompt_lookup", tokenizer=tokenizer)
-    engine = hasten.load(model, "prompt_lookup", tokenizer=tokenizer, draft_size="auto")
-    assert fixed.draft_size == "fixed" and engine.draft_size == "auto"
+    fixed = hasten.load(model, "prompt_lookup", tokenizer=tokenizer, draft_size="fixed")
+    assert not list((tmp_path / "cost").glob("*.json"))  # fixed sizes need no calibration
+    engine = hasten.load(model, "prompt_lookup", tokenizer=tokenizer)  # unset: auto
+    assert fixed.draft_size == "fixed" and engine.draft_size is None
     assert list((tmp_path / "cost").glob("*.json"))  # calibrated at load
     prompt = "def add(a, b):\n    return a + b\n" * 3
     assert engine.generate(prompt, max_new_tokens=24).token_ids == fixed.generate(prompt, max_new_tokens=24).token_ids
+    sampled = dict(max_new_tokens=24, temperature=0.9, seed=5)  # seeded sampling: unset means fixed, reproducible
+    assert engine.generate(prompt, **sampled).token_ids == fixed.generate(prompt, **sampled).token_ids
     with pytest.raises(ValueError, match="draft_size"):
         Engine(model, tokenizer, None, "autoregressive", draft_size="deep")
 
@@ -332,7 +369,7 @@ def planned_depth(curve, acceptances, limit=8):
     states = [known_state(curve, acceptance) for acceptance in acceptances]
     for state in states:
         rule.share(state, len(states))
-    rule.plan(states, [limit] * len(states))
+    rule.plan(states, [limit] * len(states), [None] * len(states))
     depths = {rule.depth(state, limit) for state in states}
     assert len(depths) == 1, "every row of a batch drafts to the planned depth"
     return depths.pop()
@@ -358,7 +395,7 @@ def test_a_batch_waits_for_every_row_to_have_drafted_once():
     fresh, known = SizingState(LINEAR), known_state(LINEAR, 0.1)
     for state in (fresh, known):
         rule.share(state, 2)
-    rule.plan([fresh, known], [6, 6])
+    rule.plan([fresh, known], [6, 6], [None, None])
     assert rule.depth(fresh, 6) == 6  # not drafted yet: see how deep it goes
 
 
@@ -417,3 +454,97 @@ def test_an_empty_proposal_is_not_a_failed_probe():
     gap = state.probe_gap
     rule.observe(state, TokenTree.chain(0), 0, 0.0, 1.0)  # the drafter had no match: nothing was tried
     assert state.probe_gap == gap and rule.depth(state, 4) > 0  # so the next step probes again
+
+
+def run_graded_steps(rule, state, steps, limit=15):
+    """A chain drafter whose drafts graded 3 (every fourth step) are always right and those
+    graded 1 always wrong; returns the depths chosen per grade and tokens per forward cost."""
+    chosen, tokens, cost = {1: [], 3: []}, 0, 0.0
+    for i in range(steps):
+        grade = 3 if i % 4 == 0 else 1
+        depth = rule.depth(state, limit, grade if state is not None and rule.uses_evidence else None)
+        chosen[grade].append(depth)
+        accepted = depth if grade == 3 else 0
+        rule.observe(state, TokenTree.chain(depth), accepted, 0.0, CHUNKED(depth + 1))
+        tokens, cost = tokens + accepted + 1, cost + CHUNKED(depth + 1)
+    return chosen, tokens / cost
+
+
+def test_evidence_classes_keep_their_own_acceptance():
+    rule = CostAwareSize(CHUNKED)
+    chosen, rate = run_graded_steps(rule, rule.begin(None), 200)
+    assert min(chosen[3][10:]) >= 7  # the sure class drafts deep ...
+    assert chosen[1][20:].count(0) >= 0.9 * len(chosen[1][20:])  # ... the unsure one gets plain steps
+
+    class Ungraded(CostAwareSize):  # the same rule, not told the grades: one pooled estimate
+        uses_evidence = False
+
+    ungraded = Ungraded(CHUNKED)
+    _, pooled_rate = run_graded_steps(ungraded, ungraded.begin(None), 200)
+    assert rate > 1.3 * pooled_rate  # grades turn a mix that never pays pooled into one that does
+    assert pooled_rate < 1.05  # pooled, drafting barely beats (or loses to) plain steps
+
+
+def test_an_unseen_evidence_class_is_explored_at_once():
+    rule = CostAwareSize(CHUNKED)
+    state = rule.begin(None)
+    for _ in range(40):  # grade 1: always wrong, so plain steps follow
+        depth = rule.depth(state, 15, 1)
+        rule.observe(state, TokenTree.chain(depth), 0, 0.0, 1.0)
+    assert rule.depth(state, 15, 1) == 0
+    assert rule.depth(state, 15, 2) == 3  # a grade never drafted: a probe's depth, without waiting
+
+
+def test_prompt_lookup_grades_its_copy_by_how_long_the_match_is():
+    from hasten.drafters.base import DraftContext
+    from hasten.drafters import prompt_lookup as pl
+
+    def graded(tokens, source=None):
+        drafter = PromptLookup(num_tokens=4)
+        ctx = DraftContext(list(tokens), 4, Sampling(), None, None, source)
+        ctx.state = drafter.begin(ctx)
+        grade = drafter.evidence(ctx)
+        draft = drafter.propose(ctx)
+        fresh = PromptLookup(num_tokens=4)
+        ctx2 = DraftContext(list(tokens), 4, Sampling(), None, None, source)
+        ctx2.state = fresh.begin(ctx2)
+        assert draft.tokens == fresh.propose(ctx2).tokens  # grading first never changes the draft
+        return grade, draft.tokens
+
+    text = list(range(10, 40))  # 30 distinct tokens
+    assert graded(text) == (pl.NO_MATCH, ())
+    assert graded([9, 1, 2, 3, 50, 60, 70, 80, 1, 2, 3]) == (pl.SHORT_MATCH, (50, 60, 70, 80))
+    assert graded(text[:12] + [99] + text[:10]) == (pl.MEDIUM_MATCH, (*text[10:12], 99, text[0]))  # 10 match
+    assert graded(text + [99] + text[:20]) == (pl.LONG_MATCH, tuple(text[20:24]))
+    assert graded([99, 98], source=text[:20] + [7, 8]) == (pl.NO_MATCH, ())
+    assert graded(text[:17], source=text + [7]) == (pl.LONG_MATCH, tuple(text[17:21]))  # the encoder input
+
+
+def test_lookahead_grades_its_draft_by_suffix_length_and_repeats():
+    from hasten.drafters.base import DraftContext
+
+    def graded(tokens):
+        drafter = Lookahead()
+        ctx = DraftContext(list(tokens), 6, Sampling(), None, None)
+        ctx.state = drafter.begin(ctx)
+        grade, draft = drafter.evidence(ctx), drafter.propose(ctx)
+        fresh = DraftContext(list(tokens), 6, Sampling(), None, None)
+        fresh.state = drafter.begin(fresh)
+        assert draft.tokens == drafter.propose(fresh).tokens  # grading first never changes the draft
+        return grade, draft.tokens[:1]
+
+    assert graded([1, 2, 3, 4, 5]) == (0, ())  # nothing recurs
+    assert graded([7, 1, 8, 1]) == (1, (8,))  # a 1-token suffix, followed once
+    assert graded([7, 1, 8, 1, 8, 6, 1]) == (2, (8,))  # ... followed twice
+    assert graded([1, 2, 3, 4, 5, 1, 2, 3]) == (5, (4,))  # a 3-token suffix, followed once
+    assert graded([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]) == (6, (4,))
+
+
+def test_an_unset_draft_size_is_auto_but_fixed_for_seeded_sampling():
+    from hasten.engine.sizing import default_size
+
+    assert default_size(None, sampled=False, seeded=True) == "auto"  # greedy: the text is the same either way
+    assert default_size(None, sampled=True, seeded=False) == "auto"
+    assert default_size(None, sampled=True, seeded=True) == "fixed"  # a seed must give the same text every run
+    assert default_size("auto", sampled=True, seeded=True) == "auto"  # asked for: kept
+    assert isinstance(sizing_rule(None), CostAwareSize)

@@ -19,7 +19,7 @@ from . import zoo
 from .drafters.base import REGISTRY, Drafter, create
 from .engine.inputs import check_inputs, eos_ids
 from .engine.loop import decode
-from .engine.sizing import SizingRule, load_or_calibrate, sizing_rule
+from .engine.sizing import SizingRule, default_size, load_or_calibrate, sizing_rule
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
 from .models import gguf, vlm
@@ -164,7 +164,7 @@ class Engine:
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer, drafter: Drafter | None, method: str,
-                 draft_size: str | SizingRule = "fixed", processor=None):
+                 draft_size: str | SizingRule | None = None, processor=None):
         self.model, self.tokenizer, self.drafter, self.method = model, tokenizer, drafter, method
         self.processor = processor  # a vision-language model's: text + images -> its inputs
         self.draft_size = draft_size
@@ -346,7 +346,8 @@ class Engine:
         acceptance = acceptance_rule(sampling)
         text = TextStream(self.tokenizer, stops)
         for step in decode(self.model, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats,
-                           acceptance, sizing_rule(self.draft_size), stops, **model_inputs):
+                           acceptance, sizing_rule(default_size(self.draft_size, not sampling.greedy, seed is not None)),
+                           stops, **model_inputs):
             yield text.push(step), step
         tail = text.finish()
         if tail:
@@ -369,7 +370,7 @@ def load(
     tokenizer=None,
     dtype: torch.dtype | str | None = None,
     device: str | torch.device | None = None,
-    draft_size: str | SizingRule = "fixed",
+    draft_size: str | SizingRule | None = None,
     processor=None,
     backend: str = "torch",
     **method_kwargs,
@@ -386,7 +387,8 @@ def load(
     are that drafter's settings, e.g. ``load(path, "prompt_lookup", num_tokens=8)``.
     ``draft_size``: ``"fixed"`` (each drafter's own depth) or ``"auto"`` (each step's depth
     chosen from this machine's measured forward cost and the drafter's measured acceptance;
-    the cost is calibrated here, once per model and machine, and cached).
+    the cost is calibrated here, once per model and machine, and cached). Unset (None): auto,
+    but fixed for sampling with a seed, so that a seed gives the same text every run.
     ``processor`` (an object or a path): a vision-language model's, which turns text and
     images into its inputs; loaded from the model's directory when not given.
     ``backend="llama.cpp"`` runs a GGUF target (and a GGUF draft) in llama.cpp instead of
@@ -418,7 +420,7 @@ def load(
     elif draft is not None:
         draft_model = as_model(draft, dtype, device)
     drafter = make_drafter(method, draft_model, **method_kwargs)
-    if draft_size == "auto" and drafter is not None:
+    if draft_size in ("auto", None) and drafter is not None:
         load_or_calibrate(model)  # now, at load, rather than inside the first generation
     if vlm.is_vision_language(model) and (processor is None or isinstance(processor, (str, os.PathLike))):
         processor = load_processor(name_or_path if processor is None else processor)
@@ -449,7 +451,7 @@ def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft
     drafter = make_drafter(method, None if draft is None else open_gguf(draft), **method_kwargs)
     if drafter is not None:  # now, not at the first generation: what every llama.cpp target declares
         Drafter.check_target(drafter, LlamaCppRow)  # (features_ok, encoder_decoder are class attributes)
-        if draft_size == "auto":
+        if draft_size in ("auto", None):
             load_or_calibrate(model)  # llama.cpp's own cost curve, now rather than inside the first generation
     return Engine(model, tokenizer, drafter, method, draft_size)
 

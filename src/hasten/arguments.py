@@ -156,15 +156,15 @@ def apply_threads(threads: int) -> int:
 
 # ---- how deep drafts go: --draft-size ----------------------------------------------------------
 DRAFT_SIZES = ("auto", "fixed")
-DEFAULT_DRAFT_SIZE = "fixed"
+DEFAULT_DRAFT_SIZE = "auto"
 
 
-def add_draft_size_argument(parser: argparse.ArgumentParser, default: str = DEFAULT_DRAFT_SIZE,
-                            why: str = "") -> None:
+def add_draft_size_argument(parser: argparse.ArgumentParser, default: str | None = None,
+                            why: str = ", or fixed when sampling with --seed, so a seed gives the same text every run") -> None:
     parser.add_argument(
         "--draft-size", default=default, choices=DRAFT_SIZES,
         help="fixed: each method drafts as deep as its settings say; auto: each step's depth is chosen "
         "from this machine's measured forward cost (PyTorch's or llama.cpp's, calibrated once, cached under "
         "$HASTEN_CACHE/cost) "
-        f"and the method's measured acceptance, for a whole batch at once (default {default}{why})",
+        f"and the method's measured acceptance, for a whole batch at once (default {default or 'auto'}{why})",
     )

@@ -27,6 +27,7 @@ from .core.stats import DecodeStats
 from .diffusion import cli as diffusion_cli
 from .dlm import cli as dlm_cli
 from .drafters.base import REGISTRY
+from .engine.sizing import default_size
 from .serve import cli as serve_cli
 from .training import cli as training_cli
 from .version import __version__
@@ -138,7 +139,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     if args.json:
         record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image, "text": text,
                   "token_ids": token_ids}
-        runtime = {"device": device, "dtype": args.dtype, "threads": threads, "draft_size": args.draft_size,
+        draft_size = default_size(args.draft_size, args.temperature > 0, args.seed is not None)
+        runtime = {"device": device, "dtype": args.dtype, "threads": threads, "draft_size": draft_size,
                    "backend": args.backend}
         print(json.dumps({**record, **runtime, "stats": stats.to_dict()}))
         return 0

@@ -145,6 +145,14 @@ class Drafter:
     def propose(self, ctx: DraftContext) -> Draft:
         raise NotImplementedError
 
+    def evidence(self, ctx: DraftContext) -> int | None:
+        """How much this step's draft deserves trust, as a small class number, before
+        proposing it (asked by cost-aware sizing, which keeps each class's acceptance apart:
+        prompt lookup's copies after a long match are accepted far more often than after a
+        short one). None: this drafter does not grade its drafts. Must be cheap; a drafter may
+        keep what it looked up in ``ctx.state`` for the ``propose`` that follows."""
+        return None
+
     def observe(self, ctx: DraftContext, result: StepResult) -> None:
         """Learn from the verdict (adapt draft length, keep rider logits) in ``ctx.state``."""
 

@@ -91,6 +91,7 @@ class Sequence:
         if drafter is not None:
             self.ctx.state = drafter.begin(self.ctx)
             self.size_state = self.sizing.begin(cache)
+        self.evidence: int | None = None  # the drafter's grade of this step's draft (asked by cost-aware sizing)
         self.draft_began = self.draft_ended = 0.0
         self._start = 0
 
@@ -107,13 +108,22 @@ class Sequence:
         """The deepest draft token this step could use (the bonus token needs the last slot)."""
         return max(self.max_new_tokens - len(self.generated) - 1, 0)
 
-    def propose(self) -> Draft:
-        """This step's draft (empty without a drafter or when only the bonus token fits)."""
+    def grade(self) -> None:
+        """Ask the drafter how far to trust this step's draft, when the sizing rule wants to
+        know (before a batch's plan, which prices every row's class)."""
         self.draft_began = time.perf_counter()
+        self.evidence = None
+        if self.drafter is not None and self.sizing.uses_evidence and self.depth_limit > 0:
+            self.evidence = self.drafter.evidence(self.ctx)
+
+    def propose(self) -> Draft:
+        """This step's draft (empty without a drafter or when only the bonus token fits);
+        after :meth:`grade`."""
         budget = self.max_new_tokens - len(self.generated)
         draft = EMPTY_DRAFT
         if self.drafter is not None and budget > 1:
-            self.ctx.max_depth = self.sizing.depth(self.size_state, budget - 1)  # the bonus token needs the last slot
+            # the bonus token needs the last slot
+            self.ctx.max_depth = self.sizing.depth(self.size_state, budget - 1, self.evidence)
             if self.ctx.max_depth > 0:
                 draft = self.fit(self.drafter.propose(self.ctx), self.ctx.max_depth)
         self.draft_ended = time.perf_counter()
@@ -186,10 +196,13 @@ def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
     """One decode step for every sequence: propose, one verification forward, settle.
     Returns each sequence's newly committed tokens."""
     drafting = [sequence for sequence in sequences if sequence.drafter is not None]
+    for sequence in sequences:
+        sequence.grade()
     for sequence in drafting:
         sequence.sizing.share(sequence.size_state, len(sequences))  # cost-aware sizing prices the shared forward
     if len(drafting) > 1:  # one sizing rule serves a batch (the scheduler's); it plans for all rows at once
-        drafting[0].sizing.plan([s.size_state for s in drafting], [s.depth_limit for s in drafting])
+        drafting[0].sizing.plan([s.size_state for s in drafting], [s.depth_limit for s in drafting],
+                                [s.evidence for s in drafting])
     drafts = [sequence.propose() for sequence in sequences]
     outs = target.forward_rows(
         [sequence.cache for sequence in sequences],

@@ -11,9 +11,21 @@ from the target's forward cost per block size *on this machine* (a short calibra
 cached on disk per model, device, dtype, threads and machine; a llama.cpp model times its own
 ``llama_decode``), the drafter's acceptance
 per depth (``a_d``: P(depth d accepted | depth d drafted and depth d - 1 accepted),
-measured online per generation) and its measured drafting seconds. ``k = 0`` (a plain
+measured online per generation, apart for each class of the drafter's own evidence: see
+``Drafter.evidence``) and its measured drafting seconds. ``k = 0`` (a plain
 step, no proposal at all) is allowed when drafting does not pay; a small probe now and
 then re-measures acceptance.
+
+Exploring: a single early failure must not silence a drafter for a whole generation (one
+rejected first draft put lookahead's estimate at 0.25 and ~20 plain steps followed where a
+fixed size accepted 3 tokens a step). So where a failed probe costs less than a plain step
+(a flat or nearly flat curve), each step's estimates are shifted by a normal draw times
+their own uncertainty (Thompson-style: an uncertain estimate is sometimes tried as if
+better); on a steep curve (llama.cpp on a CPU) exploring costs more than it finds, and only
+the probes remain. A class of evidence graded above every class drafted so far is tried at
+once (the start of a copy stretch is worth a probe). Replayed on recorded SmolLM2 outputs
+(tokens per unit of forward cost, ``docs/cpu.md``), this took prompt lookup's auto sizing from
+0.96x to 1.07x of its fixed size on PyTorch and from 1.06x to 1.08x of plain decoding on llama.cpp.
 
 A rule is chosen once per generation (like the acceptance rule); its per-generation
 state comes from ``begin`` and lives with the loop.
@@ -24,15 +36,19 @@ import functools
 import hashlib
 import json
 import os
+import math
 import platform
+import random
 import statistics
 import time
 from bisect import bisect_left
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm import tqdm
 from transformers import PreTrainedModel
 
 from ..core.tree import TokenTree
@@ -53,12 +69,14 @@ class SizingRule:
     """Decides each step's deepest usable draft node. ``begin`` returns per-generation state."""
 
     name: str = "fixed"
+    uses_evidence: bool = False  # asks the drafter's evidence (Drafter.evidence) before each step
 
     def begin(self, target: ModelAdapter) -> Any:
         return None
 
-    def depth(self, state: Any, limit: int) -> int:
-        """The max draft depth for this step, at most ``limit`` (0: do not draft)."""
+    def depth(self, state: Any, limit: int, evidence: int | None = None) -> int:
+        """The max draft depth for this step, at most ``limit`` (0: do not draft);
+        ``evidence``: the drafter's class for this step's draft, when it grades them."""
         return limit
 
     def observe(self, state: Any, tree: TokenTree, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
@@ -67,9 +85,9 @@ class SizingRule:
     def share(self, state: Any, rows: int) -> None:
         """The next step's forward is shared by ``rows`` sequences (a batch)."""
 
-    def plan(self, states: list[Any], limits: list[int]) -> None:
+    def plan(self, states: list[Any], limits: list[int], evidence: list[int | None]) -> None:
         """Before a batch's step: choose jointly for its rows (``limits``: each row's deepest
-        usable depth). Fixed sizes need no plan."""
+        usable depth; ``evidence``: each row's drafter's class). Fixed sizes need no plan."""
 
 
 class FixedSize(SizingRule):
@@ -92,6 +110,9 @@ class CostCurve:
 
     def __call__(self, positions: float) -> float:
         """Linear interpolation; linear extrapolation from the last two points past the end."""
+        return _interpolate(self, positions)  # memoised: the sizing rule prices the same sizes every step
+
+    def interpolate(self, positions: float) -> float:
         sizes, seconds = self.sizes, self.seconds
         if len(sizes) == 1 or positions <= sizes[0]:
             return seconds[0]
@@ -102,6 +123,11 @@ class CostCurve:
     @classmethod
     def flat(cls) -> "CostCurve":
         return cls((1,), (1.0,))
+
+
+@functools.lru_cache(maxsize=8192)
+def _interpolate(curve: CostCurve, positions: float) -> float:
+    return curve.interpolate(positions)
 
 
 @functools.lru_cache(maxsize=1)
@@ -183,7 +209,9 @@ def _time_blocks(sizes: tuple[int, ...], reps: int, run, undo) -> CostCurve:
     """Seconds of ``run(size)`` for each size: the median of ``reps`` rounds after a warm-up
     round, sizes interleaved; ``undo()`` after each run restores the cached context."""
     times: dict[int, list[float]] = {s: [] for s in sizes}
-    for rep in range(reps + 1):  # the first round warms up
+    rounds = tqdm(range(reps + 1), desc="timing the target's forward (once per model and machine)", unit="round",
+                  leave=False, disable=None)  # a progress bar on a terminal only
+    for rep in rounds:  # the first round warms up
         for size in sizes:
             clock = time.perf_counter()
             run(size)
@@ -229,8 +257,14 @@ class SizingState:
     """One generation's measurements (counts decay, so the rule follows drift within a generation)."""
 
     curve: CostCurve
-    trials: list[float] = field(default_factory=list)  # index d - 1: steps that drafted depth d with d - 1 accepted
-    hits: list[float] = field(default_factory=list)  # ... of which depth d was accepted
+    # per evidence class (None: the drafter does not grade its drafts), index d - 1: steps that
+    # drafted depth d with d - 1 accepted, and of those, the steps that accepted depth d
+    trials_by: dict[int | None, list[float]] = field(default_factory=dict)
+    hits_by: dict[int | None, list[float]] = field(default_factory=dict)
+    evidence: int | None = None  # the class of the step under way
+    top_grade: int | None = None  # the highest evidence class drafted so far
+    floor: list[float] = field(default_factory=list)  # per depth: the best estimate of a lower class (see depth)
+    draws: random.Random = field(default_factory=lambda: random.Random(0))  # exploration (reproducible)
     width: list[float] = field(default_factory=list)  # index d - 1: mean nodes at depth d when drafted
     reach: int | None = None  # deepest depth the drafter has drafted (None: not yet known)
     most_nodes: int = 0  # largest draft seen: drafters with a node budget never exceed it, however deep
@@ -245,6 +279,15 @@ class SizingState:
     rows: int = 1  # sequences sharing the target's forward (a batch): its cost is split among them
     cap: int | None = None  # in a batch: the depth the batch's plan chose for every row
     timed: bool = False  # a step's verify time has been seen (the first is not used: see observe)
+
+    @property
+    def trials(self) -> list[float]:
+        """The current evidence class's trials per depth."""
+        return self.trials_by.setdefault(self.evidence, [])
+
+    @property
+    def hits(self) -> list[float]:
+        return self.hits_by.setdefault(self.evidence, [])
 
     def forward_seconds(self, positions: float) -> float:
         """This sequence's share of a forward in which every row runs ``positions``
@@ -266,10 +309,13 @@ class CostAwareSize(SizingRule):
     """
 
     name = "auto"
+    uses_evidence = True
 
     def __init__(self, curve: CostCurve | None = None, prior: float = 0.5, prior_weight: float = 1.0,
-                 decay: float = 0.9, probe_gap: int = 4, max_probe_gap: int = 64, probe_share: float = 0.03):
+                 decay: float = 0.9, probe_gap: int = 4, max_probe_gap: int = 64, probe_share: float = 0.03,
+                 explore_scale: float = 1.0):
         self.curve, self.prior, self.prior_weight, self.decay = curve, prior, prior_weight, decay
+        self.explore_scale = explore_scale  # standard deviation of the exploration draw (0: none)
         self.probe_share = probe_share
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
 
@@ -278,7 +324,7 @@ class CostAwareSize(SizingRule):
         return SizingState(curve, probe_gap=self.first_probe_gap)
 
     # estimates ----------------------------------------------------------------------------------
-    def acceptances(self, state: SizingState, deepest: int) -> list[float]:
+    def acceptances(self, state: SizingState, deepest: int, optimism: float = 0.0) -> list[float]:
         """a_1 .. a_deepest, each with a prior worth ``prior_weight`` steps: ``prior`` at depth
         1, deeper the larger of ``prior`` and the estimate one level up (once a draft has
         matched for a while, the next token tends to match as well, so unexplored depths get
@@ -287,28 +333,60 @@ class CostAwareSize(SizingRule):
         (0.045 by default). The prior weighs one step (it weighed 3): where only a deep,
         mostly accepted draft pays (llama.cpp on a CPU: a block of 4 costs 3 steps), one
         fully accepted probe must be enough to start drafting, or a copy stretch is over
-        before the rule believes in it."""
-        found, prior = [], self.prior
+        before the rule believes in it. ``optimism``: each estimate moves by that many of its
+        standard deviations (exploration; see the module doc)."""
+        found, prior, floor = [], self.prior, state.floor
+        certainty = self.prior_weight
+        measured_trials, measured_hits = state.trials, state.hits
         for d in range(deepest):
-            trials = state.trials[d] if d < len(state.trials) else 0.0
-            hits = state.hits[d] if d < len(state.hits) else 0.0
+            trials = measured_trials[d] if d < len(measured_trials) else 0.0
+            hits = measured_hits[d] if d < len(measured_hits) else 0.0
             weight = trials + self.prior_weight
+            if d < len(floor):  # a higher grade is at least as good as a lower one
+                prior = max(prior, floor[d])
             estimate = (hits + prior * self.prior_weight) / weight if weight > 0 else prior
-            found.append(estimate)
             prior = max(estimate, self.prior)
+            if trials > 0:
+                certainty = weight  # an unmeasured depth is as certain as the measured one above it
+            if optimism:  # once per depth: the prior passed down stays the plain estimate
+                estimate = min(max(estimate + optimism * math.sqrt(estimate * (1.0 - estimate) / (certainty + 1.0)),
+                                   0.0), 1.0)
+            found.append(estimate)
         return found
 
-    def rates(self, state: SizingState, deepest: int) -> list[float]:
-        """Expected tokens per second when drafting k = 0 .. ``deepest`` deep."""
-        return [tokens / (state.forward_seconds(nodes + 1) + self.drafting_seconds(state, d))
-                for d, (tokens, nodes) in enumerate(zip(*self.expected(state, deepest)))]
+    def grade(self, state: SizingState, evidence: int | None) -> None:
+        """Make ``evidence`` the current class; its prior at each depth becomes at least the
+        best estimate of any lower class measured there (computed once a step)."""
+        state.evidence = evidence
+        state.floor = []
+        if evidence is None:
+            return
+        for grade, trials in state.trials_by.items():
+            if grade is not None and grade < evidence:
+                hits = state.hits_by[grade]
+                measured = [(h + self.prior * self.prior_weight) / (t + self.prior_weight) if t > 0 else 0.0
+                            for t, h in zip(trials, hits)]
+                state.floor = [max(a, b) for a, b in zip_longest(state.floor, measured, fillvalue=0.0)]
 
-    def expected(self, state: SizingState, deepest: int) -> tuple[list[float], list[float]]:
+    def rates(self, state: SizingState, deepest: int, optimism: float = 0.0) -> list[float]:
+        """Expected tokens per second when drafting k = 0 .. ``deepest`` deep."""
+        return self.rates_of(state, *self.expected(state, deepest, optimism))
+
+    def seconds_of(self, state: SizingState, nodes: list[float]) -> list[float]:
+        """Seconds of a step drafting k = 0 .. len(nodes) - 1 deep (``nodes[k]`` draft nodes)."""
+        fixed, per_depth = self.draft_cost(state)
+        return [state.forward_seconds(count + 1) + (fixed + per_depth * d if d else 0.0)
+                for d, count in enumerate(nodes)]
+
+    def rates_of(self, state: SizingState, tokens: list[float], nodes: list[float]) -> list[float]:
+        return [t / seconds for t, seconds in zip(tokens, self.seconds_of(state, nodes))]
+
+    def expected(self, state: SizingState, deepest: int, optimism: float = 0.0) -> tuple[list[float], list[float]]:
         """For k = 0 .. ``deepest``: the expected tokens a step commits drafting k deep, and
         the draft nodes it verifies."""
         tokens, survive, nodes = [1.0], 1.0, [0.0]
         count = 0.0
-        for d, accept in enumerate(self.acceptances(state, deepest), start=1):
+        for d, accept in enumerate(self.acceptances(state, deepest, optimism), start=1):
             survive *= accept
             tokens.append(tokens[-1] + survive)
             count += state.width[d - 1] if d <= len(state.width) else (state.width[-1] if state.width else 1.0)
@@ -346,12 +424,14 @@ class CostAwareSize(SizingRule):
         return 0.0, t / k
 
     # the rule ------------------------------------------------------------------------------------
-    def plan(self, states: list[SizingState], limits: list[int]) -> None:
+    def plan(self, states: list[SizingState], limits: list[int], evidence: list[int | None]) -> None:
         """A batch pads every row's block to the widest one, so rows cannot choose alone: one
         depth ``W`` for all rows, maximising the batch's expected tokens per second, where the
         forward runs ``rows x (widest block)`` positions and every row drafts up to ``W``
         (padding would cost as much)."""
         rows = len(states)
+        for state, grade in zip(states, evidence):
+            self.grade(state, grade)
         if any(state.reach is None for state in states):  # someone has not drafted yet: all draft fully
             for state in states:
                 state.cap = None
@@ -383,15 +463,12 @@ class CostAwareSize(SizingRule):
         cost included): a shallower probe could never show that drafting pays (on a flat
         curve that is 1; on SmolLM2 Q4_0 under llama.cpp, 3: a block of 2 costs two steps).
         0 when no depth up to ``limit`` could pay: then there is nothing to probe for."""
-        plain = 1.0 / state.forward_seconds(1)
         _, nodes = self.expected(state, limit)
-        for depth in range(1, limit + 1):
-            if (depth + 1) / (state.forward_seconds(nodes[depth] + 1) + self.drafting_seconds(state, depth)) \
-                    > plain:
-                return depth
-        return 0
+        seconds = self.seconds_of(state, nodes)
+        return next((depth for depth in range(1, limit + 1) if (depth + 1) / seconds[depth] > 1.0 / seconds[0]), 0)
 
-    def depth(self, state: SizingState, limit: int) -> int:
+    def depth(self, state: SizingState, limit: int, evidence: int | None = None) -> int:
+        self.grade(state, evidence)
         if state.rows > 1 and state.cap is not None:  # a batch: the plan chose for every row
             state.chosen = min(state.cap, limit)
             return state.chosen
@@ -399,15 +476,25 @@ class CostAwareSize(SizingRule):
         if state.reach is None and state.rows > 1:  # a batch plans once every row has drafted: see how deep
             state.chosen = limit
             return limit
-        if state.reach is None:  # nothing drafted yet: the prior's best depth, at least a probe's
+        higher = evidence is not None and (state.top_grade is None or evidence > state.top_grade)
+        if state.reach is None or higher:
+            # nothing drafted yet (or evidence above any drafted so far): the prior's best, at least a probe's
             first = min(limit, FIRST_DEPTHS)
             rates = self.rates(state, first)
             best = max(range(len(rates)), key=lambda k: (rates[k], -k))
             state.chosen = max(best, self.probe_depth(state, first))
             return state.chosen
         top = self.top(state, limit)
-        rates = self.rates(state, top)
+        tokens, nodes = self.expected(state, top)
+        seconds = self.seconds_of(state, nodes)
+        rates = [t / s for t, s in zip(tokens, seconds)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        draw, cap = self.exploring(state, seconds)
+        if draw:  # the optimistic (or pessimistic) view picks among depths a failure would not cost much
+            hoped_tokens, _ = self.expected(state, cap, draw)
+            hopes = [t / s for t, s in zip(hoped_tokens, seconds)]
+            hoped = max(range(len(hopes)), key=lambda k: (hopes[k], -k))
+            best = hoped if hopes[hoped] > hopes[min(best, cap)] else best
         if best == 0:
             state.skipped += 1
             # now and then a probe re-measures acceptance, as shallow as could show a gain
@@ -416,6 +503,16 @@ class CostAwareSize(SizingRule):
                 best, state.probing = probe, True
         state.chosen = best
         return best
+
+    def exploring(self, state: SizingState, seconds: list[float]) -> tuple[float, int]:
+        """This step's exploration draw (normal, ``explore_scale`` wide) and the deepest depth
+        it may choose: the depths whose failure costs at most one plain step more than a plain
+        step (``seconds[k]``: a step drafting k deep; none on llama.cpp's steep CPU curve:
+        then no draw, 0)."""
+        if not self.explore_scale:
+            return 0.0, 0
+        cap = max((k for k in range(1, len(seconds)) if seconds[k] <= 2 * seconds[0]), default=0)
+        return (state.draws.gauss(0.0, self.explore_scale), cap) if cap else (0.0, 0)
 
     def share(self, state: SizingState, rows: int) -> None:
         state.rows = rows
@@ -440,33 +537,48 @@ class CostAwareSize(SizingRule):
         state.skipped = 0
         if state.probing:  # a failed probe doubles the wait for the next one
             state.probe_gap = self.first_probe_gap if accepted else min(2 * state.probe_gap, self.max_probe_gap)
-        state.reach = max(state.reach or 0, drafted)
+        first, state.reach = state.reach is None, max(state.reach or 0, drafted)
+        if state.evidence is not None:
+            state.top_grade = max(state.top_grade if state.top_grade is not None else state.evidence, state.evidence)
         state.most_nodes = max(state.most_nodes, len(tree))
-        sums = state.draft_sums
-        for i, value in enumerate((1.0, drafted, drafted * drafted, draft_seconds, drafted * draft_seconds)):
-            sums[i] = sums[i] * self.decay + value
+        if not first:  # a drafter's first proposal may catch up with the whole prompt: not a
+            sums = state.draft_sums  # step's drafting cost (lookahead's long-prompt loss came from it)
+            for i, value in enumerate((1.0, drafted, drafted * drafted, draft_seconds, drafted * draft_seconds)):
+                sums[i] = sums[i] * self.decay + value
         counts = [0] * drafted
         for depth in depths:
             counts[depth - 1] += 1
+        trials, hits = state.trials, state.hits
+        trials.extend([0.0] * (drafted - len(trials)))
+        hits.extend([0.0] * (drafted - len(hits)))
         for d in range(1, drafted + 1):
-            while len(state.width) < d:
+            if len(state.width) < d:
                 state.width.append(float(counts[d - 1]))
-                state.trials.append(0.0)
-                state.hits.append(0.0)
             state.width[d - 1] = 0.8 * state.width[d - 1] + 0.2 * counts[d - 1]
             if accepted >= d - 1:  # depth d was tried: its parent was accepted
-                state.trials[d - 1] = state.trials[d - 1] * self.decay + 1.0
-                state.hits[d - 1] = state.hits[d - 1] * self.decay + (1.0 if accepted >= d else 0.0)
+                trials[d - 1] = trials[d - 1] * self.decay + 1.0
+                hits[d - 1] = hits[d - 1] * self.decay + (1.0 if accepted >= d else 0.0)
 
 
 SIZES = ("auto", "fixed")
 
 
-def sizing_rule(draft_size: str | SizingRule) -> SizingRule:
-    """``"auto"`` (:class:`CostAwareSize`), ``"fixed"`` (:class:`FixedSize`) or a rule object."""
+def default_size(draft_size: str | SizingRule | None, sampled: bool, seeded: bool) -> str | SizingRule:
+    """What an unset ``draft_size`` (None) means: ``"auto"``, except for sampling with a seed,
+    where it is ``"fixed"``: auto's depths follow measured times, and a different depth draws
+    different random numbers, so a seed would no longer give the same text on every run (the
+    text's law is exact either way)."""
+    if draft_size is not None:
+        return draft_size
+    return "fixed" if sampled and seeded else "auto"
+
+
+def sizing_rule(draft_size: str | SizingRule | None) -> SizingRule:
+    """``"auto"`` (:class:`CostAwareSize`; also None, unset), ``"fixed"`` (:class:`FixedSize`)
+    or a rule object."""
     if isinstance(draft_size, SizingRule):
         return draft_size
-    if draft_size == "auto":
+    if draft_size in ("auto", None):
         return CostAwareSize()
     if draft_size == "fixed":
         return FixedSize()
