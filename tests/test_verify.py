@@ -137,3 +137,11 @@ def test_a_residual_of_zero_falls_back_to_p():
 def test_q_of_the_wrong_shape_is_refused():
     with pytest.raises(ValueError, match="q must be"):
         accept_sampling(TokenTree.chain(2), [0, 1], torch.full((3, 4), 0.25), torch.full((1, 4), 0.25), None)
+
+
+def test_greedy_ids_take_the_first_maximum_like_torch():
+    from hasten.engine.verify import greedy_ids
+
+    logits = torch.tensor([[1.0, 3.0, 3.0], [5.0, 5.0, 0.0], [0.0, -1.0, 2.0]])  # [3, vocab 3], with ties
+    assert greedy_ids(logits) == logits.argmax(-1).tolist() == [1, 0, 2]
+    assert greedy_ids(logits.double()) == [1, 0, 2]  # other dtypes go through torch

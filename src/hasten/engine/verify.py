@@ -110,6 +110,15 @@ def draft_tensor(tokens, device: torch.device) -> torch.Tensor:
 
 
 # ---- greedy ----------------------------------------------------------------------------------
+def greedy_ids(logits: torch.Tensor) -> list[int]:
+    """[n + 1] argmax of each row of ``logits`` [n + 1, vocab] (the first maximum, as torch's), as
+    host ints: one transfer from a GPU; on the CPU through numpy, whose argmax over a 49k
+    vocabulary takes 4 µs where torch's takes 43 (0.4 % of a llama.cpp step on SmolLM2)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def accept_greedy(tree: TokenTree, draft, target_argmax: list[int]) -> Verdict:
     """Longest path whose every token equals the target's argmax after its parent.
 
@@ -232,7 +241,7 @@ class Acceptance:
 class GreedyAcceptance(Acceptance):
     def verify(self, tree, tokens, logits, q, sampling, generator) -> Verdict:
         check_draft(tokens, logits.shape[-1])
-        return accept_greedy(tree, tokens, logits.argmax(-1).tolist())  # one transfer: [n + 1] ids
+        return accept_greedy(tree, tokens, greedy_ids(logits))
 
 
 class SpeculativeSampling(Acceptance):
