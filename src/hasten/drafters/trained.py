@@ -7,8 +7,9 @@ rule (a :class:`TrainedDrafter` subclass) and its loss (a
 * on disk a module is a directory with ``weights.safetensors`` (float16: small files) and
   ``<name>.json`` (its :class:`ModuleConfig`); on load it is cast to the target's dtype;
 * the target's embeddings and LM head are borrowed at run time, never stored;
-* weights are found beside the target (``<model dir>/<name>/``); without them an
-  untrained module is used, with one warning line saying how to train one.
+* weights are found beside the target (``<model dir>/<name>/``), or for a packaged zoo
+  model (a GGUF dequantised into the cache) in the zoo (``hasten.zoo.real.shipped_drafter``);
+  without them an untrained module is used, with one warning line saying how to train one.
 
 Indexing convention of the feature drafters: the target's feature ``f_t`` (its last-layer
 hidden state at position ``t``) is what its LM head turns into token ``x_{t+1}``. With
@@ -28,6 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import PreTrainedModel
 
+from .. import zoo
 from ..core.settings import Settings
 from ..models.adapter import model_name
 from .base import EMPTY_DRAFT, Draft, DraftContext, Drafter
@@ -177,6 +179,9 @@ class TrainedDrafter(Drafter):
     def _find(self, model: PreTrainedModel) -> TrainedModule:
         source = getattr(model.config, "_name_or_path", "")  # the directory the target was loaded from
         beside = Path(source) / self.name if source else None
+        if beside is not None and not (beside / f"{self.name}.json").is_file():
+            # a packaged zoo model (a GGUF dequantised into the cache) has its modules in the zoo
+            beside = zoo.real.shipped_drafter(source, self.name) or beside
         if beside is not None and (beside / f"{self.name}.json").is_file():
             return self.Module.load(beside)  # raises if the weights file next to the config is missing
         warnings.warn(

@@ -21,7 +21,7 @@ import torch
 
 from ..arguments import UserError, writable_directory
 from ..core.settings import add_flags, from_args
-from .distill import DistillSettings, distill, read_documents, zoo_documents
+from .distill import DistillSettings, distill, pydoc_documents, read_documents, zoo_documents
 from .online import SOURCES, OnlineSettings
 from .trainer import Trainable, TrainSettings, train
 
@@ -45,6 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             source.add_argument("--data", type=Path, help="text to cut prompts from: .txt (one document) or .jsonl "
                                 '(one JSON string or {"text": ...} object per line)')
             source.add_argument("--zoo-corpus", action="store_true", help="cut prompts from the zoo's training corpus")
+            source.add_argument("--pydoc-topics", action="store_true",
+                                help="cut prompts from Python's reference text shipped with the standard library "
+                                     "(pydoc_data.topics: English prose; with --chat, for chat models)")
             data_group = ("distillation", DistillSettings)
         else:  # the target runs on fresh inputs every step (hasten.training.online)
             data_group = (f"online data ({training.data_source}, made on the fly)", OnlineSettings)
@@ -73,9 +76,14 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # the tokenizers' thread pool
-    documents = None if online else read_documents(args.data) if args.data else zoo_documents()
+    documents, source = None, training.data_source
+    if not online:
+        documents, source = (
+            (read_documents(args.data), str(args.data.resolve())) if args.data
+            else (pydoc_documents(), "pydoc-topics") if args.pydoc_topics
+            else (zoo_documents(), "zoo-corpus")
+        )
     writable_directory(args.out)  # before distilling and training, not after
-    source = training.data_source if online else str(args.data.resolve()) if args.data else "zoo-corpus"
 
     model = load_model(args.model, device=args.device)
     if model.config.is_encoder_decoder:

@@ -4,7 +4,10 @@ Heads and drafters are trained to guess the *target's* next tokens, not the corp
 the labels are the target's own greedy continuations (generated with hasten and prompt
 lookup, which is lossless and several times faster than plain decoding here). Prompts are
 windows of ``prompt_tokens`` tokens cut at random places from the documents (tokenised
-without special tokens); only the generated tokens count as labels.
+without special tokens); only the generated tokens count as labels. With ``chat`` each
+window becomes a user message asking for one of a few tasks on it (summarise, explain,
+rewrite, continue, ...) under the tokenizer's chat template, so a drafter for a chat model
+learns from the answers it will be measured on (prompts then differ in length).
 
 The result is cached in one safetensors file: token ids and, by default, the target's
 last-layer hidden states (one forward per sequence, float16 to halve the file), so that
@@ -41,6 +44,8 @@ class DistillSettings(Settings):
     gen_tokens: int = option(128, "greedy tokens the target generates after each prompt (fewer if it stops)")
     seed: int = option(0, "seeds the prompt choice, the initialisation and the batch order")
     store_hidden: bool = option(True, "cache the target's hidden states (else recomputed for every batch)")
+    chat: bool = option(False, "wrap each prompt window in a user message with an instruction (summarise, "
+                               "explain, rewrite, ...) under the tokenizer's chat template; generation stops at EOS")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -134,8 +139,41 @@ def pick_prompts(documents: list[str], tokenizer, settings: DistillSettings) -> 
         ids = tokenised[doc]
         if len(ids) >= settings.prompt_tokens:
             start = rng.randrange(len(ids) - settings.prompt_tokens + 1)
-            prompts.append(ids[start : start + settings.prompt_tokens])
+            window = ids[start : start + settings.prompt_tokens]
+            prompts.append(chat_prompt(window, tokenizer, rng) if settings.chat else window)
     raise ValueError(f"the training text has too few documents of at least {settings.prompt_tokens} tokens")
+
+
+# What a user might ask about a piece of text; one is drawn per prompt. Kept apart from the
+# benchmark's prompts (hasten.bench.chat_tasks), which are never used for training.
+INSTRUCTIONS = (
+    "Summarise the following text in a few sentences.",
+    "Explain the following text in simple words.",
+    "Rewrite the following text so that it is clearer and easier to read.",
+    "Continue the following text.",
+    "List the main points of the following text as a numbered list.",
+    "Correct any spelling or grammar mistakes in the following text and return it.",
+    "Write three questions a reader might ask about the following text, and answer them.",
+    "Translate the following text into French.",
+)
+
+
+def chat_prompt(window: list[int], tokenizer, rng: random.Random) -> list[int]:
+    """``window`` as the text of one user message that asks for a task on it, with the
+    tokenizer's chat template and the assistant's turn opened."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat needs a tokenizer with a chat template (this target's has none)")
+    text = tokenizer.decode(window, skip_special_tokens=True).strip()
+    message = {"role": "user", "content": f"{rng.choice(INSTRUCTIONS)}\n\n{text}"}
+    return list(tokenizer.apply_chat_template([message], add_generation_prompt=True, return_dict=True)["input_ids"])
+
+
+def pydoc_documents() -> list[str]:
+    """Python's own reference text (``pydoc_data.topics``, shipped with the standard
+    library): English prose about a programming language, one document per topic."""
+    from pydoc_data.topics import topics
+
+    return [text for _, text in sorted(topics.items())]
 
 
 # ---- distillation --------------------------------------------------------------------------------
@@ -152,16 +190,19 @@ def distill(model: PreTrainedModel, tokenizer, documents: list[str], settings: D
     if len(rows) == settings.samples:
         return _stack(rows, settings)
     prompts = pick_prompts(documents, tokenizer, settings)
+    # chat answers end at the end-of-turn token, as they will when measured; plain text runs on
+    eos = model.generation_config.eos_token_id if settings.chat else None
     drafter = PromptLookup()
     saved_at = time.monotonic()
     for prompt in tqdm(prompts[len(rows):], desc="distill", initial=len(rows), total=settings.samples,
                        disable=not progress, file=sys.stderr, mininterval=2):
         prompt_ids = torch.tensor([prompt], device=model.device)  # [1, P]
-        sequence = generate(model, prompt_ids, drafter=drafter, max_new_tokens=settings.gen_tokens).sequences  # [1, L]
+        sequence = generate(model, prompt_ids, drafter=drafter, max_new_tokens=settings.gen_tokens,
+                            eos_token_id=eos).sequences  # [1, L]
         hidden = None
         if settings.store_hidden:
             hidden = model(sequence.to(model.device), output_hidden_states=True).hidden_states[-1][0].half().cpu()  # [L, H]
-        rows.append((sequence[0].cpu(), hidden))
+        rows.append((sequence[0].cpu(), hidden, len(prompt)))
         if time.monotonic() - saved_at > SAVE_EVERY_S:
             _save(path, key, _stack(rows, settings))
             saved_at = time.monotonic()
@@ -170,18 +211,20 @@ def distill(model: PreTrainedModel, tokenizer, documents: list[str], settings: D
     return data
 
 
-def _stack(rows: list[tuple[torch.Tensor, torch.Tensor | None]], settings: DistillSettings) -> Distilled:
-    width = settings.prompt_tokens + settings.gen_tokens
+def _stack(rows: list[tuple[torch.Tensor, torch.Tensor | None, int]], settings: DistillSettings) -> Distilled:
+    """Rows of (sequence [L], hidden [L, H] or None, prompt length) padded into one batch."""
+    width = max((len(sequence) for sequence, _, _ in rows), default=settings.prompt_tokens + settings.gen_tokens)
     ids = torch.zeros(len(rows), width, dtype=torch.long)
     hidden = None
     if settings.store_hidden and rows:
         hidden = torch.zeros(len(rows), width, rows[0][1].shape[-1], dtype=torch.float16)
-    for i, (sequence, states) in enumerate(rows):
+    for i, (sequence, states, _) in enumerate(rows):
         ids[i, : len(sequence)] = sequence
         if hidden is not None:
             hidden[i, : len(states)] = states
-    lengths = torch.tensor([len(sequence) for sequence, _ in rows], dtype=torch.long)
-    return Distilled(ids, lengths, torch.full_like(lengths, settings.prompt_tokens), hidden)
+    lengths = torch.tensor([len(sequence) for sequence, _, _ in rows], dtype=torch.long)
+    prompt_lengths = torch.tensor([prompt for _, _, prompt in rows], dtype=torch.long)
+    return Distilled(ids, lengths, prompt_lengths, hidden)
 
 
 def _save(path: Path, key: str, data: Distilled) -> None:
@@ -194,7 +237,7 @@ def _save(path: Path, key: str, data: Distilled) -> None:
     temporary.replace(path)
 
 
-def _load_rows(path: Path, key: str) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+def _load_rows(path: Path, key: str) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
     """The rows of a cache made with the same key, or none."""
     if not path.is_file():
         return []
@@ -203,8 +246,8 @@ def _load_rows(path: Path, key: str) -> list[tuple[torch.Tensor, torch.Tensor | 
             tqdm.write(f"distill: {path} holds other data; starting over", file=sys.stderr)
             return []
     tensors = load_file(path)
-    hidden = tensors.get("hidden")
+    hidden, prompt_lengths = tensors.get("hidden"), tensors["prompt_lengths"].tolist()
     return [
-        (tensors["ids"][i, :n], None if hidden is None else hidden[i, :n])
+        (tensors["ids"][i, :n], None if hidden is None else hidden[i, :n], prompt_lengths[i])
         for i, n in enumerate(tensors["lengths"].tolist())
     ]

