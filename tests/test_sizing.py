@@ -462,7 +462,7 @@ def run_graded_steps(rule, state, steps, limit=15):
     chosen, tokens, cost = {1: [], 3: []}, 0, 0.0
     for i in range(steps):
         grade = 3 if i % 4 == 0 else 1
-        depth = rule.depth(state, limit, grade if state is not None and rule.uses_evidence else None)
+        depth = rule.depth(state, limit, grade if rule.uses_evidence else None)
         chosen[grade].append(depth)
         accepted = depth if grade == 3 else 0
         rule.observe(state, TokenTree.chain(depth), accepted, 0.0, CHUNKED(depth + 1))

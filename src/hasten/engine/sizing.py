@@ -18,14 +18,14 @@ then re-measures acceptance.
 
 Exploring: a single early failure must not silence a drafter for a whole generation (one
 rejected first draft put lookahead's estimate at 0.25 and ~20 plain steps followed where a
-fixed size accepted 3 tokens a step). So where a failed probe costs less than a plain step
-(a flat or nearly flat curve), each step's estimates are shifted by a normal draw times
-their own uncertainty (Thompson-style: an uncertain estimate is sometimes tried as if
-better); on a steep curve (llama.cpp on a CPU) exploring costs more than it finds, and only
+fixed size accepted 3 tokens a step). So among the depths whose failure costs at most one
+plain step more than a plain step (on a flat or nearly flat curve), each step lets its
+estimates, shifted by a normal draw times their own uncertainty, choose (Thompson-style: an
+uncertain estimate is sometimes tried as if better); on a steep curve (llama.cpp on a CPU) exploring costs more than it finds, and only
 the probes remain. A class of evidence graded above every class drafted so far is tried at
 once (the start of a copy stretch is worth a probe). Replayed on recorded SmolLM2 outputs
-(tokens per unit of forward cost, ``docs/cpu.md``), this took prompt lookup's auto sizing from
-0.96x to 1.07x of its fixed size on PyTorch and from 1.06x to 1.08x of plain decoding on llama.cpp.
+(tokens per unit of forward cost; tables in ``docs/benchmarks.md``), this took prompt lookup's auto sizing from
+0.96x to 1.06x of its fixed size on PyTorch and from 1.06x to 1.08x of plain decoding on llama.cpp.
 
 A rule is chosen once per generation (like the acceptance rule); its per-generation
 state comes from ``begin`` and lives with the loop.
@@ -370,16 +370,14 @@ class CostAwareSize(SizingRule):
 
     def rates(self, state: SizingState, deepest: int, optimism: float = 0.0) -> list[float]:
         """Expected tokens per second when drafting k = 0 .. ``deepest`` deep."""
-        return self.rates_of(state, *self.expected(state, deepest, optimism))
+        tokens, nodes = self.expected(state, deepest, optimism)
+        return [t / seconds for t, seconds in zip(tokens, self.seconds_of(state, nodes))]
 
     def seconds_of(self, state: SizingState, nodes: list[float]) -> list[float]:
         """Seconds of a step drafting k = 0 .. len(nodes) - 1 deep (``nodes[k]`` draft nodes)."""
         fixed, per_depth = self.draft_cost(state)
         return [state.forward_seconds(count + 1) + (fixed + per_depth * d if d else 0.0)
                 for d, count in enumerate(nodes)]
-
-    def rates_of(self, state: SizingState, tokens: list[float], nodes: list[float]) -> list[float]:
-        return [t / seconds for t, seconds in zip(tokens, self.seconds_of(state, nodes))]
 
     def expected(self, state: SizingState, deepest: int, optimism: float = 0.0) -> tuple[list[float], list[float]]:
         """For k = 0 .. ``deepest``: the expected tokens a step commits drafting k deep, and
@@ -468,10 +466,10 @@ class CostAwareSize(SizingRule):
         return next((depth for depth in range(1, limit + 1) if (depth + 1) / seconds[depth] > 1.0 / seconds[0]), 0)
 
     def depth(self, state: SizingState, limit: int, evidence: int | None = None) -> int:
-        self.grade(state, evidence)
-        if state.rows > 1 and state.cap is not None:  # a batch: the plan chose for every row
+        if state.rows > 1 and state.cap is not None:  # a batch: the plan (which graded every row) chose
             state.chosen = min(state.cap, limit)
             return state.chosen
+        self.grade(state, evidence)
         state.probing = False
         if state.reach is None and state.rows > 1:  # a batch plans once every row has drafted: see how deep
             state.chosen = limit
