@@ -129,3 +129,30 @@ def test_a_model_that_is_no_gguf_is_named(cli, prompts, tmp_path):
     path = save_checkpoint(tmp_path / "ckpt")
     code, _, err = bench(cli, path, prompts, tmp_path / "out")
     assert code == 2 and "needs a .gguf file" in err
+
+
+def test_record_and_replay_on_llama_cpp_take_the_real_run_s_steps(cli, tiny_gguf, prompts, tmp_path):
+    """A llama.cpp recording verifies chains only, and replaying prompt lookup over it takes
+    exactly the steps hasten takes on llama.cpp itself."""
+    import torch
+
+    from hasten.bench.replay import Recording, replay
+    from hasten.drafters import PromptLookup
+    from hasten.engine.loop import generate
+    from hasten.engine.sizing import FixedSize
+
+    path = tmp_path / "rec.json"
+    code, _, err = cli("record", "--backend", "llama.cpp", "--model", str(tiny_gguf), "--prompts", prompts,
+                       "--per-task", "1", "--max-new-tokens", str(NEW), "--out", str(path), "--no-progress")
+    assert code == 0, err
+    recording = Recording.load(path)
+    assert recording.backend == "llama.cpp" and not recording.trees_ok
+    model = llamacpp.load(str(tiny_gguf), 1, 256)
+    for entry in recording.entries:
+        real = generate(model, torch.tensor([entry.prompt]), drafter=PromptLookup(), max_new_tokens=NEW,
+                        eos_token_id=[])
+        replayed = replay(recording, entry, PromptLookup(), FixedSize())
+        assert replayed.tokens == real.sequences[0, len(entry.prompt):].tolist() == entry.output
+        assert (replayed.stats.steps, replayed.stats.accepted_at_depth) == (real.stats.steps,
+                                                                            real.stats.accepted_at_depth)
+        assert replayed.stats.steps < NEW  # prompt lookup's drafts were accepted

@@ -20,6 +20,7 @@ from .arguments import (
     checked_device, method_settings, one_line, readable_warnings, torch_dtype,
 )
 from .bench import cli as bench_cli
+from .bench import replay_cli
 from .bench import vlm as vlm_bench
 from .core import settings as settings_io
 from .core.sampling import Sampling
@@ -157,6 +158,7 @@ Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[a
 COMMANDS: list[Command] = [
     ("generate", "generate text with an acceleration method", _add_generate, _run_generate),
     *bench_cli.COMMANDS,
+    *replay_cli.COMMANDS,
     *training_cli.COMMANDS,
     *diffusion_cli.COMMANDS,
     *dlm_cli.COMMANDS,

@@ -12,7 +12,9 @@ from datetime import datetime, timezone
 import torch
 
 from ..api import AUTOREGRESSIVE, gguf_tokenizer
-from ..arguments import DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, method_settings, writable_directory
+from ..arguments import (
+    DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, at_least, method_settings, writable_directory,
+)
 from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
 from .runner import (
@@ -45,6 +47,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"comma-separated baselines, or none (default: all that the given models allow; torch backend: "
         f"{', '.join(HF_BASELINES)}; llama.cpp backend: {', '.join(llamacpp.BASELINES)})",
     )
+    add_workload_arguments(parser)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method and prompt (default 3)")
+    parser.add_argument(
+        "--draft-size", default=DEFAULT_DRAFT_SIZE, metavar="SIZES",
+        help=f"draft sizing, or several comma-separated to time each method with each ({', '.join(DRAFT_SIZES)}); "
+        "the first keeps the method's name, the others are timed as METHOD@SIZE, e.g. auto,fixed times "
+        f"prompt_lookup (auto) and prompt_lookup@fixed (default {DEFAULT_DRAFT_SIZE})",
+    )
+    parser.add_argument("--out", default="bench-out", metavar="DIR",
+                        help="output directory, checked writable before the run (default bench-out)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """--backend, --tasks, --prompts, --per-task, --max-new-tokens, --threads: what is run, on
+    what (shared by ``hasten bench`` and ``hasten record``)."""
     parser.add_argument(
         "--backend", default="torch", choices=("torch", LLAMA_CPP),
         help="torch (default): PyTorch models against Hugging Face generate; llama.cpp: a .gguf target (and "
@@ -60,22 +78,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompts", help="JSONL file of your own prompts ({prompt, category} or Spec-Bench turns)")
     parser.add_argument("--per-task", type=int, default=2, help="prompts per category (default 2)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per method and prompt (default 3)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens every method generates (default 128)")
-    parser.add_argument(
-        "--draft-size", default=DEFAULT_DRAFT_SIZE, metavar="SIZES",
-        help=f"draft sizing, or several comma-separated to time each method with each ({', '.join(DRAFT_SIZES)}); "
-        "the first keeps the method's name, the others are timed as METHOD@SIZE, e.g. auto,fixed times "
-        f"prompt_lookup (auto) and prompt_lookup@fixed (default {DEFAULT_DRAFT_SIZE})",
-    )
     # One thread by default: small models gain nothing from more, and on a CPU shared with other
     # work, extra threads thrash (zoo:code-tiny, 2 cores, other jobs running: 128 tokens took
     # 1.1-3.4 s on 1 thread and 5.6-69 s on 2). Give 0 for all cores on a large model.
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads, and llama.cpp's with --backend llama.cpp (default 1; 0 = all cores)")
-    parser.add_argument("--out", default="bench-out", metavar="DIR",
-                        help="output directory, checked writable before the run (default bench-out)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _settings_class(method: str) -> type | None:
@@ -135,11 +143,18 @@ def _chosen(args) -> tuple[list[str], list[str]]:
     unknown = [n for n in baselines if n not in known_baselines]
     if unknown:
         raise UserError(f"--baselines: unknown {unknown}; known: {', '.join(known_baselines)}, none")
+    check_workload(args)
+    return names, baselines
+
+
+def check_workload(args: argparse.Namespace) -> None:
+    """The arguments of add_workload_arguments, checked before any model loads."""
     known = [AUTO, *TASK_PRESETS, *ALL_CATEGORIES, *CHAT_CATEGORIES]
     unknown = [c for c in _csv(args.tasks) if c not in known]
     if unknown:
         raise UserError(f"--tasks: unknown {unknown}; known: {', '.join(known)}")
-    return names, baselines
+    at_least(args, 1, "per_task", "max_new_tokens")
+    at_least(args, 0, "threads")
 
 
 def _builtin(spec: str, tokenizer, per_task: int) -> list:
@@ -199,21 +214,14 @@ def _build_methods(args, names, settings, baselines, model, draft, probe_ids) ->
     return methods, skipped
 
 
-def run(args: argparse.Namespace) -> int:
+def load_tasks_and_models(args: argparse.Namespace) -> tuple[list, list[torch.Tensor], object, object]:
+    """The tasks ``--tasks``/``--prompts`` name (chat tasks through the model's template), their
+    input ids, and the target and ``--draft`` models on ``--backend`` (the draft None when not
+    given), lengths checked against the model's positions."""
     from transformers import AutoTokenizer
 
     from ..api import load_model, resolve_path
-    from ..machine import machine_info
-    from .report import command_line, write_report
 
-    for flag, low in (("per_task", 1), ("repeats", 1), ("max_new_tokens", 1), ("threads", 0)):
-        if getattr(args, flag) < low:
-            raise UserError(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
-    names, baselines = _chosen(args)
-    draft_sizes(args.draft_size)  # checked before any model loads
-    settings = {name: _settings_for(name, args.method_arg) for name in names}
-    writable_directory(args.out)  # now, not after the whole run
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
     if args.backend == LLAMA_CPP:
         try:
             tokenizer = gguf_tokenizer(args.model)
@@ -226,17 +234,32 @@ def run(args: argparse.Namespace) -> int:
     else:
         tasks = _builtin(args.tasks, tokenizer, args.per_task)
     input_ids = [task_input_ids(tokenizer, t) for t in tasks]  # chat tasks through the template
+    draft_name = getattr(args, "draft", None)
     if args.backend == LLAMA_CPP:  # llama.cpp's contexts sized to these prompts, the same for every method
         context = llamacpp.context_for(input_ids, args.max_new_tokens)
         try:
             model = llamacpp.load(args.model, torch.get_num_threads(), context)
-            draft = llamacpp.load(args.draft, torch.get_num_threads(), context) if args.draft else None
+            draft = llamacpp.load(draft_name, torch.get_num_threads(), context) if draft_name else None
         except (ValueError, ImportError) as err:  # no GGUF file; llama-cpp-python missing (with the install hint)
             raise UserError(str(err)) from None
     else:
         model = load_model(args.model)
-        draft = load_model(args.draft) if args.draft else None
+        draft = load_model(draft_name) if draft_name else None
     check_lengths(model, tasks, input_ids, args.max_new_tokens)
+    return tasks, input_ids, model, draft
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..machine import machine_info
+    from .report import command_line, write_report
+
+    at_least(args, 1, "repeats")
+    names, baselines = _chosen(args)
+    draft_sizes(args.draft_size)  # checked before any model loads
+    settings = {name: _settings_for(name, args.method_arg) for name in names}
+    writable_directory(args.out)  # now, not after the whole run
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
+    tasks, input_ids, model, draft = load_tasks_and_models(args)
     methods, skipped = _build_methods(args, names, settings, baselines, model, draft, input_ids[0])
     print(
         f"hasten bench: {len(methods)} methods x {len(tasks)} prompts x {args.repeats} repeats, "

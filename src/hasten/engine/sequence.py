@@ -51,7 +51,12 @@ class Target(Protocol):
 
 
 class Sequence:
-    """Cache invariant: the target caches every committed token but the newest (the root)."""
+    """Cache invariant: the target caches every committed token but the newest (the root).
+
+    ``clock`` times drafting and verification for the stats and the sizing rule (a replay,
+    :mod:`hasten.bench.replay`, gives one whose forwards take the recorded cost curve's time)."""
+
+    clock = staticmethod(time.perf_counter)
 
     def __init__(
         self,
@@ -111,7 +116,7 @@ class Sequence:
     def grade(self) -> None:
         """Ask the drafter how far to trust this step's draft, when the sizing rule wants to
         know (before a batch's plan, which prices every row's class)."""
-        self.draft_began = time.perf_counter()
+        self.draft_began = self.clock()
         self.evidence = None
         if self.drafter is not None and self.sizing.uses_evidence and self.depth_limit > 0:
             self.evidence = self.drafter.evidence(self.ctx)
@@ -126,7 +131,7 @@ class Sequence:
             self.ctx.max_depth = self.sizing.depth(self.size_state, budget - 1, self.evidence)
             if self.ctx.max_depth > 0:
                 draft = self.fit(self.drafter.propose(self.ctx), self.ctx.max_depth)
-        self.draft_ended = time.perf_counter()
+        self.draft_ended = self.clock()
         self._start = self.cache.cache_length  # == len(tokens) - 1, before the forward caches the block
         return draft
 
@@ -151,7 +156,7 @@ class Sequence:
             cache.crop(len(self.tokens) - 1)
             if ctx.feature_buffer is not None:
                 ctx.feature_buffer.truncate(len(self.tokens) - 1)
-        verified_at = time.perf_counter()
+        verified_at = self.clock()
         stats.draft_seconds += self.draft_ended - self.draft_began
         stats.verify_seconds += verified_at - self.draft_ended
         max_depth = max(draft.tree.depths, default=0)

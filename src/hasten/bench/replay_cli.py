@@ -1,0 +1,159 @@
+"""``hasten record`` and ``hasten replay``: price drafters and sizing rules on recorded greedy
+outputs in seconds, without the machine's noise (see :mod:`hasten.bench.replay`)."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from ..api import AUTOREGRESSIVE, make_drafter
+from ..arguments import UserError, writable_directory
+from ..engine.sizing import CostAwareSize, FixedSize
+from .cli import (
+    _check_method_args, _csv, _settings_for, add_workload_arguments, check_workload, draft_sizes, load_tasks_and_models,
+)
+from .replay import Recording, copy_bound, record, replay
+
+DEFAULT_METHODS = "prompt_lookup,lookahead"
+OVERALL = "overall"
+
+
+def add_record_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="zoo name (zoo:smollm2-135m), local directory, hub id or .gguf")
+    add_workload_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="FILE", help="the recording to write (JSON)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_record(args: argparse.Namespace) -> int:
+    from ..machine import machine_info
+    from .report import command_line
+
+    check_workload(args)
+    out = Path(args.out)
+    writable_directory(str(out.parent.resolve()))  # now, not after the recording
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    tasks, input_ids, model, _ = load_tasks_and_models(args)
+    prompts = [(task.category, ids[0].tolist()) for task, ids in zip(tasks, input_ids)]
+    try:
+        recording = record(model, prompts, args.max_new_tokens, args.model, args.backend, not args.no_progress)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    recording.about = {"command": command_line(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                       "machine": machine_info(), "threads": torch.get_num_threads()}
+    recording.save(out)
+    tokens = sum(len(e.output) for e in recording.entries)
+    print(f"hasten record: {len(prompts)} prompts, {tokens} greedy tokens, cost curve of {len(recording.curve.sizes)} "
+          f"block sizes -> {out}", file=sys.stderr)
+    return 0
+
+
+def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("recording", help="a file written by `hasten record`")
+    parser.add_argument("--methods", default=DEFAULT_METHODS,
+                        help=f"comma-separated drafters that read tokens only (default {DEFAULT_METHODS})")
+    parser.add_argument("--draft-size", default="auto,fixed", metavar="SIZES",
+                        help="sizings to replay each method with, comma-separated (default auto,fixed); the first "
+                        "keeps the method's name, the others are shown as METHOD@SIZE")
+    parser.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting, KEY=VALUE for every method that has it or METHOD.KEY=VALUE (repeatable)")
+    parser.add_argument("--no-bound", action="store_true", help="leave out the copy bound (an oracle copier)")
+    parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_replay(args: argparse.Namespace) -> int:
+    try:
+        recording = Recording.load(args.recording)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    names = _csv(args.methods)
+    sizes = draft_sizes(args.draft_size)
+    _check_method_args(args.method_arg, names)
+    settings = {name: _settings_for(name, args.method_arg) for name in names}
+    variants = [(name, size, name if size == sizes[0] else f"{name}@{size}") for name in names for size in sizes]
+    for name, _, _ in variants:
+        try:
+            drafter = make_drafter(name, **settings[name])
+        except (ValueError, TypeError) as err:
+            raise UserError(f"--methods: {err}") from None
+        if name == AUTOREGRESSIVE or drafter.needs_features:
+            raise UserError(f"--methods: {name} cannot be replayed; replay runs drafters that read tokens only "
+                            "(prompt_lookup, lookahead, or your own)")
+    table = replay_table(recording, variants, settings, not args.no_bound, not args.no_progress)
+    print(markdown(recording, table))
+    if args.json:
+        Path(args.json).write_text(json.dumps(table, indent=1))
+    return 0
+
+
+def replay_table(recording: Recording, variants: list[tuple[str, str, str]], settings: dict, bound: bool,
+                 progress: bool) -> dict:
+    """Per category (and overall): plain decoding's simulated tokens per second, and for each
+    variant its speedup over plain and tau; with ``bound`` the copy bound's speedup."""
+    sums: dict[str, dict[str, list[float]]] = {}  # category -> column -> [tokens, seconds, steps]
+
+    def add(category: str, column: str, tokens: int, seconds: float, steps: int) -> None:
+        for key in (category, OVERALL):
+            cell = sums.setdefault(key, {}).setdefault(column, [0, 0.0, 0])
+            cell[0] += tokens
+            cell[1] += seconds
+            cell[2] += steps
+
+    rules = {"auto": lambda: CostAwareSize(recording.curve), "fixed": FixedSize}
+    work = [(entry, variant) for entry in recording.entries for variant in [None, *variants]]
+    for entry, variant in tqdm(work, desc="replaying", unit="run", disable=not progress):
+        if variant is None:
+            plain = replay(recording, entry, None, FixedSize())
+            add(entry.category, AUTOREGRESSIVE, len(entry.output), plain.seconds, plain.stats.steps)
+            if bound:
+                add(entry.category, "copy bound", len(entry.output), copy_bound(recording, entry), 0)
+            continue
+        name, size, label = variant
+        done = replay(recording, entry, make_drafter(name, **settings[name]), rules[size]())
+        add(entry.category, label, len(entry.output), done.seconds, done.stats.steps)
+    table = {}
+    order = [*(key for key in sums if key != OVERALL), OVERALL]
+    labels = [AUTOREGRESSIVE, *(label for _, _, label in variants), *(["copy bound"] if bound else [])]
+    for category in order:
+        columns = {label: sums[category][label] for label in labels}
+        plain_rate = columns[AUTOREGRESSIVE][0] / columns[AUTOREGRESSIVE][1]
+        table[category] = {"plain tok/s": plain_rate, **{
+            column: {"speedup": tokens / seconds / plain_rate, "tau": tokens / steps if steps else None}
+            for column, (tokens, seconds, steps) in columns.items() if column != AUTOREGRESSIVE}}
+    return table
+
+
+def markdown(recording: Recording, table: dict) -> str:
+    columns = [c for c in next(iter(table.values())) if c != "plain tok/s"]
+    about = recording.about
+    lines = [
+        f"replay of {recording.model} ({recording.backend}; recorded {about.get('date', '?')}, "
+        f"{len(recording.entries)} prompts); speedup vs plain decoding, forwards priced by the recorded cost "
+        "curve, drafting timed on this machine; (tau)",
+        "",
+        "| category | plain tok/s | " + " | ".join(columns) + " |",
+        "|---|---|" + "---|" * len(columns),
+    ]
+    for category, row in table.items():
+        cells = []
+        for column in columns:
+            cell = row[column]
+            tau = f" ({cell['tau']:.2f})" if cell["tau"] is not None else ""
+            cells.append(f"{cell['speedup']:.2f}x{tau}")
+        lines.append(f"| {category} | {row['plain tok/s']:.1f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+COMMANDS = [
+    ("record", "record a model's greedy outputs and cost curve, for `hasten replay`", add_record_arguments,
+     run_record),
+    ("replay", "price drafters and draft sizing on a recording, without the model or the machine's noise",
+     add_replay_arguments, run_replay),
+]
