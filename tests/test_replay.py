@@ -113,11 +113,12 @@ def test_cli_record_then_replay(tmp_path, cli):
     assert [e["category"] for e in saved["entries"]] == ["complete", "complete"]
     assert all(len(e["output"]) == 12 for e in saved["entries"])
     code, out, err = cli("replay", str(path), "--methods", "prompt_lookup", "--method-arg", "num_tokens=4",
-                         "--json", str(tmp_path / "t.json"), "--no-progress")
+                         "--out", str(tmp_path / "out"), "--no-progress")
     assert code == 0, err
     header = next(line for line in out.splitlines() if line.startswith("| category"))
     assert header.split("|")[3:-1] == [" prompt_lookup ", " prompt_lookup@fixed ", " copy bound "]
-    table = json.loads((tmp_path / "t.json").read_text())
+    table = json.loads((tmp_path / "out" / "replay.json").read_text())["table"]
+    assert (tmp_path / "out" / "replay.png").stat().st_size > 0 and (tmp_path / "out" / "replay.md").is_file()
     assert list(table) == ["complete", "overall"]
     assert all(row["copy bound"]["speedup"] >= 1.0 for row in table.values())
 

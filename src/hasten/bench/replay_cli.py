@@ -64,7 +64,7 @@ def add_replay_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting, KEY=VALUE for every method that has it or METHOD.KEY=VALUE (repeatable)")
     parser.add_argument("--no-bound", action="store_true", help="leave out the copy bound (an oracle copier)")
-    parser.add_argument("--json", metavar="FILE", help="also write the table as JSON")
+    parser.add_argument("--out", metavar="DIR", help="also write replay.json, replay.md and replay.png (a chart) there")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -86,10 +86,18 @@ def run_replay(args: argparse.Namespace) -> int:
         if name == AUTOREGRESSIVE or drafter.needs_features:
             raise UserError(f"--methods: {name} cannot be replayed; replay runs drafters that read tokens only "
                             "(prompt_lookup, lookahead, or your own)")
+    if args.out:
+        writable_directory(args.out)  # now, not after the replay
     table = replay_table(recording, variants, settings, not args.no_bound, not args.no_progress)
-    print(markdown(recording, table))
-    if args.json:
-        Path(args.json).write_text(json.dumps(table, indent=1))
+    text = markdown(recording, table)
+    print(text)
+    if args.out:
+        out = Path(args.out)
+        (out / "replay.json").write_text(json.dumps({"recording": str(args.recording), "about": recording.about,
+                                                     "table": table}, indent=1) + "\n")
+        (out / "replay.md").write_text(text + "\n")
+        chart(recording, table, out / "replay.png")
+        print(f"hasten replay: wrote replay.json, replay.md, replay.png under {out}", file=sys.stderr)
     return 0
 
 
@@ -149,6 +157,36 @@ def markdown(recording: Recording, table: dict) -> str:
             cells.append(f"{cell['speedup']:.2f}x{tau}")
         lines.append(f"| {category} | {row['plain tok/s']:.1f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def chart(recording: Recording, table: dict, path: Path) -> None:
+    """Speedup over plain decoding per category: a bar per method, the copy bound (when
+    replayed) as an outline around them, the 1x line dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    categories = list(table)
+    methods = [c for c in table[categories[0]] if c not in ("plain tok/s", "copy bound")]
+    fig, ax = plt.subplots(figsize=(min(14, 1.2 + 0.3 * len(categories) * (len(methods) + 1)), 4))
+    width = 0.8 / max(1, len(methods))
+    if "copy bound" in table[categories[0]]:
+        bounds = [table[c]["copy bound"]["speedup"] for c in categories]
+        ax.bar(range(len(categories)), bounds, 0.9, fill=False, edgecolor="black", linewidth=0.8,
+               label="copy bound (oracle copier)")
+    for i, method in enumerate(methods):
+        where = [x + (i - (len(methods) - 1) / 2) * width for x in range(len(categories))]
+        ax.bar(where, [table[c][method]["speedup"] for c in categories], width, label=method)
+    ax.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    ax.set_xticks(range(len(categories)), categories, fontsize=8, rotation=20, ha="right")
+    ax.set_ylabel("speedup vs plain decoding (replayed)")
+    ax.set_title(f"replay: {Path(recording.model).name} ({recording.backend}), forwards priced by the recorded "
+                 "cost curve", fontsize=9)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 COMMANDS = [
