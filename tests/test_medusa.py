@@ -189,3 +189,9 @@ def test_sampled_continuations_follow_the_target(tmp_path, tree, sampling):
     hasten.generate(target, PROMPT, drafter=drafter, max_new_tokens=2)
     assert len(drafter.tree.tree) == 6
     assert empirical_tv(target, drafter, sampling) < BOUND
+
+
+def test_the_no_weights_warning_says_where_it_looked():
+    model = tiny_model("llama")  # built in memory: no directory to look beside
+    with pytest.warns(UserWarning, match="the model was not loaded from a directory"):
+        hasten.generate(model, torch.tensor([[5, 6, 7]]), drafter=Medusa(), max_new_tokens=3)

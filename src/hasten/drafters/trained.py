@@ -184,8 +184,9 @@ class TrainedDrafter(Drafter):
             beside = zoo.real.shipped_drafter(source, self.name) or beside
         if beside is not None and (beside / f"{self.name}.json").is_file():
             return self.Module.load(beside)  # raises if the weights file next to the config is missing
+        where = f"looked in {beside}" if beside is not None else "the model was not loaded from a directory"
         warnings.warn(
-            f"no {self.name} weights found for {model_name(model)!r} (looked in {beside}); using an untrained "
+            f"no {self.name} weights found for {model_name(model)!r} ({where}); using an untrained "
             f"{self.name} drafter, which rarely guesses right: train one with `hasten train {self.name}`",
             stacklevel=2,
         )
