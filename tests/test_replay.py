@@ -129,10 +129,12 @@ def test_cli_record_then_replay(tmp_path, cli):
     (["replay", "{rec}", "--methods", "medusa"], "cannot be replayed"),
     (["replay", "{rec}", "--methods", "nosuch"], "unknown method"),
     (["replay", "{rec}", "--draft-size", "big"], "--draft-size"),
+    (["record", "--model", "zoo:code-tiny", "--out", "{dir}"], "is a directory"),
+    (["record", "--model", "zoo:code-tiny", "--per-task", "0", "--out", "{rec}"], "--per-task must be >= 1"),
 ])
 def test_cli_replay_errors_are_one_line(tmp_path, cli, recording, args, message):
     (tmp_path / "bad.json").write_text("[1, 2]")
     recording.save(tmp_path / "rec.json")
-    args = [a.format(bad=tmp_path / "bad.json", rec=tmp_path / "rec.json") for a in args]
+    args = [a.format(bad=tmp_path / "bad.json", rec=tmp_path / "rec.json", dir=tmp_path) for a in args]
     code, _, err = cli(*args)
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1

@@ -37,6 +37,8 @@ def run_record(args: argparse.Namespace) -> int:
 
     check_workload(args)
     out = Path(args.out)
+    if out.is_dir():
+        raise UserError(f"--out {out}: is a directory; give the recording's file name, e.g. {out / 'rec.json'}")
     writable_directory(str(out.parent.resolve()))  # now, not after the recording
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     tasks, input_ids, model, _ = load_tasks_and_models(args)
