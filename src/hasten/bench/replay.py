@@ -94,8 +94,8 @@ def record(model, prompts: list[tuple[str, list[int]]], max_new_tokens: int, nam
     for category, ids in tqdm(prompts, desc="recording greedy outputs", unit="prompt", disable=not progress):
         out = generate(model, torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=[])
         entries.append(Recorded(category, list(ids), out.sequences[0, len(ids) :].tolist()))
-    size = model.vocab_size if opens_own_target(model) else vocab_size(model)
-    return Recording(name, backend, size, not opens_own_target(model), curve, entries)
+    # a model of another runtime (llama.cpp) opens chain-only targets; a PyTorch decoder verifies trees
+    return Recording(name, backend, vocab_size(model), not opens_own_target(model), curve, entries)
 
 
 class SimulatedClock:
@@ -160,11 +160,16 @@ class Replayed:
     seconds: float  # simulated: recorded forwards plus real drafting and loop time
 
 
-def replay(recording: Recording, entry: Recorded, drafter: Drafter | None, sizing: SizingRule) -> Replayed:
-    """Run ``drafter`` (None: plain decoding) with ``sizing`` over the recorded continuation."""
+def check_replayable(drafter: Drafter | None) -> None:
+    """ValueError for a drafter a recording cannot serve (plain decoding, None, always can)."""
     if drafter is not None and drafter.needs_features:
         raise ValueError(f"{drafter.name} reads the target's features, which a recording does not hold; "
-                         "replay runs drafters that read tokens only (prompt_lookup, lookahead)")
+                         "replay runs drafters that read tokens only (prompt_lookup, lookahead, or your own)")
+
+
+def replay(recording: Recording, entry: Recorded, drafter: Drafter | None, sizing: SizingRule) -> Replayed:
+    """Run ``drafter`` (None: plain decoding) with ``sizing`` over the recorded continuation."""
+    check_replayable(drafter)
     clock = SimulatedClock()
     target = RecordedTarget(recording, entry, clock)
     stats = DecodeStats()
