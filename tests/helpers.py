@@ -187,3 +187,19 @@ def train_briefly(trainable, data, out_dir, steps):
                    out_dir / "work", progress=False)
     trainable.save(result.module, out_dir, {"target": "test", **result.report})
     return out_dir
+
+
+def ours(record) -> list:
+    """The warnings hasten raised among those pytest recorded (a dependency's deprecation
+    notices are not ours to count)."""
+    from hasten.core.errors import HastenWarning
+
+    return [w for w in record if issubclass(w.category, HastenWarning)]
+
+
+def returned_cache(output):
+    """The cache a forward returned: ``output.cache`` on transformers >= 5.24,
+    ``output.past_key_values`` before (the old name still answers there, with a warning)."""
+    from hasten.models.compat import NEW_CACHE_KEYWORD, OLD_CACHE_KEYWORD
+
+    return output[NEW_CACHE_KEYWORD] if NEW_CACHE_KEYWORD in output.keys() else output[OLD_CACHE_KEYWORD]

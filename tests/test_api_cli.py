@@ -9,6 +9,7 @@ import pytest
 import hasten
 from hasten.version import __version__
 from helpers import VOCAB, save_checkpoint
+from hasten.core.errors import HastenWarning
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +103,12 @@ def foreign_draft(tmp_path_factory):
 
 
 def test_a_draft_with_another_tokenizer_warns(checkpoint, draft_checkpoint, foreign_draft):
-    with pytest.warns(UserWarning, match=r"another tokenizer than the target \(\d+ of \d+ sampled ids differ"):
+    with pytest.warns(HastenWarning, match=r"another tokenizer than the target \(\d+ of \d+ sampled ids differ"):
         engine = hasten.load(checkpoint, "draft_model", draft=foreign_draft)
     plain = hasten.load(checkpoint, "autoregressive").generate(PROMPT, max_new_tokens=8)
     assert engine.generate(PROMPT, max_new_tokens=8).token_ids == plain.token_ids  # still exact
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the same tokenizer: no warning
+        warnings.simplefilter("error", HastenWarning)  # the same tokenizer: no warning
         hasten.load(checkpoint, "draft_model", draft=draft_checkpoint)
 
 

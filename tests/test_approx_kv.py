@@ -10,6 +10,7 @@ from hasten.approx import SnapKV, SpecKV, SpecPC, StreamingLLM
 from hasten.approx.kv import attention_scores, keep_entries
 from hasten.drafters import Lookahead, PromptLookup
 from hasten.models.adapter import ModelAdapter
+from hasten.models.compat import cache_argument
 from transformers.cache_utils import DynamicCache
 from helpers import hf_greedy, repetitive_prompt, tiny_model
 
@@ -31,7 +32,7 @@ def by_hand(model, policy, prompt, new):
     tokens, _ = policy.start(adapter, prompt, hidden=False)
     cache, position = adapter.cache, len(tokens) - 1
     for _ in range(new):
-        out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, position_ids=torch.tensor([[position]]))
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), **cache_argument(model, cache), position_ids=torch.tensor([[position]]))
         tokens.append(int(out.logits[0, -1].argmax()))
         position += 1
     return tokens

@@ -24,6 +24,7 @@ from hasten.drafters.compress import BRANCHES, VisualCompressor, windows
 from hasten.drafters.eagle_vlm import EagleVlm, EagleVlmLayer, drafter_inputs, image_runs
 from hasten.drafters.nn import causal
 from helpers import hf_greedy
+from hasten.core.errors import HastenWarning
 from test_verify_law import bound
 from test_vlm import (
     FAMILIES, IMAGE, LAW_IMAGE, LAW_PROMPT, LAW_SAMPLES, LAW_SAMPLING, LAW_TARGET, exact_law, image_prompt, llava,
@@ -278,7 +279,7 @@ def test_hasten_train_eagle_vlm(vlm_tiny, tmp_path):
                                    [scenes.make_scene(5).image()])
     reference = hasten.generate(model, ids, max_new_tokens=24, **inputs)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the weights are found: no "untrained" warning
+        warnings.simplefilter("error", HastenWarning)  # the weights are found: no "untrained" warning
         drafted = hasten.generate(model, ids, drafter=EagleVlm(weights=str(out)), max_new_tokens=24, **inputs)
     assert drafted.sequences.tolist() == reference.sequences.tolist()
     assert drafted.stats.drafted_tokens > 0
@@ -300,7 +301,7 @@ def test_the_shipped_drafter_for_vlm_tiny(vlm_tiny):
     ids, inputs = processor_inputs(AutoProcessor.from_pretrained(directory), line, [scenes.make_scene(seed).image()])
     reference = hasten.generate(model, ids, max_new_tokens=48, **inputs)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.simplefilter("error", HastenWarning)
         out = hasten.generate(model, ids, drafter=EagleVlm(), max_new_tokens=48, **inputs)
     assert out.sequences.tolist() == reference.sequences.tolist()
     assert out.stats.mean_accepted > 3

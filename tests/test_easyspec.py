@@ -11,7 +11,7 @@ from hasten.drafters.base import DraftContext, Drafter
 from hasten.models import cache as kv
 from hasten.models.adapter import ModelAdapter
 from hasten.models.layers import UnsupportedArchitecture
-from helpers import tiny_model
+from helpers import returned_cache, tiny_model
 from test_sampling_distribution import DEEP_LAW_SAMPLING, VOCAB as LAW_VOCAB, deep_tv
 
 TARGET = tiny_model("llama", seed=0, num_hidden_layers=4)
@@ -100,7 +100,7 @@ def test_serial_and_threads_draft_the_same_tokens_and_q(sampling):
 
 def exact_cache(model, tokens):
     with torch.no_grad():
-        return model(torch.tensor([tokens]), use_cache=True).past_key_values
+        return returned_cache(model(torch.tensor([tokens]), use_cache=True))
 
 
 def test_calibration_replaces_fuzzy_entries_with_an_exact_forwards():

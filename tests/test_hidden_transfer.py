@@ -26,6 +26,7 @@ from hasten.models.layers import (
     UnsupportedArchitecture, decoder_layers, placeholder_logits_batch, replaced_hidden,
 )
 from helpers import generate_exactly, CAUSAL_CONFIGS, distill_tiny, hf_greedy, repetitive_prompt, tiny_model, train_briefly
+from hasten.core.errors import HastenWarning
 from test_sampling_distribution import PROMPT, TARGET, VOCAB
 
 ARCHS = sorted(CAUSAL_CONFIGS)
@@ -229,7 +230,7 @@ check = partial(generate_exactly, max_new_tokens=NEW)
 
 def test_untrained_warns_and_stays_exact(setup):
     model, prompt, reference, _ = setup
-    with pytest.warns(UserWarning, match="untrained hidden_transfer"):
+    with pytest.warns(HastenWarning, match="untrained hidden_transfer"):
         stats = check(model, prompt, reference, HiddenTransfer())
     assert stats.drafted_tokens > 0
 
@@ -276,7 +277,7 @@ def test_settings_are_validated(bad, match):
 
 
 def test_layer_beyond_the_target_is_refused():
-    with pytest.raises(ValueError, match="layer must be in"), pytest.warns(UserWarning):
+    with pytest.raises(ValueError, match="layer must be in"), pytest.warns(HastenWarning):
         hasten.generate(tiny_model("llama"), repetitive_prompt(8), drafter=HiddenTransfer(layer=5))
 
 
@@ -290,7 +291,7 @@ def test_shipped_weights():
     prompt = torch.tensor([list(range(200, 264))])
     reference = hasten.generate(model, prompt, max_new_tokens=24).sequences
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "untrained" warning
+        warnings.simplefilter("error", HastenWarning)  # no "untrained" warning
         out = hasten.generate(model, prompt, drafter=HiddenTransfer(), max_new_tokens=24)
     assert torch.equal(out.sequences, reference)
     assert out.stats.accepted_tokens > 0

@@ -20,6 +20,8 @@ from hasten.drafters.longspec import (
 )
 from hasten.training.trainer import TrainSettings, evaluate, train
 from helpers import distill_tiny, hf_greedy, repetitive_prompt, tiny_model
+from hasten.core.errors import HastenWarning
+from hasten.models.compat import cache_argument
 from test_gemma3 import tiny_gemma3
 from test_sampling_distribution import DEEP_LAW_SAMPLING, TARGET, deep_tv
 
@@ -120,7 +122,7 @@ def test_queries_rotate_like_the_cached_keys(arch, offset):
     positions[:, 2:] += offset  # two anchors, the rest shifted, as in training
     cache = DynamicCache()
     with torch.no_grad():
-        hidden = model(ids, position_ids=positions, past_key_values=cache, use_cache=True,
+        hidden = model(ids, position_ids=positions, **cache_argument(model, cache), use_cache=True,
                        output_hidden_states=True).hidden_states[-2]  # [1, T, H] the last layer's input
         layer = model.model.layers[-1]
         keys = layer.self_attn.k_proj(layer.input_layernorm(hidden)).view(1, 20, -1, layer.self_attn.head_dim)
@@ -138,7 +140,7 @@ def full_pass_logp(drafter: LongSpec, model, tokens: list[int], path: list[int] 
     length = len(sequence)
     ids, positions = torch.tensor([sequence]), torch.arange(length)[None]
     cache = DynamicCache()
-    model(ids[:, :cached], past_key_values=cache, use_cache=True)
+    model(ids[:, :cached], **cache_argument(model, cache), use_cache=True)
     target_kv = cache.layers[-1].keys, cache.layers[-1].values
     x, own = module.own_kv(model.get_input_embeddings()(ids), positions)
     index = torch.arange(length)
@@ -236,6 +238,6 @@ def test_training_lowers_the_loss_and_the_weights_are_found_beside_the_target(tm
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     prompt = repetitive_prompt(20, seed=1)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # an "untrained" warning would mean the weights were not found
+        warnings.simplefilter("error", HastenWarning)  # an "untrained" warning would mean the weights were not found
         out = hasten.generate(target, prompt, drafter=create("longspec"), max_new_tokens=NEW)
     assert out.sequences.tolist() == hf_greedy(target, prompt, NEW).tolist()

@@ -13,8 +13,9 @@ from hasten.drafters.medusa import (
     Medusa, MedusaHeads, MedusaSettings, MedusaTraining, MedusaTrainOptions,
 )
 from hasten.core.sampling import Sampling
+from hasten.core.errors import HastenWarning
 from helpers import (
-    generate_exactly,
+    generate_exactly, ours,
     CAUSAL_CONFIGS, ScriptedDrafter, distill_tiny, hf_greedy, repetitive_prompt, save_checkpoint, tiny_model, train_briefly,
 )
 from test_sampling_distribution import BOUND, PROMPT, empirical_tv, peaky_model
@@ -43,7 +44,7 @@ check = partial(generate_exactly, max_new_tokens=NEW)
 # ---- real heads ------------------------------------------------------------------------------
 def test_untrained_heads(setup):
     model, prompt, reference, _ = setup
-    with pytest.warns(UserWarning, match="untrained medusa drafter"):
+    with pytest.warns(HastenWarning, match="untrained medusa drafter"):
         stats = check(model, prompt, reference, Medusa(num_heads=3))
     assert stats.drafted_tokens > 0
 
@@ -77,7 +78,7 @@ def test_untrained_head_repeats_the_target_prediction():
 def test_one_token_prompt_drafts_nothing_at_first():
     model = tiny_model("gpt2")
     prompt = torch.tensor([[5]])
-    with pytest.warns(UserWarning):
+    with pytest.warns(HastenWarning):
         check(model, prompt, hf_greedy(model, prompt, NEW), Medusa(num_heads=2))
 
 
@@ -89,7 +90,7 @@ def test_heads_beside_the_model_are_found(tmp_path):
     plain = hasten.load(checkpoint, "autoregressive")
     prompt = "def add(a, b):\n    return a + b\n\ndef add("
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # no "untrained" warning
+        warnings.simplefilter("error", HastenWarning)  # no "untrained" warning
         assert engine.generate(prompt, max_new_tokens=20).token_ids == plain.generate(prompt, max_new_tokens=20).token_ids
     assert engine.drafter.module.config.target == "test"
 
@@ -97,10 +98,10 @@ def test_heads_beside_the_model_are_found(tmp_path):
 def test_warns_once_per_target():
     model = tiny_model("llama")
     drafter = Medusa()
-    with pytest.warns(UserWarning) as record:
+    with pytest.warns(HastenWarning) as record:
         for _ in range(3):
             hasten.generate(model, repetitive_prompt(8), drafter=drafter, max_new_tokens=4)
-    assert len(record) == 1
+    assert len(ours(record)) == 1
 
 
 def test_settings_and_shapes_are_checked(tmp_path):
@@ -112,7 +113,7 @@ def test_settings_and_shapes_are_checked(tmp_path):
     with pytest.raises(FileNotFoundError, match="no medusa weights"):
         Medusa(weights=str(tmp_path))
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="deep but the drafter guesses only 2 levels"), pytest.warns(UserWarning):
+    with pytest.raises(ValueError, match="deep but the drafter guesses only 2 levels"), pytest.warns(HastenWarning):
         hasten.generate(model, repetitive_prompt(8), drafter=Medusa(num_heads=2, tree=[(0,), (0, 0), (0, 0, 0)]))
     MedusaHeads.for_target(tiny_model("llama", hidden_size=16, num_attention_heads=2), 2).save(tmp_path / "small")
     with pytest.raises(ValueError, match="do not fit"):
@@ -193,5 +194,5 @@ def test_sampled_continuations_follow_the_target(tmp_path, tree, sampling):
 
 def test_the_no_weights_warning_says_where_it_looked():
     model = tiny_model("llama")  # built in memory: no directory to look beside
-    with pytest.warns(UserWarning, match="the model was not loaded from a directory"):
+    with pytest.warns(HastenWarning, match="the model was not loaded from a directory"):
         hasten.generate(model, torch.tensor([[5, 6, 7]]), drafter=Medusa(), max_new_tokens=3)

@@ -15,6 +15,7 @@ from hasten.drafters.medusa import Medusa, MedusaHeads
 from hasten.training.distill import INSTRUCTIONS, DistillSettings, distill, pydoc_documents
 from hasten.zoo import real
 from helpers import TRAIN_TEXT, save_checkpoint, tiny_model, tiny_tokenizer
+from hasten.core.errors import HastenWarning
 
 TEMPLATE = (
     "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
@@ -123,7 +124,7 @@ def test_another_gguf_gets_no_shipped_module(tmp_path, monkeypatch, name, size):
     MedusaHeads.for_target(tiny_model("llama")).save(tmp_path / "zoo-weights" / "smollm2-135m" / "medusa")
     assert real.packaged_name(checkpoint) is None
     target = AutoModelForCausalLM.from_pretrained(checkpoint)
-    with pytest.warns(UserWarning, match="no medusa weights"):
+    with pytest.warns(HastenWarning, match="no medusa weights"):
         Medusa()._find(target)
 
 

@@ -17,7 +17,9 @@ from hasten.core.sampling import Sampling
 from hasten.drafters import DraftModel, Lookahead, PromptLookup
 from hasten.models import vlm
 from hasten.models.adapter import ModelAdapter
+from hasten.models.compat import cache_argument
 from helpers import (
+    returned_cache,
     ScriptedDrafter, TreeScriptedDrafter, assert_scripted_stats, hf_greedy, tiny_model, tiny_tokenizer,
 )
 from test_verify_law import bound
@@ -243,7 +245,7 @@ def next_probs(image, continuation: tuple[int, ...]) -> torch.Tensor:
     prefill = LAW_TARGET(LAW_PROMPT, pixel_values=image, use_cache=True)
     if not continuation:
         return LAW_SAMPLING.probs(prefill.logits[0, -1])
-    out = LAW_TARGET(torch.tensor([continuation]), past_key_values=prefill.past_key_values, use_cache=True)
+    out = LAW_TARGET(torch.tensor([continuation]), **cache_argument(LAW_TARGET, returned_cache(prefill)), use_cache=True)
     return LAW_SAMPLING.probs(out.logits[0, -1])
 
 

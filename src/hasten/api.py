@@ -25,6 +25,7 @@ from .engine.verify import acceptance_rule
 from .models import gguf, vlm
 from .models.quantize import quantize
 from .models.adapter import vocab_size
+from .core.errors import HastenWarning
 from .core.sampling import Sampling
 from .core.stats import DecodeStats
 
@@ -145,7 +146,7 @@ def warn_if_tokenizers_differ(tokenizer, draft_tokenizer, draft_name: str, sampl
         warnings.warn(
             f"draft model {draft_name!r} has another tokenizer than the target ({len(differ)} of {len(ids)} "
             f"sampled ids differ, e.g. id {token} is {b!r} there and {a!r} in the target's): outputs stay "
-            "exact but few drafts will be accepted", UserWarning, stacklevel=3,
+            "exact but few drafts will be accepted", HastenWarning, stacklevel=3,
         )
 
 

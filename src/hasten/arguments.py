@@ -21,8 +21,7 @@ from typing import Iterator
 import torch
 
 from .core import settings as settings_io
-
-PACKAGE_DIR = Path(__file__).resolve().parent
+from .core.errors import HastenWarning
 
 
 class UserError(Exception):
@@ -92,20 +91,40 @@ def one_line(text: object) -> str:
     return " ".join(str(text).split())
 
 
-def show_warning(message, category, filename, lineno, file=None, line=None) -> None:
-    """A ``warnings.showwarning`` for terminal users: ``hasten: warning: ...`` on one line,
-    without the source line; a warning from outside hasten keeps its category's name."""
-    text = one_line(message)
-    if not Path(filename).resolve().is_relative_to(PACKAGE_DIR):
-        text = f"{category.__name__}: {text}"
-    print(f"hasten: warning: {text}", file=file or sys.stderr)
+def warning_origin(filename: str, lineno: int) -> str:
+    """Where a warning was raised, as a user would look it up: ``transformers/utils/x.py:12``
+    for an installed package (the path below its ``sys.path`` entry), else the file's path."""
+    path = Path(filename).resolve()
+    roots = [Path(entry).resolve() for entry in sys.path if entry]
+    root = max((r for r in roots if path.is_relative_to(r)), key=lambda r: len(r.parts), default=None)
+    return f"{path.relative_to(root) if root is not None else path}:{lineno}"
+
+
+class WarningPrinter:
+    """A ``warnings.showwarning`` for terminal users. hasten's own warnings
+    (:class:`~hasten.core.errors.HastenWarning`) read ``hasten: warning: ...`` on one line; a
+    dependency's pass through once per message, with their category and origin, so they are
+    never mistaken for hasten's."""
+
+    def __init__(self) -> None:
+        self.shown: set[tuple[type, str]] = set()
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None) -> None:
+        text = one_line(message)
+        if (category, text) in self.shown:
+            return
+        self.shown.add((category, text))
+        if issubclass(category, HastenWarning):
+            print(f"hasten: warning: {text}", file=file or sys.stderr)
+        else:
+            print(f"{category.__name__} from {warning_origin(filename, lineno)}: {text}", file=file or sys.stderr)
 
 
 @contextlib.contextmanager
 def readable_warnings() -> Iterator[None]:
-    """Show warnings with :func:`show_warning` inside the block; the previous way after it."""
+    """Show warnings with a :class:`WarningPrinter` inside the block; the previous way after it."""
     with warnings.catch_warnings():
-        warnings.showwarning = show_warning
+        warnings.showwarning = WarningPrinter()
         yield
 
 

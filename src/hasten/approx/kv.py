@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from ..models.adapter import ModelAdapter, model_name, vocab_size
+from ..models.compat import cache_argument
 from ..models.layers import last_queries
 
 
@@ -79,7 +80,7 @@ class KVCompression:
         model = target.model
         cache = DynamicCache()
         with last_queries(model, self.window + len(extra)) as queries:
-            out = model(input_ids=torch.tensor([sequence], device=model.device), past_key_values=cache,
+            out = model(input_ids=torch.tensor([sequence], device=model.device), **cache_argument(model, cache),
                         use_cache=True, output_hidden_states=hidden, logits_to_keep=1)
         kept = keep_entries(cache, self.scores(queries, cache, cached), cached, self.budget, self.window)
         target.adopt(kept, cached)

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
 from ..models.layers import last_queries
+from ..models.compat import cache_argument
 from .kv import attention_scores, check_draft, draft_lookahead
 
 
@@ -50,7 +51,7 @@ class SpecPC:
         extra = draft_lookahead(self.draft, tokens, self.lookahead)[:-1]  # observed after the prompt
         cache = DynamicCache()
         with last_queries(self.draft, self.window + len(extra)) as queries:
-            self.draft(input_ids=torch.tensor([tokens + extra], device=self.draft.device), past_key_values=cache,
+            self.draft(input_ids=torch.tensor([tokens + extra], device=self.draft.device), **cache_argument(self.draft, cache),
                        use_cache=True, logits_to_keep=1)
         scores = torch.stack([
             attention_scores(queries[layer], cache.layers[layer].keys[0], len(tokens), self.pool).amax(0)

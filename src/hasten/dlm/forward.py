@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import DynamicCache
 
+from ..models.compat import cache_argument
+
 
 def bidirectional_mask(queries: int, keys: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive mask letting every query see every key. [1, 1, queries, keys]"""
@@ -84,7 +86,7 @@ def full_forward(model, tokens: torch.Tensor, rows: torch.Tensor, counts: Forwar
     length = tokens.shape[0]
     cache = DynamicCache() if store is not None else None
     out = model(input_ids=tokens[None], attention_mask=bidirectional_mask(length, length, model.dtype, tokens.device),
-                past_key_values=cache, use_cache=store is not None, logits_to_keep=rows, **model_kwargs)
+                **cache_argument(model, cache), use_cache=store is not None, logits_to_keep=rows, **model_kwargs)
     counts.add(length, length, length, per_pair, kept)
     if store is not None:
         store.replace_all(cache, tokens)
@@ -109,7 +111,7 @@ def partial_forward(model, tokens: torch.Tensor, positions: torch.Tensor, rows: 
     context = context_positions(positions, length)  # [length - queries]
     cache = store.context_cache(context)
     keep = torch.searchsorted(positions, rows)  # rows as offsets into the queries
-    out = model(input_ids=tokens[positions][None], position_ids=positions[None], past_key_values=cache, use_cache=True,
+    out = model(input_ids=tokens[positions][None], position_ids=positions[None], **cache_argument(model, cache), use_cache=True,
                 attention_mask=bidirectional_mask(len(positions), length, model.dtype, tokens.device),
                 logits_to_keep=keep, **model_kwargs)
     counts.add(len(positions), length, length, per_pair, kept)

@@ -43,6 +43,7 @@ from transformers.cache_utils import Cache
 
 from ..core.settings import option
 from ..models import cache as kv
+from ..models.compat import cache_argument
 from ..models.layers import UnsupportedArchitecture, attention_mask, decoder_layers, model_name
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
 from .draft_model import DraftModel, DraftModelSettings, draft_chain
@@ -253,7 +254,7 @@ class LayerDriver:
             kind = self.layer_types[index]
             update, _ = attention(hidden_states=norm(hidden.to(device)),
                                   position_embeddings=inputs.rotary_for(kind, device),
-                                  attention_mask=inputs.mask_for(kind, device), past_key_values=inputs.cache)
+                                  attention_mask=inputs.mask_for(kind, device), **cache_argument(attention, inputs.cache))
             update = out_norm(update).to(self.home)
             if with_mlp:
                 update = update + self.feed_forward(index, hidden + update)

@@ -42,6 +42,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..core.settings import Settings, option
 from ..models.adapter import ModelAdapter, model_name
+from ..models.compat import cache_argument
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
 from .candidates import GrowingTree, dynamic_tree
 from .nn import RMSNorm, heads_for, rotary, rotate
@@ -244,7 +245,7 @@ class LongSpecTraining(TrainedTraining):
         positions = self.positions(count, length, ids.device)
         with torch.no_grad():  # the target at the same positions: its last-layer cache and its own next-token law
             cache = DynamicCache()
-            out = self.target(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True)
+            out = self.target(input_ids=ids, position_ids=positions, **cache_argument(self.target, cache), use_cache=True)
             target_kv = (cache.layers[-1].keys.float(), cache.layers[-1].values.float())  # [B, kv_heads, T, D]
             log_p = out.logits.float().log_softmax(-1)  # [B, T, V]: position t's law of x_{t+1}
             angles = TargetRotary(self.target)(target_kv[0], positions)

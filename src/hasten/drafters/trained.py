@@ -30,6 +30,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from .. import zoo
+from ..core.errors import HastenWarning
 from ..core.settings import Settings
 from ..models.adapter import model_name
 from .base import EMPTY_DRAFT, Draft, DraftContext, Drafter
@@ -121,6 +122,11 @@ class WeightsSetting(Settings):
     """Mixed into every trained drafter's settings."""
 
     weights: str | None = None  # module directory; None: <target model dir>/<name>/, else untrained
+    require_weights: bool = False  # True: no weights found is an error (MissingWeights), not an untrained drafter
+
+
+class MissingWeights(ValueError):
+    """A trained drafter found no weights for its target and was told not to run untrained."""
 
 
 class TrainedDrafter(Drafter):
@@ -185,11 +191,12 @@ class TrainedDrafter(Drafter):
         if beside is not None and (beside / f"{self.name}.json").is_file():
             return self.Module.load(beside)  # raises if the weights file next to the config is missing
         where = f"looked in {beside}" if beside is not None else "the model was not loaded from a directory"
-        warnings.warn(
-            f"no {self.name} weights found for {model_name(model)!r} ({where}); using an untrained "
-            f"{self.name} drafter, which rarely guesses right: train one with `hasten train {self.name}`",
-            stacklevel=2,
-        )
+        missing = f"no {self.name} weights found for {model_name(model)!r} ({where})"
+        train = f"train one with `hasten train {self.name}`"
+        if self.settings.require_weights:
+            raise MissingWeights(f"{missing}: {train}")
+        warnings.warn(f"{missing}; using an untrained {self.name} drafter, which rarely guesses right: {train}",
+                      HastenWarning, stacklevel=2)
         return self.untrained(model).eval()
 
 

@@ -42,6 +42,7 @@ from ..core.settings import Settings
 from ..core.stats import cache_bytes, holder_kv_bytes
 from ..core.tree import TokenTree
 from ..models.adapter import ModelAdapter, model_name
+from ..models.compat import cache_argument
 from ..models.layers import last_queries
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
 from .draft_model import check_same_vocabulary, draft_chain
@@ -122,7 +123,7 @@ class Middle:
         ids = torch.tensor([block], dtype=torch.long, device=self.model.device)
         # Full attention over everything cached is the causal mask in cache order, which the
         # model builds itself; the positions are the tokens' true ones.
-        out = self.model(input_ids=ids, past_key_values=self.cache, position_ids=positions, use_cache=True)
+        out = self.model(input_ids=ids, **cache_argument(self.model, self.cache), position_ids=positions, use_cache=True)
         self.fed.extend(block)
         return out.logits[0].float()
 
@@ -200,7 +201,7 @@ class TriForce(Drafter):
         elif prompt:  # batch rows, llama.cpp, compressed caches: a prefill of its own, as the reference
             with torch.no_grad(), last_queries(model) as queries:
                 ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
-                model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(input_ids=ids, **cache_argument(model, cache), use_cache=True, logits_to_keep=1)
             cache = retrieval_cache(cache, queries, settings.budget, settings.chunk_size)
         selected = cache.get_seq_length() if prompt else 0
         middle = Middle(model, cache, selected, len(prompt))

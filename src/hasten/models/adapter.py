@@ -18,6 +18,7 @@ from transformers import PreTrainedModel
 
 from . import cache as kv
 from .attention import MaskedTree, kv_heads_in_place
+from .compat import cache_argument
 from . import vlm
 from .layers import attention_mask, forward_with_placeholders, model_name  # model_name: also imported from here
 from ..core.tree import TokenTree
@@ -155,7 +156,7 @@ class ModelAdapter:
         path = self.tree_attention if "attention_mask" in kwargs else MaskedTree()  # only tree blocks have a mask
         with path.active(self.model), kv_heads_in_place(self.model, len(block), past):
             out = self.model(
-                **{ids_key: ids}, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden, **kwargs
+                **{ids_key: ids}, **cache_argument(self.model, self.cache), use_cache=True, output_hidden_states=hidden, **kwargs
             )
         self._check_rollback()
         states = embeds = None
@@ -193,7 +194,7 @@ class ModelAdapter:
             out = forward_with_placeholders(
                 self.model, ids, allowed, positions, every_position,
                 riders.count, riders.layer, riders.transfer, past_positions=torch.arange(past, device=self.device),
-                past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
+                **cache_argument(self.model, self.cache), use_cache=True, output_hidden_states=hidden,
             )
         self._check_rollback()
         logits = out.logits[0].float()  # [block + block * count, vocab]

@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 from . import cache as kv
 from .adapter import ForwardOutput, ModelAdapter, Riders, vocab_size
 from .attention import kv_heads_in_place
+from .compat import cache_argument
 from .layers import attention_mask, model_name
 from ..core.tree import TokenTree
 
@@ -189,7 +190,7 @@ class BatchAdapter:
         key_pos = torch.cat([self.key_pos, query_pos], dim=1)  # [rows, past + width]
         with kv_heads_in_place(self.model, width, past):
             out = self.model(
-                input_ids=ids, past_key_values=self.cache, use_cache=True, output_hidden_states=hidden,
+                input_ids=ids, **cache_argument(self.model, self.cache), use_cache=True, output_hidden_states=hidden,
                 attention_mask=attention_mask(self.model, allowed, query_pos, key_pos), position_ids=query_pos,
             )
         if not self._checked:

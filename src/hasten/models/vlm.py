@@ -74,7 +74,7 @@ FAMILIES = {
 # Keywords of a model's forward that the decode loop sets itself; a caller passing one
 # would fight the loop over the cache, positions or mask.
 LOOP_OWNED = frozenset({
-    "input_ids", "inputs_embeds", "attention_mask", "position_ids", "past_key_values", "use_cache", "cache_position",
+    "input_ids", "inputs_embeds", "attention_mask", "position_ids", "past_key_values", "cache", "use_cache", "cache_position",
     "labels", "logits_to_keep", "output_hidden_states", "output_attentions", "return_dict",
 })
 
