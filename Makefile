@@ -75,14 +75,14 @@ test-latest:
 	rm -rf .venv-latest && $(PYTHON) -m venv .venv-latest
 	.venv-latest/bin/pip install -q --upgrade $$($(PYTHON) scripts/dependencies.py --latest $(EXTRAS))
 	.venv-latest/bin/pip install -q --no-deps -e .
-	.venv-latest/bin/pip freeze | grep -iE '^(torch|transformers|tokenizers|huggingface-hub|accelerate|diffusers)=='
+	.venv-latest/bin/pip freeze | grep -iE '^(torch|transformers|tokenizers|huggingface[-_]hub|accelerate|diffusers)=='
 	.venv-latest/bin/$(TEST) -m "not real" tests
 
 test-oldest:
 	rm -rf .venv-oldest && $(PYTHON) -m venv .venv-oldest
 	.venv-oldest/bin/pip install -q $$($(PYTHON) scripts/dependencies.py --lowest $(EXTRAS))
 	.venv-oldest/bin/pip install -q --no-deps -e .
-	.venv-oldest/bin/pip freeze | grep -iE '^(torch|transformers|tokenizers|huggingface-hub|accelerate|diffusers)=='
+	.venv-oldest/bin/pip freeze | grep -iE '^(torch|transformers|tokenizers|huggingface[-_]hub|accelerate|diffusers)=='
 	.venv-oldest/bin/$(TEST) -m "not real" tests
 
 # The llama.cpp backend (hasten[llamacpp]) compiles llama.cpp (8-30 min on 2 cores). A native build

@@ -3,8 +3,10 @@
     .venv/bin/python scripts/check_lock.py requirements/lock.txt [more.lock ...]
 
 Compares ``pip freeze`` of the running interpreter with the ``name==version`` lines of the
-lock files; hasten itself (installed from this tree) is left out. Prints the differences and
-exits 1 if there are any, else one line saying how many packages matched.
+lock files (hasten itself, installed from this tree, is left out). A locked package missing
+or at another version is a failure (exit 1). Packages the locks do not name are listed but
+allowed: the opt-in installs (``make real``, ``make llamacpp``) add their own; a fresh
+``make test`` environment has none.
 """
 from __future__ import annotations
 
@@ -38,12 +40,15 @@ def main() -> int:
     frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all"], check=True, capture_output=True,
                             text=True).stdout.splitlines()
     installed = {name: version for name, version in pins(frozen).items() if name not in ("hasten", "pip")}
-    differences = [f"  {name}: locked {locked.get(name, '-')}, installed {installed.get(name, '-')}"
-                   for name in sorted(set(locked) | set(installed)) if locked.get(name) != installed.get(name)]
+    differences = [f"  {name}: locked {version}, installed {installed.get(name, '-')}"
+                   for name, version in sorted(locked.items()) if installed.get(name) != version]
+    others = sorted(f"{name}=={version}" for name, version in installed.items() if name not in locked)
+    names = " + ".join(sys.argv[1:])
     if differences:
-        print(f"the environment differs from {' + '.join(sys.argv[1:])}:", *differences, sep="\n")
+        print(f"the environment differs from {names}:", *differences, sep="\n")
         return 1
-    print(f"environment matches {' + '.join(sys.argv[1:])}: {len(installed)} packages, every version as locked")
+    extra = f"; also installed, not locked (opt-in extras): {', '.join(others)}" if others else "; nothing else"
+    print(f"environment matches {names}: {len(locked)} packages, every version as locked{extra}")
     return 0
 
 
