@@ -115,7 +115,7 @@ def test_the_bench_times_auto_and_fixed_sizing_on_llama_cpp(cli, tiny_gguf, prom
 
 
 @pytest.mark.parametrize("args, match", [
-    (["--methods", "medusa"], "reads the target's hidden states"),
+    (["--methods", "medusa"], "medusa needs hidden states, torch modules, which the llama.cpp runtime"),
     (["--baselines", "hf_generate"], "known: llama_cpp, llama_cpp_lookup"),
 ])
 def test_bench_options_that_cannot_run_on_llama_cpp_fail_in_one_line(cli, tiny_gguf, prompts, tmp_path, args, match):

@@ -15,6 +15,7 @@ import torch
 
 import hasten
 
+from hasten.core.runtime import Capability
 from hasten.core.sampling import Sampling
 from hasten.core.stats import DecodeStats
 from hasten.drafters import DraftModel, Lookahead, PromptLookup
@@ -153,7 +154,7 @@ def test_sampling_runs_and_respects_the_budget(tiny):
 
 def test_feature_drafters_are_refused_with_the_reason(tiny):
     class ReadsFeatures(PromptLookup):
-        needs_features = True
+        needs = frozenset({Capability.FEATURES})
 
     with pytest.raises(ValueError, match="hidden states"):  # the loop's check against the target's declaration
         hasten.generate(tiny, torch.tensor([[1, 2, 3]]), drafter=ReadsFeatures(), max_new_tokens=2)
@@ -208,8 +209,10 @@ def test_load_and_cli_run_a_gguf_on_the_llama_cpp_backend(tiny_gguf, cli):
         hasten.load("zoo:code-tiny", backend="llama.cpp")
     sized = hasten.load(tiny_gguf, "prompt_lookup", backend="llama.cpp", draft_size="auto")  # llama.cpp's own curve
     assert sized.generate(prompt, max_new_tokens=NEW).token_ids == out.token_ids
-    with pytest.raises(ValueError, match="reads the target's hidden states"):
+    with pytest.raises(ValueError, match="medusa needs hidden states, torch modules, which the llama.cpp runtime"):
         hasten.load(tiny_gguf, "medusa", backend="llama.cpp")
+    with pytest.raises(ValueError, match="longspec needs KV read-back, torch modules, which the llama.cpp runtime"):
+        hasten.load(tiny_gguf, "longspec", backend="llama.cpp")
     code, _, err = cli("generate", "--model", str(tiny_gguf), "--backend", "llama.cpp", "--dtype", "bfloat16",
                        "--prompt", "x")
     assert code == 2 and "drop --dtype" in err
@@ -284,11 +287,11 @@ def test_a_llama_cpp_batch_refuses_feature_drafters_and_a_row_too_many(tiny):
     from hasten.engine.batch import Scheduler
 
     class ReadsFeatures(PromptLookup):
-        needs_features = True
+        needs = frozenset({Capability.FEATURES})
 
     with pytest.raises(ValueError, match="hidden states"):
         Scheduler(tiny, ReadsFeatures())
-    batch = tiny.batch_target(1)
+    batch = tiny.batch(1)
     batch.add([5, 6, 7])
     with pytest.raises(RuntimeError, match="all 1 llama.cpp sequences are in use"):
         batch.add([5, 6, 7])

@@ -415,7 +415,7 @@ def test_a_failing_step_fails_its_rows_and_the_server_goes_on(engine):
         # no API key on this server; a request that alone needs more than --max-tokens-in-flight is refused
         status, body = call(url, "/v1/completions", {"model": NAME, "prompt": [5] * 90, "max_tokens": 11}, key=None)
         assert_error(status, body, 400, "max_tokens")
-        assert "max_tokens (11)" in body["error"]["message"]
+        assert "max_tokens (11)" in body["error"]["message"] and body["error"]["code"] == "over_capacity"
         status, body = call(url, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4}, key=None)
         assert status == 500 and "planted failure" in body["error"]["message"]
         status, body = call(url, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": NEW,

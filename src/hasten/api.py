@@ -19,13 +19,15 @@ from . import zoo
 from .drafters.base import REGISTRY, Drafter, create
 from .engine.inputs import check_inputs, eos_ids
 from .engine.loop import decode
-from .engine.sizing import SizingRule, default_size, load_or_calibrate, sizing_rule
+from .engine.sizing import SizingChoice, SizingRule, load_or_calibrate
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
 from .models import gguf, vlm
 from .models.quantize import quantize
 from .models.adapter import vocab_size
+from .models.hf import runtime_of
 from .core.errors import HastenWarning
+from .core.runtime import Capability
 from .core.sampling import Sampling
 from .core.stats import DecodeStats
 
@@ -167,9 +169,10 @@ class Engine:
     def __init__(self, model: PreTrainedModel, tokenizer, drafter: Drafter | None, method: str,
                  draft_size: str | SizingRule | None = None, processor=None):
         self.model, self.tokenizer, self.drafter, self.method = model, tokenizer, drafter, method
+        self.runtime = runtime_of(model)
         self.processor = processor  # a vision-language model's: text + images -> its inputs
         self.draft_size = draft_size
-        sizing_rule(draft_size)  # a bad value fails here, not at the first generation
+        self.sizing = SizingChoice(draft_size)  # a bad value fails here, not at the first generation
 
     # ---- plain text prompts ----------------------------------------------------------------
     def generate(self, prompt: str, **kwargs) -> EngineOutput:
@@ -192,7 +195,7 @@ class Engine:
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings")
         sampling, stops = self._options(temperature, top_k, top_p, seed, stop)
-        scheduler = Scheduler(self.model, self.drafter, max_batch=max_batch or len(prompts),
+        scheduler = Scheduler(self.runtime, self.drafter, max_batch=max_batch or len(prompts),
                               draft_size=self.draft_size)
         rows = {}
         for i, prompt in enumerate(prompts):
@@ -255,8 +258,8 @@ class Engine:
         return vlm.chat_inputs(self.processor, messages, images)
 
     def _check_vision(self) -> None:
-        if not vlm.is_vision_language(self.model):
-            raise ValueError(f"images given, but {type(self.model).__name__} is a text-only model")
+        if Capability.IMAGES not in self.runtime.capabilities:
+            raise ValueError(f"images given, but {self.runtime.label} is a text-only model")
         if self.processor is None:
             raise ValueError("images need the model's processor: load(model, processor=...)")
 
@@ -337,17 +340,17 @@ class Engine:
         else:
             input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         sampling, stops = self._options(temperature, top_k, top_p, seed, stop)
-        check_inputs(self.model, input_ids, self.drafter, max_new_tokens, None, model_inputs)
-        device = getattr(self.model, "device", torch.device("cpu"))  # a llama.cpp model runs on the CPU
+        check_inputs(self.runtime, input_ids, self.drafter, max_new_tokens, None, model_inputs)
+        device = self.runtime.device
         input_ids = input_ids.to(device)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
-        eos = eos_ids(self.model, None)  # the generation config's, as in Hugging Face generate
+        eos = eos_ids(self.runtime, None)  # the generation config's, as in Hugging Face generate
         acceptance = acceptance_rule(sampling)
         text = TextStream(self.tokenizer, stops)
-        for step in decode(self.model, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats,
-                           acceptance, sizing_rule(default_size(self.draft_size, not sampling.greedy, seed is not None)),
+        for step in decode(self.runtime, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats,
+                           acceptance, self.sizing.for_request(not sampling.greedy, seed is not None),
                            stops, **model_inputs):
             yield text.push(step), step
         tail = text.finish()
@@ -396,7 +399,7 @@ def load(
     PyTorch: hasten's drafters propose, llama.cpp verifies (docs/cpu.md).
     """
     check_method(method, draft is not None)  # before the seconds spent loading models
-    sizing_rule(draft_size)
+    SizingChoice(draft_size)  # a bad draft_size fails before the seconds spent loading models
     if backend == "llama.cpp":
         return _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, method_kwargs)
     if backend != "torch":
@@ -431,8 +434,7 @@ def load(
 def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, method_kwargs) -> Engine:
     """The llama.cpp backend: a GGUF target (and draft) loaded by llama.cpp; the tokenizer is
     read from the same file, its weights left alone."""
-    from .drafters.base import Drafter
-    from .models.llamacpp import LlamaCppModel, LlamaCppRow
+    from .models.llamacpp import LlamaCppModel
 
     if dtype is not None or (device is not None and str(device) != "cpu"):
         raise ValueError("the llama.cpp backend runs the GGUF file's own quantisation on the CPU: "
@@ -450,8 +452,8 @@ def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
     drafter = make_drafter(method, None if draft is None else open_gguf(draft), **method_kwargs)
-    if drafter is not None:  # now, not at the first generation: what every llama.cpp target declares
-        Drafter.check_target(drafter, LlamaCppRow)  # (features_ok, encoder_decoder are class attributes)
+    if drafter is not None:
+        drafter.check_runtime(model)  # now, not at the first generation
         if draft_size in ("auto", None):
             load_or_calibrate(model)  # llama.cpp's own cost curve, now rather than inside the first generation
     return Engine(model, tokenizer, drafter, method, draft_size)

@@ -53,9 +53,8 @@ def method_names(names: list[str], draft_given: bool, auto: bool) -> list[str]:
     if auto:
         return [n for n in AUTO_METHODS if draft_given or not REGISTRY.get(n) or not REGISTRY[n].needs_draft_model]
     for name in names:
-        if name in REGISTRY and REGISTRY[name].needs_features:
-            raise ValueError(f"{name} reads the target's hidden states, which the llama.cpp backend does not expose; "
-                             f"methods that run on it: {', '.join(AUTO_METHODS)}")
+        if name in REGISTRY:
+            REGISTRY[name].check_runtime(LlamaCppModel)  # what llama.cpp declares, before loading a file
     return names
 
 
@@ -84,7 +83,7 @@ def baseline_method(name: str, model: LlamaCppModel) -> Method:
         options["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
     # flash attention as the backend runs it (its greedy tokens then equal hasten's); n_batch
     # as the backend feeds the prompt
-    llm = Llama(str(model.path), n_ctx=model.context, n_batch=model.batch, n_ubatch=model.batch,
+    llm = Llama(str(model.path), n_ctx=model.context, n_batch=model.n_batch, n_ubatch=model.n_batch,
                 n_threads=model.threads, n_threads_batch=model.threads, flash_attn=True, verbose=False, **options)
     counting = _count_evals(llm)
 

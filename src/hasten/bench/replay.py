@@ -24,21 +24,21 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
 
+from ..core.runtime import Capability, Runtime
 from ..core.sampling import Sampling
 from ..core.stats import DecodeStats
 from ..core.tree import TokenTree
 from ..drafters.base import Drafter
-from ..engine.inputs import opens_own_target
 from ..engine.loop import generate
 from ..engine.sequence import Sequence, step
 from ..engine.sizing import CostCurve, SizingRule, load_or_calibrate
 from ..engine.verify import GreedyAcceptance
-from ..models.adapter import ForwardOutput, vocab_size
+from ..models.adapter import ForwardOutput
+from ..models.hf import runtime_of
 
 FORMAT = "hasten-replay/1"
 
@@ -87,15 +87,15 @@ def record(model, prompts: list[tuple[str, list[int]]], max_new_tokens: int, nam
     """The target's greedy continuation of every ``(category, prompt ids)`` and its cost curve
     on this machine (``curve``, else calibrated or read from the cache as ``draft_size="auto"``
     does)."""
-    if not opens_own_target(model) and model.config.is_encoder_decoder:
+    runtime = runtime_of(model)
+    if runtime.encoder_decoder:
         raise ValueError("record replays decoder-only targets; this model is an encoder-decoder")
     curve = curve or load_or_calibrate(model)
     entries = []
     for category, ids in tqdm(prompts, desc="recording greedy outputs", unit="prompt", disable=not progress):
         out = generate(model, torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=[])
         entries.append(Recorded(category, list(ids), out.sequences[0, len(ids) :].tolist()))
-    # a model of another runtime (llama.cpp) opens chain-only targets; a PyTorch decoder verifies trees
-    return Recording(name, backend, vocab_size(model), not opens_own_target(model), curve, entries)
+    return Recording(name, backend, runtime.vocab_size, Capability.TREES in runtime.capabilities, curve, entries)
 
 
 class SimulatedClock:
@@ -112,17 +112,31 @@ class SimulatedClock:
         self.shift += seconds - (time.perf_counter() - real_began)
 
 
+class RecordedRuntime(Runtime):
+    """What a recording knows of the model that made it: its name (lookahead's corpus key
+    reads ``source``), vocabulary and whether it verified trees. It runs no forward."""
+
+    name = "recording"
+    context_length = None
+
+    def __init__(self, recording: Recording):
+        self.label = self.source = recording.model
+        self.vocab_size = recording.vocab_size
+        self.capabilities = frozenset({Capability.TREES}) if recording.trees_ok else frozenset()
+
+
 class RecordedTarget:
     """A target that has already answered: its greedy choice at every position is the
     recorded sequence's next token. One sequence (a RowCache and a Target at once)."""
 
     encoder_decoder = False
+    prompt_embeds = None
 
     def __init__(self, recording: Recording, entry: Recorded, clock: SimulatedClock):
         self.reference = entry.prompt + entry.output
         self.vocab_size, self.trees_ok = recording.vocab_size, recording.trees_ok
         self.curve, self.clock = recording.curve, clock
-        self.model = SimpleNamespace(config=SimpleNamespace(_name_or_path=recording.model))  # lookahead's corpus key
+        self.model = RecordedRuntime(recording)
         self.cache_length = len(entry.prompt) - 1  # the prompt is cached but its last token (the root)
 
     def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None:
@@ -162,8 +176,9 @@ class Replayed:
 
 def check_replayable(drafter: Drafter | None) -> None:
     """ValueError for a drafter a recording cannot serve (plain decoding, None, always can)."""
-    if drafter is not None and drafter.needs_features:
-        raise ValueError(f"{drafter.name} reads the target's features, which a recording does not hold; "
+    if drafter is not None and drafter.needs:
+        needs = ", ".join(sorted(map(str, drafter.needs)))
+        raise ValueError(f"{drafter.name} reads the target's features ({needs}), which a recording does not hold; "
                          "replay runs drafters that read tokens only (prompt_lookup, lookahead, or your own)")
 
 

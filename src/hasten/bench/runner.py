@@ -21,6 +21,7 @@ from ..drafters.base import REGISTRY
 from ..engine.inputs import check_positions
 from ..engine.loop import generate
 from ..engine.sizing import load_or_calibrate, sizing_rule
+from ..models.hf import runtime_of
 from ..core.stats import DecodeStats
 from .tasks import Task
 
@@ -195,14 +196,15 @@ def _check(method: str, task: Task, output: list[int], reference: list[int]) -> 
 
 def check_lengths(model, tasks: list[Task], input_ids: list[torch.Tensor], max_new_tokens: int) -> None:
     """Every task must fit the model's positions, checked before anything is timed."""
+    runtime = runtime_of(model)
     for task, ids in zip(tasks, input_ids):
         try:
-            check_positions(model, ids.shape[1], 0)
+            check_positions(runtime, ids.shape[1], 0)
         except ValueError as err:  # the prompt alone is too long: no --max-new-tokens helps
             raise ValueError(f"task {task.name!r}: {err}; it needs a model with more positions "
                              "(e.g. zoo:code-tiny-long for the long tasks), or leave out that task") from None
         try:
-            check_positions(model, ids.shape[1], max_new_tokens)
+            check_positions(runtime, ids.shape[1], max_new_tokens)
         except ValueError as err:
             raise ValueError(f"task {task.name!r}: {err}; use fewer --max-new-tokens or leave out that task") from None
 

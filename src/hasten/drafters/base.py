@@ -20,6 +20,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..core import settings as settings_io
+from ..core.errors import FieldError
+from ..core.runtime import Capability, MissingCapability, Runtime
 from ..core.sampling import Sampling
 from ..core.state import GrowingBuffer
 from ..core.tree import TokenTree
@@ -82,7 +84,7 @@ class DraftContext:
     generator: torch.Generator | None
     target: ModelAdapter
     source: list[int] | None = None  # encoder input, for encoder-decoder targets
-    # committed target features, for drafters with needs_features: row t is the target's
+    # committed target features, for drafters whose needs hold Capability.FEATURES: row t is the target's
     # last-layer hidden state at position t (its LM head turns it into tokens[t + 1]), so
     # there are len(tokens) - 1 rows. Owned by the loop.
     feature_buffer: GrowingBuffer | None = None
@@ -110,8 +112,11 @@ class Drafter:
 
     Declarations the loop and the API answer (never a drafter's name):
 
+    * ``needs``: the runtime capabilities it uses (:class:`~hasten.core.runtime.Capability`),
+      matched against the target's runtime before any forward (:meth:`check_runtime`);
+      ``Capability.FEATURES`` in it means it reads ``ctx.features`` (the target's last-layer
+      hidden states), which the loop then collects;
     * ``needs_draft_model``: built with a second model, ``Drafter(model, ...)``;
-    * ``needs_features``: reads ``ctx.features`` (the target's last-layer hidden states);
     * ``encoder_decoder_ok``: can serve encoder-decoder targets (which verify chains only:
       a tree draft is cut to its :meth:`Draft.main_chain` there);
     * ``Training``: a :class:`~hasten.drafters.trainable.Trainable`, for ``hasten train NAME``.
@@ -119,8 +124,8 @@ class Drafter:
 
     name: ClassVar[str]
     Settings: ClassVar[type]
+    needs: ClassVar[frozenset[Capability]] = frozenset()
     needs_draft_model: ClassVar[bool] = False
-    needs_features: ClassVar[bool] = False
     encoder_decoder_ok: ClassVar[bool] = True
     Training: ClassVar[type | None] = None
     settings: Any
@@ -128,15 +133,28 @@ class Drafter:
     def __init__(self, settings=None, **kwargs):
         self.settings = settings_io.build(self.Settings, settings, **kwargs)
 
-    def check_target(self, target: ModelAdapter) -> None:
-        """Raise ValueError if this drafter cannot serve ``target``."""
-        if target.encoder_decoder and not self.encoder_decoder_ok:
-            raise ValueError(f"{self.name} does not support encoder-decoder targets; use a chain drafter such as "
+    @classmethod
+    def check_runtime(cls, runtime: Runtime | type[Runtime]) -> None:
+        """Refuse, before any forward, a runtime that lacks what this drafter needs
+        (:class:`~hasten.core.runtime.MissingCapability`, naming each missing capability).
+        A runtime class whose declarations are class attributes (llama.cpp's) will do too."""
+        missing = frozenset(cls.needs) - runtime.capabilities
+        if missing:
+            raise MissingCapability(cls.name, runtime.name, missing)
+        if runtime.encoder_decoder and not cls.encoder_decoder_ok:
+            raise FieldError("method", "unsupported_method",
+                             f"{cls.name} does not support encoder-decoder targets; use a chain drafter such as "
                              "prompt_lookup, draft_model or gad")
-        if self.needs_features and not target.features_ok:
-            raise ValueError(f"{self.name} reads the target's hidden states, which this target "
-                             f"({type(target).__name__}) does not expose; use prompt_lookup, lookahead or "
-                             "draft_model, or a PyTorch target")
+
+    @classmethod
+    def reads_features(cls) -> bool:
+        """Whether the loop must collect the target's hidden states for this drafter."""
+        return Capability.FEATURES in cls.needs
+
+    def check_target(self, target: ModelAdapter) -> None:
+        """Raise ValueError if this drafter cannot serve this particular ``target`` (a
+        vocabulary or an architecture it cannot read); what the runtime can do at all is
+        :meth:`check_runtime`'s."""
 
     def begin(self, ctx: DraftContext) -> Any:
         """Start a generation: return its per-generation state (kept in ``ctx.state``)."""

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-from transformers import PreTrainedModel
 
 from ..core.sampling import sample
 from ..core.settings import Settings
 from ..core.stats import holder_kv_bytes
-from ..models.adapter import ModelAdapter, model_name, vocab_size
+from ..models.adapter import ModelAdapter
+from ..models.hf import runtime_of
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, StepResult, register
 
 
@@ -53,26 +53,18 @@ class DraftModel(Drafter):
     needs_draft_model = True
 
     def __init__(self, model, settings: DraftModelSettings | None = None, **kwargs):
-        # a llama.cpp draft (hasten.models.llamacpp.LlamaCppModel) opens its own cache per generation
-        if not isinstance(model, PreTrainedModel) and not callable(getattr(model, "session", None)):
-            raise TypeError("DraftModel needs a transformers PreTrainedModel or a hasten.models.llamacpp.LlamaCppModel, "
-                            f"got {type(model).__name__}")
+        self.runtime = runtime_of(model)  # a TypeError for anything that is neither a model nor a runtime
         super().__init__(settings, **kwargs)
         self.model = model
 
     def check_target(self, target: ModelAdapter) -> None:
         super().check_target(target)
-        if not isinstance(self.model, PreTrainedModel):  # a llama.cpp draft: a causal LM, vocabulary counted by llama.cpp
-            if self.model.vocab_size != target.vocab_size or target.encoder_decoder:
-                raise ValueError(f"the llama.cpp draft has {self.model.vocab_size} tokens, the target "
-                                 f"{target.vocab_size}; they must share one tokenizer and both be causal LMs")
-            return
-        check_same_vocabulary(self.model, target)
-        if bool(self.model.config.is_encoder_decoder) != target.encoder_decoder:
+        check_same_vocabulary(self.runtime, target)
+        if self.runtime.encoder_decoder != target.encoder_decoder:
             raise ValueError("draft model and target must both be causal LMs or both encoder-decoders")
 
     def begin(self, ctx: DraftContext) -> DraftState:
-        adapter = ModelAdapter(self.model) if isinstance(self.model, PreTrainedModel) else self.model.session()
+        adapter = self.runtime.session()
         prompt = torch.tensor([ctx.source if ctx.target.encoder_decoder else ctx.tokens], dtype=torch.long)
         cached = len(adapter.start(prompt)[0]) - 1  # the decoder-side tokens but the root
         return DraftState(adapter, cached, [], self.settings.num_tokens)
@@ -107,13 +99,13 @@ class DraftModel(Drafter):
             state.length = max(1, state.length - 1)
 
 
-def check_same_vocabulary(draft: PreTrainedModel, target: ModelAdapter) -> None:
-    """Draft tokens are target tokens: both models must share one tokenizer."""
-    if vocab_size(draft) != target.vocab_size:
-        raise ValueError(
-            f"draft model {model_name(draft)!r} has a vocabulary of {vocab_size(draft)} tokens, "
-            f"the target {model_name(target.model)!r} has {target.vocab_size}; they must share one tokenizer"
-        )
+def check_same_vocabulary(draft, target: ModelAdapter) -> None:
+    """Draft tokens are target tokens: both models (``draft``: a model or a runtime) must
+    share one tokenizer."""
+    draft = runtime_of(draft)
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"draft model {draft.label!r} has a vocabulary of {draft.vocab_size} tokens, the target "
+                         f"has {target.vocab_size}; they must share one tokenizer")
 
 
 def draft_chain(forward: Callable[[list[int], int], torch.Tensor], block: list[int], count: int,

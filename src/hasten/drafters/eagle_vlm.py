@@ -222,7 +222,7 @@ class EagleVlm(Eagle):
         tokens = torch.tensor(ctx.tokens[: count + 1], device=device)  # [P + 1] the pairs' next tokens included
         placeholder = getattr(ctx.target.model.config, "image_token_id", None)
         is_image = (tokens == placeholder).tolist() if placeholder is not None else [False] * (count + 1)
-        prompt_embeds = getattr(ctx.target, "prompt_embeds", None)  # [T - 1, E] from an image prefill
+        prompt_embeds = ctx.target.prompt_embeds  # [T - 1, E] from an image prefill, else None
         if not any(is_image) or prompt_embeds is None:
             state.branch = "full"  # a text prompt: plain EAGLE
             return

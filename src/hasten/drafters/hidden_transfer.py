@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..core.runtime import Capability
 from ..core.settings import Settings, option
 from ..models.adapter import Riders
 from ..models.layers import num_layers, placeholder_logits_batch
@@ -157,7 +158,7 @@ class HiddenTransfer(TopKTreeDrafter):
     Settings = HiddenTransferSettings
     Module = Transfer
     Training = HiddenTransferTraining  # how `hasten train hidden_transfer` trains and saves the transfer
-    needs_features = False  # it reads its riders' logits, which the loop hands back
+    needs = frozenset({Capability.MODULES, Capability.RIDERS})  # it reads its riders' logits, not features
     riders: Riders
 
     def untrained(self, model: PreTrainedModel) -> Transfer:

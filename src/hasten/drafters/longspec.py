@@ -40,6 +40,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
+from ..core.runtime import Capability
 from ..core.settings import Settings, option
 from ..models.adapter import ModelAdapter, model_name
 from ..models.compat import cache_argument
@@ -357,11 +358,11 @@ class LongSpec(TrainedDrafter):
     Module = LongSpecLayer
     Training = LongSpecTraining  # how `hasten train longspec` builds, trains and saves the layer
     untrained_sizes = ("window",)
-    needs_features = False  # it reads the target's KV cache, not its hidden states
+    needs = frozenset({Capability.MODULES, Capability.KV_READ})  # the target's KV cache, not its hidden states
 
     def check_target(self, target) -> None:
         super().check_target(target)
-        if not getattr(target, "encoder_decoder", False):
+        if not target.encoder_decoder:
             TargetRotary(target.model)
 
     def setup(self, model: PreTrainedModel) -> None:

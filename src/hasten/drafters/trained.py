@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 
 from .. import zoo
 from ..core.errors import HastenWarning
+from ..core.runtime import Capability
 from ..core.settings import Settings
 from ..models.adapter import model_name
 from .base import EMPTY_DRAFT, Draft, DraftContext, Drafter
@@ -137,7 +138,7 @@ class TrainedDrafter(Drafter):
     Module: ClassVar[type[TrainedModule]]
     # settings handed to Module.for_target to shape an untrained module (trained ones bring their own)
     untrained_sizes: ClassVar[tuple[str, ...]] = ()
-    needs_features = True
+    needs = frozenset({Capability.FEATURES, Capability.MODULES})
     encoder_decoder_ok = False
 
     def __init__(self, settings=None, **kwargs):
@@ -183,7 +184,7 @@ class TrainedDrafter(Drafter):
         self._target = model
 
     def _find(self, model: PreTrainedModel) -> TrainedModule:
-        source = getattr(model.config, "_name_or_path", "")  # the directory the target was loaded from
+        source = model.config._name_or_path  # the directory the target was loaded from
         beside = Path(source) / self.name if source else None
         if beside is not None and not (beside / f"{self.name}.json").is_file():
             # a packaged zoo model (a GGUF dequantised into the cache) has its modules in the zoo

@@ -38,6 +38,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import DynamicCache
 
+from ..core.runtime import Capability
 from ..core.settings import Settings
 from ..core.stats import cache_bytes, holder_kv_bytes
 from ..core.tree import TokenTree
@@ -164,6 +165,7 @@ class TriForceState:
 class TriForce(Drafter):
     name = "triforce"
     Settings = TriForceSettings
+    needs = frozenset({Capability.MODULES, Capability.QUERY_CAPTURE})  # the retrieval cache scores the target's queries
     needs_draft_model = True
     encoder_decoder_ok = False
 

@@ -24,14 +24,15 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
+from ..core.errors import FieldError
 from ..core.sampling import Sampling
 from ..core.stats import DecodeStats
 from ..drafters.base import Drafter
-from ..models.adapter import vocab_size
-from ..models.batch import BatchAdapter, BatchRow
-from .inputs import check_positions, eos_ids, opens_own_target
+from ..models.batch import BatchRow
+from ..models.hf import runtime_of
+from .inputs import check_positions, eos_ids
 from .sequence import Sequence, step
-from .sizing import SizingRule, sizing_rule
+from .sizing import SizingChoice, SizingRule
 from .stops import StopStrings
 from .verify import Acceptance, acceptance_rule
 
@@ -89,8 +90,10 @@ class Scheduler:
             raise ValueError(f"max_prefill_tokens must be an integer >= 1 or None, got {max_prefill_tokens!r}")
         if drafter is not None and not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a hasten Drafter or None, got {type(drafter).__name__}")
-        # a model from another runtime (llama.cpp) brings its own many-row target
-        self.target = model.batch_target(max_batch) if opens_own_target(model) else BatchAdapter(model)
+        self.runtime = runtime_of(model)
+        if drafter is not None:
+            drafter.check_runtime(self.runtime)  # before any forward
+        self.target = self.runtime.batch(max_batch)
         if drafter is not None:
             drafter.check_target(self.target)
         self.model = model
@@ -98,10 +101,10 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_prefill_tokens = max_prefill_tokens
-        self.sizing = sizing_rule(draft_size)
+        self.sizing = SizingChoice(draft_size)
         self.lossy_acceptance = lossy_acceptance
         self.last_step: StepInfo | None = None
-        self._default_eos = eos_ids(model, None)
+        self._default_eos = eos_ids(self.runtime, None)
         self._lock = threading.Lock()
         self._waiting: deque[tuple[int, Request, float]] = deque()
         self._cancelled: set[int] = set()
@@ -140,21 +143,23 @@ class Scheduler:
             raise TypeError(f"expected a Request, got {type(request).__name__}")
         ids = request.input_ids
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("input_ids must be a non-empty list of token ids")
-        vocab = vocab_size(self.model)
+            raise FieldError("input_ids", "invalid_value", "{field} must be a non-empty list of token ids")
+        vocab = self.runtime.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise ValueError(f"input_ids contains token id {bad}, outside the model's vocabulary [0, {vocab})")
+            raise FieldError("input_ids", "invalid_value",
+                             f"{{field}} contains token id {bad}, outside the model's vocabulary [0, {vocab})")
         budget = request.max_new_tokens
         if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise ValueError(f"max_new_tokens must be an integer >= 0, got {budget!r}")
-        check_positions(self.model, len(ids), budget)
+            raise FieldError("max_new_tokens", "invalid_value", f"{{field}} must be an integer >= 0, got {budget!r}")
+        check_positions(self.runtime, len(ids), budget)
         if not isinstance(request.sampling, Sampling):
             raise TypeError(f"sampling must be a hasten Sampling, got {type(request.sampling).__name__}")
         if request.seed is not None and (isinstance(request.seed, bool) or not isinstance(request.seed, int)):
-            raise ValueError(f"seed must be an integer or None, got {request.seed!r}")
+            raise FieldError("seed", "invalid_value", f"{{field}} must be an integer or None, got {request.seed!r}")
         if self.max_tokens_in_flight is not None and len(ids) + budget > self.max_tokens_in_flight:
-            raise ValueError(f"the prompt ({len(ids)} tokens) and max_new_tokens ({budget}) exceed "
+            raise FieldError("max_new_tokens", "over_capacity",
+                             f"the prompt ({len(ids)} tokens) and {{field}} ({budget}) exceed "
                              f"max_tokens_in_flight={self.max_tokens_in_flight}")
 
     # ---- the decode thread ----------------------------------------------------------------
@@ -223,16 +228,17 @@ class Scheduler:
     def _start(self, request: Request, queued_seconds: float, reserved: int) -> _Running:
         clock = time.perf_counter()
         stats = DecodeStats()
-        want_features = self.drafter is not None and self.drafter.needs_features
+        want_features = self.drafter is not None and self.drafter.reads_features()
         row, prefilled = self.target.add(request.input_ids, hidden=want_features)
         generator = request.generator
         if generator is None and request.seed is not None:
             generator = torch.Generator(self.target.device).manual_seed(request.seed)
+        sizing = self.sizing.for_request(not request.sampling.greedy, seeded=generator is not None)
         eos = self._default_eos if request.eos_token_ids is None else frozenset(request.eos_token_ids)
         sequence = Sequence(
             row, list(request.input_ids), prefilled, self.drafter, request.sampling, generator,
             acceptance_rule(request.sampling, self.lossy_acceptance), eos, request.max_new_tokens, stats,
-            self.sizing, stop=request.stop,
+            sizing, stop=request.stop,
         )
         stats.prefill_seconds += time.perf_counter() - clock
         return _Running(sequence, row, queued_seconds, reserved)

@@ -16,10 +16,11 @@ from transformers import PreTrainedModel
 from ..core.sampling import Sampling
 from ..core.stats import DecodeStats
 from ..drafters.base import Drafter
-from ..models.adapter import ModelAdapter, decoder_start_token
+from ..core.runtime import Runtime
+from ..models.hf import runtime_of
 from ..models.attention import MaskedTree, attention_path
 from .batch import Request, Scheduler
-from .inputs import check_inputs, eos_ids, opens_own_target
+from .inputs import check_inputs, eos_ids
 from .sequence import Sequence, step
 from .sizing import SizingRule, sizing_rule
 from .stops import StopStrings
@@ -46,7 +47,7 @@ class BatchGenerationOutput:
 
 
 def decode(
-    model: PreTrainedModel,
+    runtime: Runtime,
     input_ids: torch.Tensor,
     drafter: Drafter | None,
     max_new_tokens: int,
@@ -66,12 +67,13 @@ def decode(
     :func:`hasten.engine.sequence.step`; the :class:`Sequence` owns the committed state
     (tokens, target features, the drafter's per-generation state). ``model_inputs``: a
     vision-language target's images (``pixel_values``, ...), read by the prefill only."""
-    # a model from another runtime (llama.cpp) brings its own target; a Hugging Face one gets ours
-    target = model.session() if opens_own_target(model) else ModelAdapter(model, tree_attention)
+    if drafter is not None:
+        drafter.check_runtime(runtime)  # before any forward
+    target = runtime.session(tree_attention)
     if drafter is not None:
         drafter.check_target(target)
     clock = time.perf_counter()
-    want_features = drafter is not None and drafter.needs_features
+    want_features = drafter is not None and drafter.reads_features()
     if kv_compression is None:
         tokens, prefilled = target.start(input_ids, hidden=want_features, **model_inputs)
     else:  # lossy, asked for by name: the target keeps a compressed cache of the prompt
@@ -142,18 +144,19 @@ def generate(
     if kv_compression is not None and model_inputs:
         raise ValueError(f"kv_compression compresses a text prompt's cache; {', '.join(sorted(model_inputs))} "
                          "cannot go with it")
+    runtime = runtime_of(model)
     if prompts is not None:
         if kv_compression is not None:
             raise ValueError("kv_compression takes one prompt at a time, not a batch")
-        return _generate_batch(model, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
+        return _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
                                lossy_acceptance, draft_size, stop)
-    check_inputs(model, input_ids, drafter, max_new_tokens, generator, model_inputs)
+    check_inputs(runtime, input_ids, drafter, max_new_tokens, generator, model_inputs)
     stats = DecodeStats()
-    eos = eos_ids(model, eos_token_id)
+    eos = eos_ids(runtime, eos_token_id)
     acceptance = acceptance_rule(sampling, lossy_acceptance)
     sizing = sizing_rule(draft_size)
     new: list[int] = []
-    pieces = decode(model, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance, sizing,
+    pieces = decode(runtime, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance, sizing,
                     stop, kv_compression, attention, **model_inputs)
     while True:
         try:
@@ -161,8 +164,7 @@ def generate(
         except StopIteration as end:
             reason = end.value
             break
-    seq2seq = not opens_own_target(model) and model.config.is_encoder_decoder
-    head = [decoder_start_token(model)] if seq2seq else input_ids[0].tolist()
+    head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
     return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
 
 
@@ -229,12 +231,12 @@ def batch_prompts(input_ids, attention_mask) -> list[torch.Tensor] | None:
     return [row[mask.bool()][None] for row, mask in zip(input_ids, attention_mask)]
 
 
-def _generate_batch(model, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator, lossy_acceptance,
+def _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator, lossy_acceptance,
                     draft_size, stop) -> BatchGenerationOutput:
     for prompt in prompts:
-        check_inputs(model, prompt, drafter, max_new_tokens, generator)
-    eos = eos_ids(model, eos_token_id)
-    scheduler = Scheduler(model, drafter, max_batch=len(prompts), draft_size=draft_size,
+        check_inputs(runtime, prompt, drafter, max_new_tokens, generator)
+    eos = eos_ids(runtime, eos_token_id)
+    scheduler = Scheduler(runtime, drafter, max_batch=len(prompts), draft_size=draft_size,
                           lossy_acceptance=lossy_acceptance)
     row_ids = [
         scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, None, eos, stop, generator))

@@ -34,6 +34,7 @@ class RowCache(Protocol):
     vocab_size: int
     encoder_decoder: bool
     trees_ok: bool
+    prompt_embeds: torch.Tensor | None  # [T - 1, embed] what an image prefill fed the language model
 
     @property
     def cache_length(self) -> int: ...
@@ -83,7 +84,7 @@ class Sequence:
         self.stop = stop if stop else None
         self.generated: list[int] = []
         self.finish_reason: str | None = "length" if max_new_tokens == 0 else None
-        self.want_features = drafter is not None and drafter.needs_features
+        self.want_features = drafter is not None and drafter.reads_features()
         features = None
         if self.want_features:
             features = GrowingBuffer()
@@ -205,9 +206,12 @@ def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
         sequence.grade()
     for sequence in drafting:
         sequence.sizing.share(sequence.size_state, len(sequences))  # cost-aware sizing prices the shared forward
-    if len(drafting) > 1:  # one sizing rule serves a batch (the scheduler's); it plans for all rows at once
-        drafting[0].sizing.plan([s.size_state for s in drafting], [s.depth_limit for s in drafting],
-                                [s.evidence for s in drafting])
+    by_rule: dict[int, list[Sequence]] = {}  # rows resolved alike share a rule, which plans for all of them at once
+    for sequence in drafting:
+        by_rule.setdefault(id(sequence.sizing), []).append(sequence)
+    for rows in by_rule.values():
+        if len(rows) > 1:
+            rows[0].sizing.plan([s.size_state for s in rows], [s.depth_limit for s in rows], [s.evidence for s in rows])
     drafts = [sequence.propose() for sequence in sequences]
     outs = target.forward_rows(
         [sequence.cache for sequence in sequences],

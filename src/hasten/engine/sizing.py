@@ -49,15 +49,12 @@ from typing import Any
 
 import torch
 from tqdm import tqdm
-from transformers import PreTrainedModel
 
 from ..core.tree import TokenTree
-from ..models.adapter import ModelAdapter, vocab_size
+from ..models.adapter import ModelAdapter
+from ..models.hf import runtime_of
 from ..models.gguf import cache_root
 
-# block sizes timed (positions per forward); up to 128 so that a batch, whose forward runs rows x
-# widest block positions, is priced from measurements rather than from the flat start of the curve
-CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 CALIBRATION_CONTEXT = 96  # cached tokens before each timed block
 CALIBRATION_REPS = 5  # timed reps per size (median kept), after one warm-up round
 # depths priced before a drafter has drafted (a drafter with no match proposes nothing, so this
@@ -137,28 +134,12 @@ def _cpu_name() -> str:
     return cpu_model()
 
 
-def calibration_key(model: PreTrainedModel) -> dict:
-    """What a forward's cost depends on: the model, where and how it runs, and the machine.
-    A model of another runtime (llama.cpp's :class:`~hasten.models.llamacpp.LlamaCppModel`)
-    names its own part through ``cost_key()``."""
+def calibration_key(model) -> dict:
+    """What a forward's cost depends on: the model and how it runs (its runtime's
+    ``cost_key``), the block sizes timed, and the machine."""
+    runtime = runtime_of(model)
     machine = f"{_cpu_name()} x{os.cpu_count()} {platform.node()}"
-    if hasattr(model, "cost_key"):
-        return {**model.cost_key(), "machine": machine, "sizes": list(model_sizes(model))}
-    device = model.device
-    config = model.config.to_json_string(use_diff=False)
-    return {
-        "model": getattr(model.config, "_name_or_path", "") or type(model).__name__,
-        "config": hashlib.sha256(config.encode()).hexdigest()[:16],
-        "parameters": sum(p.numel() for p in model.parameters()),
-        "dtype": str(model.dtype).removeprefix("torch."),
-        # an int8-quantized model keeps float32 as its dtype but runs other kernels
-        "linear": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        "threads": torch.get_num_threads(),
-        "machine": machine,
-        "torch": torch.__version__,
-        "sizes": list(CALIBRATION_SIZES),
-    }
+    return {**runtime.cost_key(), "machine": machine, "sizes": list(runtime.calibration_sizes)}
 
 
 def cost_file(key: dict, root: Path | None = None) -> Path:
@@ -166,43 +147,18 @@ def cost_file(key: dict, root: Path | None = None) -> Path:
     return (root or cache_root()) / "cost" / f"{digest}.json"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def model_sizes(model) -> tuple[int, ...]:
-    """The block sizes to time: the model's own ``calibration_sizes`` where it has them
-    (llama.cpp's kernels make every size up to 16 worth timing), else CALIBRATION_SIZES."""
-    return tuple(getattr(model, "calibration_sizes", CALIBRATION_SIZES))
-
-
 @torch.no_grad()
-def calibrate(model: PreTrainedModel, sizes: tuple[int, ...] | None = None, context: int = CALIBRATION_CONTEXT,
+def calibrate(model, sizes: tuple[int, ...] | None = None, context: int = CALIBRATION_CONTEXT,
               reps: int = CALIBRATION_REPS) -> CostCurve:
     """Time the target's forward over each block size after ``context`` cached tokens
-    (median of ``reps``, sizes interleaved so drift falls on all alike). A model of another
-    runtime runs its own forward (``timing_blocks``: llama.cpp's ``llama_decode``)."""
-    sizes = sizes or model_sizes(model)
-    tokens = [3 + (7 * i) % max(vocab_size(model) - 3, 1) for i in range(context + 2 + max(sizes))]  # any ids will do
-    if hasattr(model, "timing_blocks"):
-        with model.timing_blocks(tokens, context, sizes) as (sizes, run, undo):
-            return _time_blocks(sizes, reps, run, undo)
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    if limit:  # leave room for the largest block
-        context = max(1, min(context, limit - 2 - max(sizes)))
-        sizes = tuple(s for s in sizes if context + 2 + s <= limit) or (1,)
-    adapter = ModelAdapter(model)
-    adapter.start(torch.tensor([tokens[:2]]))
-    adapter.forward(tokens[2 : context + 2], tree=None)
-    base = adapter.cache_length
-    _sync(adapter.device)
-
-    def run(size: int) -> None:
-        adapter.forward(tokens[base : base + size], tree=None)
-        _sync(adapter.device)
-
-    return _time_blocks(sizes, reps, run, lambda: adapter.crop(base))
+    (median of ``reps``, sizes interleaved so drift falls on all alike), each forward run
+    by the model's runtime (``timing_blocks``)."""
+    runtime = runtime_of(model)
+    sizes = sizes or runtime.calibration_sizes
+    vocab = runtime.vocab_size
+    tokens = [3 + (7 * i) % max(vocab - 3, 1) for i in range(context + 2 + max(sizes))]  # any ids will do
+    with runtime.timing_blocks(tokens, context, sizes) as (sizes, run, undo):
+        return _time_blocks(sizes, reps, run, undo)
 
 
 def _time_blocks(sizes: tuple[int, ...], reps: int, run, undo) -> CostCurve:
@@ -224,7 +180,7 @@ def _time_blocks(sizes: tuple[int, ...], reps: int, run, undo) -> CostCurve:
 _MEMO: dict[Path, CostCurve] = {}
 
 
-def load_or_calibrate(model: PreTrainedModel, root: Path | None = None) -> CostCurve:
+def load_or_calibrate(model, root: Path | None = None) -> CostCurve:
     """The model's cost curve from the disk cache, calibrating (and saving) on first use."""
     key = calibration_key(model)
     path = cost_file(key, root)
@@ -569,6 +525,25 @@ def default_size(draft_size: str | SizingRule | None, sampled: bool, seeded: boo
     if draft_size is not None:
         return draft_size
     return "fixed" if sampled and seeded else "auto"
+
+
+class SizingChoice:
+    """One ``draft_size`` setting, resolved for each request as :func:`default_size` says
+    (unset: auto, but fixed for seeded sampling), so a seeded request gives the same text
+    alone, in a batch or through the server. Requests resolved alike share one rule object,
+    which plans for all of its rows of a batch at once."""
+
+    def __init__(self, draft_size: str | SizingRule | None):
+        sizing_rule(draft_size)  # a bad value fails here, not at the first request
+        self.draft_size = draft_size
+        self._rules: dict[object, SizingRule] = {}
+
+    def for_request(self, sampled: bool, seeded: bool) -> SizingRule:
+        chosen = default_size(self.draft_size, sampled, seeded)
+        key = chosen if isinstance(chosen, str) else id(chosen)
+        if key not in self._rules:
+            self._rules[key] = sizing_rule(chosen)
+        return self._rules[key]
 
 
 def sizing_rule(draft_size: str | SizingRule | None) -> SizingRule:

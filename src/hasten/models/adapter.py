@@ -217,8 +217,6 @@ class ModelAdapter:
         key_pos = torch.cat([torch.arange(past, device=self.device)[None], query_pos], dim=1)  # [1, past + block]
         return attention_mask(self.model, allowed, query_pos, key_pos)
 
-    features_ok = True  # forwards can return the last-layer hidden states (drafters' needs_features)
-
     @property
     def trees_ok(self) -> bool:
         """Whether this target verifies tree drafts (encoder-decoders verify chains only)."""

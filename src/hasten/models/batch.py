@@ -38,8 +38,8 @@ class BatchRow:
     """One sequence's view of the batch cache."""
 
     trees_ok = True
-    features_ok = True
     encoder_decoder = False
+    prompt_embeds = None  # batches take no images
 
     def __init__(self, batch: "BatchAdapter", slot: int, length: int):
         self.batch = batch
@@ -78,7 +78,6 @@ class BatchAdapter:
     """Drives any number of sequences of one causal LM through shared forwards."""
 
     trees_ok = True
-    features_ok = True
     encoder_decoder = False
 
     def __init__(self, model: PreTrainedModel):

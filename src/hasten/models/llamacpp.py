@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from ..core.tree import TokenTree
+from ..core.runtime import Runtime
 from .adapter import ForwardOutput, Riders
 
 INSTALL_HINT = ("pip install 'hasten[llamacpp]' (built from source; on a virtual machine whose CPU "
@@ -64,26 +65,14 @@ def llama_cpp_module():
     return llama_cpp
 
 
-class LlamaCppConfig:
-    """The few fields of a Hugging Face config that code around a target reads (the
-    server's vocabulary and context checks, lookahead's corpus key)."""
+class LlamaCppModel(Runtime):
+    """A GGUF file's weights, loaded once by llama.cpp: the llama.cpp runtime. Each
+    generation opens its own :class:`LlamaCppTarget` (its own KV cache) on them, or a server
+    its :class:`LlamaCppBatch`. ``threads`` defaults to torch's. Chains only, no hidden
+    states, no torch modules: it declares no capability."""
 
-    is_encoder_decoder = False
-
-    def __init__(self, vocab_size: int, name: str):
-        self.vocab_size, self._name_or_path = vocab_size, name
-
-    def get_text_config(self) -> "LlamaCppConfig":
-        return self
-
-
-class LlamaCppModel:
-    """A GGUF file's weights, loaded once by llama.cpp; each generation opens its own
-    :class:`LlamaCppTarget` (its own KV cache) on them, or a server its
-    :class:`LlamaCppBatch`. ``threads`` defaults to torch's."""
-
-    encoder_decoder = False
-    device = torch.device("cpu")  # where the loop puts prompts and generators
+    name = "llama.cpp"
+    capabilities = frozenset()
 
     def __init__(self, path: str | os.PathLike, threads: int | None = None, context: int = DEFAULT_CONTEXT,
                  batch: int = 512, verbose: bool = False):
@@ -95,7 +84,7 @@ class LlamaCppModel:
             raise ValueError(f"no GGUF file at {path}")
         self.lib, self.path = lib, path
         self.threads = threads or torch.get_num_threads()
-        self.context, self.batch = context, batch
+        self.context, self.n_batch = context, batch  # positions per generation, tokens per llama_decode
         lib.llama_backend_init()
         params = lib.llama_model_default_params()
         params.n_gpu_layers = 0
@@ -107,24 +96,17 @@ class LlamaCppModel:
         self._vocab = lib.llama_model_get_vocab(self._model)
         self.vocab_size = int(lib.llama_vocab_n_tokens(self._vocab))
         self.max_positions = int(lib.llama_model_n_ctx_train(self._model))
-        self.config = LlamaCppConfig(self.vocab_size, str(path))
+        self.context_length = min(self.max_positions, context)
+        self.label, self.source = path.name, str(path)
         # Creating a context costs about 0.1 s for SmolLM2 at 4096 positions (5% of a 96-token
         # generation), so finished generations hand theirs back for the next to reuse.
         self._idle: list[LlamaCppContext] = []
-
-    @property
-    def name(self) -> str:
-        return self.path.name
-
-    def get_output_embeddings(self) -> None:
-        """None: llama.cpp keeps its LM head (the vocabulary is ``config.vocab_size``)."""
-        return None
 
     def eos_token_ids(self) -> frozenset[int]:
         """The tokens that end a generation (llama.cpp's end-of-generation set)."""
         return frozenset(t for t in range(self.vocab_size) if self.lib.llama_vocab_is_eog(self._vocab, t))
 
-    def session(self) -> "LlamaCppTarget":
+    def session(self, tree_attention=None) -> "LlamaCppTarget":
         """A fresh target (its own llama.cpp context and KV cache) for one generation."""
         return LlamaCppTarget(self)
 
@@ -157,7 +139,7 @@ class LlamaCppModel:
                 self._head = hashlib.sha256(file.read(1 << 20)).hexdigest()[:16]
         return {"backend": "llama.cpp", "model": self.path.name, "bytes": self.path.stat().st_size, "head": self._head,
                 "threads": self.threads, "llama_cpp": llama_cpp.__version__, "flash_attn": True,
-                "batch": self.batch}
+                "batch": self.n_batch}
 
     @contextlib.contextmanager
     def timing_blocks(self, tokens: list[int], context: int, sizes: tuple[int, ...]):
@@ -166,7 +148,7 @@ class LlamaCppModel:
         yields ``(sizes, run, undo)``: the sizes that fit, ``run(size)`` decodes the next
         ``size`` tokens, ``undo()`` forgets them. The timing loop is the sizing module's."""
         context = max(1, min(context, self.context - max(sizes)))
-        sizes = tuple(s for s in sizes if context + s <= self.context and s <= self.batch) or (1,)
+        sizes = tuple(s for s in sizes if context + s <= self.context and s <= self.n_batch) or (1,)
         llama = self._take_context(None)
         try:
             llama.forget(0)
@@ -181,9 +163,9 @@ class LlamaCppModel:
             llama.forget(0)
             self._give_back(llama)
 
-    def batch_target(self, rows: int) -> "LlamaCppBatch":
-        """A target for up to ``rows`` generations at once in one llama.cpp context."""
-        return LlamaCppBatch(self, rows)
+    def batch(self, max_rows: int) -> "LlamaCppBatch":
+        """A target for up to ``max_rows`` generations at once in one llama.cpp context."""
+        return LlamaCppBatch(self, max_rows)
 
     def close(self) -> None:
         for context in getattr(self, "_idle", ()):
@@ -206,7 +188,7 @@ class LlamaCppContext:
         lib = self.lib
         params = lib.llama_context_default_params()
         params.n_ctx = model.context * sequences
-        params.n_batch = params.n_ubatch = model.batch
+        params.n_batch = params.n_ubatch = model.n_batch
         params.n_seq_max = sequences
         # One KV stream per sequence, each of model.context cells: a row attends over a
         # cache laid out as a lone generation's is, whatever the other rows hold.
@@ -223,7 +205,7 @@ class LlamaCppContext:
         if not self._ctx:
             raise RuntimeError(f"llama.cpp could not create a context of {params.n_ctx} positions")
         self._memory = lib.llama_get_memory(self._ctx)
-        self.capacity = model.batch  # tokens per llama_decode
+        self.capacity = model.n_batch  # tokens per llama_decode
         self._batch = lib.llama_batch_init(self.capacity, 0, 1)
 
     def decode(self, sequences: list[int], positions: list[int], tokens: list[int],
@@ -294,7 +276,7 @@ class LlamaCppRow:
 
     encoder_decoder = False
     trees_ok = False  # chains only: the loop verifies a tree draft's main chain
-    features_ok = False  # llama.cpp's hidden states are not exposed to drafters
+    prompt_embeds = None  # text prompts only
 
     def __init__(self, context: LlamaCppContext, sequence: int):
         self.context, self.sequence = context, sequence
@@ -425,7 +407,6 @@ class LlamaCppBatch:
     row's rejected entries leave by a removal on its own sequence."""
 
     trees_ok = False
-    features_ok = False
     encoder_decoder = False
     device = torch.device("cpu")
 
@@ -484,5 +465,5 @@ class LlamaCppBatch:
 
 def no_features() -> str:
     return ("the llama.cpp backend exposes no hidden states: drafters that read the target's features "
-            "(needs_features: eagle, medusa, ...) need a PyTorch target")
+            "(eagle, medusa, ...) need a PyTorch target")
 

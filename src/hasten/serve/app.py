@@ -23,10 +23,9 @@ from starlette.requests import Request as HTTPRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from ..core.errors import FieldError
 from ..core.sampling import Sampling
-from ..engine.inputs import max_positions
 from ..engine.stops import TextStream
-from ..models.adapter import vocab_size
 from .metrics import CONTENT_TYPE, Metrics
 from .schema import APIError, Params, invalid, parse_body, parse_messages, parse_params, parse_prompt
 from .worker import RowError, Sink, Worker
@@ -58,8 +57,8 @@ class Generation:
 class Service:
     def __init__(self, engine, worker: Worker, metrics: Metrics, options: ServeOptions):
         self.engine, self.worker, self.metrics, self.options = engine, worker, metrics, options
-        self.context = max_positions(engine.model)
-        self.vocab = vocab_size(engine.model)
+        self.context = engine.runtime.context_length
+        self.vocab = engine.runtime.vocab_size
         self.created = int(time.time())
 
     # ---- routes ----------------------------------------------------------------------------------
@@ -135,7 +134,7 @@ class Service:
         """max_tokens checked against the model's context; a default is cut to the room left."""
         if self.context is None:
             room = UNBOUNDED_MAX_TOKENS
-        elif self.engine.model.config.is_encoder_decoder:  # the prompt is read by the encoder
+        elif self.engine.runtime.encoder_decoder:  # the prompt is read by the encoder
             room = self.context - 1
         else:
             room = self.context - prompt_tokens
@@ -167,8 +166,11 @@ class Service:
         queue: asyncio.Queue = asyncio.Queue()
         try:
             row_id = self.worker.submit(request, Sink(asyncio.get_running_loop(), queue))
-        except ValueError as err:  # e.g. over --max-tokens-in-flight
-            raise invalid(*in_api_terms(str(err))) from None
+        except FieldError as err:  # e.g. over --max-tokens-in-flight: the field named in the API's words
+            param = REQUEST_FIELDS.get(err.field, err.field)
+            raise invalid(param, err.render(param), err.code) from None
+        except ValueError as err:
+            raise invalid(None, str(err)) from None
         self.metrics.prompt_tokens.inc(len(input_ids))
         return Generation(row_id, len(input_ids), TextStream(self.engine.tokenizer, params.stop), queue)
 
@@ -299,17 +301,8 @@ def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-# The scheduler names the Request field it refuses; clients know the API's name for it.
-REQUEST_FIELDS = {"input_ids": "prompt", "max_new_tokens": "max_tokens", "temperature": "temperature",
-                  "top_p": "top_p", "top_k": "top_k", "seed": "seed", "stop": "stop"}
-
-
-def in_api_terms(message: str) -> tuple[str | None, str]:
-    """(the API field a scheduler's refusal names, the message in the API's words)."""
-    param = next((api for field, api in REQUEST_FIELDS.items() if field in message), None)
-    for field, api in REQUEST_FIELDS.items():
-        message = message.replace(field, api)
-    return param, message
+# The scheduler names the Request field it refuses (FieldError.field); clients know the API's name for it.
+REQUEST_FIELDS = {"input_ids": "prompt", "max_new_tokens": "max_tokens"}
 
 
 class Guard:
@@ -396,7 +389,7 @@ def scheduler_factory(engine, max_batch: int = 8, max_tokens_in_flight: int | No
     from ..engine.batch import Scheduler
 
     def make():
-        return Scheduler(engine.model, engine.drafter, max_batch=max_batch, max_tokens_in_flight=max_tokens_in_flight,
+        return Scheduler(engine.runtime, engine.drafter, max_batch=max_batch, max_tokens_in_flight=max_tokens_in_flight,
                          draft_size=engine.draft_size, max_prefill_tokens=max_prefill_tokens)
 
     return make

@@ -58,8 +58,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "request a llama.cpp sequence, all rows in one llama_batch per step (pip install "
                         "'hasten[llamacpp]'; docs/cpu.md)")
     add_runtime_arguments(parser)
-    add_draft_size_argument(parser, "auto", ": a batch pads every row's draft to the widest, so on a "
-                            "busy server fixed drafts can cost more than they bring")
+    add_draft_size_argument(parser, None, ", or fixed for a request that samples with a seed, so a seed gives the "
+                            "same text every run; a batch pads every row's draft to the widest, so on a busy server "
+                            "fixed drafts can cost more than they bring")
 
 
 def run_serve(args: argparse.Namespace) -> int:

@@ -1,0 +1,103 @@
+"""The Runtime protocol: what the engine needs of whatever runs the target model.
+
+A runtime is a plug-in, as a drafter is. Hugging Face transformers
+(:class:`hasten.models.hf.HuggingFaceRuntime`) and llama.cpp
+(:class:`hasten.models.llamacpp.LlamaCppModel`) are two; a third subclasses :class:`Runtime`
+in one new file (docs/architecture.md has a complete small one, which a test runs). The
+engine asks the runtime for its vocabulary, context, EOS ids, one-row session, many-row
+batch, cost key and block timing, and never inspects a model object to find out what it is.
+
+A runtime declares its :class:`Capability` set and a drafter the capabilities it needs
+(``Drafter.needs``); the two are matched once, before any forward, and a mismatch is one
+:class:`MissingCapability` naming what is missing.
+"""
+from __future__ import annotations
+
+import contextlib
+from enum import Enum
+from typing import Any, Callable, ClassVar, Iterator
+
+import torch
+
+from .errors import FieldError
+
+
+class Capability(str, Enum):
+    """What a runtime can do for a drafter beyond verifying a chain of tokens."""
+
+    TREES = "tree verification"  # a tree draft in one forward (else the loop verifies its main chain)
+    FEATURES = "hidden states"  # the target's last-layer hidden states of every verified position
+    MODULES = "torch modules"  # the target's own modules: LM head, embeddings, rotary, layers
+    KV_READ = "KV read-back"  # the target's cached keys and values, readable as tensors
+    QUERY_CAPTURE = "query capture"  # the attention queries of a forward, recorded per layer
+    RIDERS = "riders"  # extra placeholder positions on a verification forward (hidden transfer)
+    IMAGES = "image inputs"  # a vision-language prefill (pixel_values, ...)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class MissingCapability(FieldError):
+    """A drafter needs what a runtime does not provide: refused before any forward."""
+
+    def __init__(self, method: str, runtime: str, missing: frozenset[Capability]):
+        names = ", ".join(sorted(str(capability) for capability in missing))
+        super().__init__("method", "unsupported_method",
+                         f"{method} needs {names}, which the {runtime} runtime does not provide; "
+                         "prompt_lookup, lookahead and draft_model run on every runtime")
+        self.missing = missing
+
+
+class Runtime:
+    """Base of every runtime. Subclasses set the attributes and implement the methods below.
+
+    A *session* is one generation's target (the decode step's one-row interface:
+    ``start``, ``forward_rows``, ``commit``, ``crop``, ``cache_length``); a *batch* holds
+    many rows in one cache (``add``, ``remove``, ``forward_rows``), for continuous batching.
+    """
+
+    name: str  # the runtime's name for messages: "Hugging Face", "llama.cpp"
+    label: str  # the model's name for messages: its directory, file or class
+    source: str = ""  # where the model was loaded from (a directory or file), "" if not from disk
+    capabilities: frozenset[Capability] = frozenset()
+    vocab_size: int
+    context_length: int | None  # positions one sequence may use; None: no limit is known
+    encoder_decoder: bool = False
+    device: torch.device = torch.device("cpu")  # where the loop puts prompts and generators
+    calibration_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)  # block sizes sizing times
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokens that end a generation by default (the model's generation config)."""
+        raise NotImplementedError
+
+    def check_prompt_inputs(self, input_ids: torch.Tensor, model_inputs: dict) -> None:
+        """Refuse a prompt's extra inputs (a vision-language model's images) this runtime
+        cannot read; ``input_ids`` [1, T] are checked already."""
+        if model_inputs:
+            raise FieldError("model_inputs", "unsupported_input",
+                             f"{', '.join(sorted(model_inputs))}: the {self.name} runtime takes text prompts only")
+
+    def decoder_start(self) -> list[int]:
+        """What an encoder-decoder's output starts with (its decoder start token); [] for a causal LM."""
+        return []
+
+    def session(self, tree_attention: Any = None) -> Any:
+        """A fresh one-row target for one generation."""
+        raise NotImplementedError
+
+    def batch(self, max_rows: int) -> Any:
+        """A target for up to ``max_rows`` generations at once."""
+        raise NotImplementedError
+
+    def cost_key(self) -> dict:
+        """What one forward's cost depends on, besides the machine (which sizing adds)."""
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def timing_blocks(self, tokens: list[int], context: int,
+                      sizes: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], Callable[[int], None], Callable[[], None]]]:
+        """For timing one forward per block size: ``tokens[:context]`` cached, then yields
+        ``(sizes, run, undo)``: the sizes that fit, ``run(size)`` runs the next ``size``
+        tokens, ``undo()`` forgets them. The timing loop is the sizing module's."""
+        raise NotImplementedError
+        yield  # pragma: no cover

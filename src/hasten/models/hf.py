@@ -1,0 +1,130 @@
+"""Hugging Face transformers as a :class:`~hasten.core.runtime.Runtime`.
+
+Everything the engine asks of a ``PreTrainedModel`` is answered here (its vocabulary, its
+context from the config, its EOS ids from the generation config, what its attention can do),
+so no code above the models floor reads a Hugging Face config. :func:`runtime_of` is the one
+place that turns what a caller passes (a ``PreTrainedModel`` or any runtime) into a runtime.
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+from transformers import PreTrainedModel
+
+from ..core.runtime import Capability, Runtime
+from . import vlm
+from .adapter import ModelAdapter, decoder_start_token, vocab_size
+from .attention import MaskedTree
+from .batch import BatchAdapter
+from .layers import model_name
+
+# Config names of the number of positions a model was built for (learned position
+# embeddings fail beyond it; rotary ones drift off what they were trained on).
+POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length")
+# Block sizes cost-aware sizing times on a PyTorch target (positions per forward): up to 128, so that
+# a batch, whose forward runs rows x widest block positions, is priced from measurements.
+CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def max_positions(model: PreTrainedModel) -> int | None:
+    """The positions the model's config allows, or None where it sets no limit (T5)."""
+    config = model.config.get_text_config()
+    for name in POSITION_LIMITS:
+        limit = getattr(config, name, None)
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            return limit
+    return None
+
+
+class HuggingFaceRuntime(Runtime):
+    """A transformers model in PyTorch: every capability hasten's drafters use, except
+    trees and riders on encoder-decoders (which verify chains) and query capture where the
+    model's attention does not go through transformers' attention interface (Falcon, T5)."""
+
+    name = "Hugging Face"
+    calibration_sizes = CALIBRATION_SIZES
+
+    def __init__(self, model: PreTrainedModel):
+        self.model = model
+        self.label = model_name(model)
+        self.source = model.config._name_or_path
+        self.encoder_decoder = bool(model.config.is_encoder_decoder)
+        self.vocab_size = vocab_size(model)
+        self.context_length = max_positions(model)
+        self.device = model.device
+        capabilities = {Capability.FEATURES, Capability.MODULES, Capability.KV_READ}
+        if not self.encoder_decoder:
+            capabilities |= {Capability.TREES, Capability.RIDERS}
+        if vlm.is_vision_language(model):
+            capabilities.add(Capability.IMAGES)
+        if type(model)._supports_attention_backend:  # attention through AttentionInterface: queries can be captured
+            capabilities.add(Capability.QUERY_CAPTURE)
+        self.capabilities = frozenset(capabilities)
+
+    def eos_token_ids(self) -> frozenset[int]:
+        eos = self.model.generation_config.eos_token_id
+        if eos is None:
+            return frozenset()
+        return frozenset([eos] if isinstance(eos, int) else eos)
+
+    def check_prompt_inputs(self, input_ids: torch.Tensor, model_inputs: dict) -> None:
+        vlm.check_model_inputs(self.model, input_ids, model_inputs)
+
+    def decoder_start(self) -> list[int]:
+        return [decoder_start_token(self.model)] if self.encoder_decoder else []
+
+    def session(self, tree_attention: MaskedTree | None = None) -> ModelAdapter:
+        return ModelAdapter(self.model, tree_attention)
+
+    def batch(self, max_rows: int) -> BatchAdapter:
+        return BatchAdapter(self.model)
+
+    def cost_key(self) -> dict:
+        model = self.model
+        config = model.config.to_json_string(use_diff=False)
+        return {
+            "model": model.config._name_or_path or type(model).__name__,
+            "config": hashlib.sha256(config.encode()).hexdigest()[:16],
+            "parameters": sum(p.numel() for p in model.parameters()),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            # an int8-quantized model keeps float32 as its dtype but runs other kernels
+            "linear": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
+            "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+        }
+
+    @contextlib.contextmanager
+    def timing_blocks(self, tokens: list[int], context: int, sizes: tuple[int, ...]):
+        if self.context_length:  # leave room for the largest block
+            context = max(1, min(context, self.context_length - 2 - max(sizes)))
+            sizes = tuple(s for s in sizes if context + 2 + s <= self.context_length) or (1,)
+        adapter = ModelAdapter(self.model)
+        adapter.start(torch.tensor([tokens[:2]]))
+        adapter.forward(tokens[2 : context + 2], tree=None)
+        base = adapter.cache_length
+        _sync(self.device)
+
+        def run(size: int) -> None:
+            adapter.forward(tokens[base : base + size], tree=None)
+            _sync(self.device)
+
+        yield sizes, run, lambda: adapter.crop(base)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def runtime_of(model) -> Runtime:
+    """The runtime that runs ``model``: a runtime is itself; a transformers model gets a
+    :class:`HuggingFaceRuntime`; anything else is a TypeError."""
+    if isinstance(model, Runtime):
+        return model
+    if isinstance(model, PreTrainedModel):
+        return HuggingFaceRuntime(model)
+    raise TypeError(f"model must be a transformers PreTrainedModel or a hasten Runtime (such as "
+                    f"hasten.models.llamacpp.LlamaCppModel), got {type(model).__name__}")

@@ -1,0 +1,80 @@
+"""One seed, one text, through every door: a seeded sampled request resolves its draft sizing
+the same way (unset: auto, but fixed for seeded sampling) in Engine.generate, a batch of one,
+a row of a larger batch, the scheduler the server uses, and the command line."""
+import json
+
+import pytest
+
+import hasten
+from hasten.engine.batch import Request, Scheduler
+from hasten.engine.sizing import CostAwareSize, FixedSize, SizingChoice
+from hasten.core.sampling import Sampling
+from helpers import save_checkpoint
+
+PROMPT = "def add(a, b):\n    return a + b\n" * 2
+OTHER = "for i in range(10):\n    print(i)\n"
+OPTIONS = dict(max_new_tokens=16, temperature=0.9, top_k=20)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("request"))
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint):
+    return hasten.load(checkpoint, "prompt_lookup")  # draft_size unset: the users' default
+
+
+def test_unset_sizing_is_auto_except_for_seeded_sampling():
+    choice = SizingChoice(None)
+    assert isinstance(choice.for_request(sampled=False, seeded=False), CostAwareSize)
+    assert isinstance(choice.for_request(sampled=True, seeded=False), CostAwareSize)
+    assert isinstance(choice.for_request(sampled=True, seeded=True), FixedSize)
+    assert choice.for_request(sampled=False, seeded=False) is choice.for_request(sampled=True, seeded=False)
+    explicit = SizingChoice("auto")  # asked for by name: auto even for a seed
+    assert isinstance(explicit.for_request(sampled=True, seeded=True), CostAwareSize)
+    with pytest.raises(ValueError, match="draft_size must be 'auto' or 'fixed'"):
+        SizingChoice("deep")
+
+
+def test_the_same_seed_gives_the_same_text_through_every_door(engine, checkpoint, cli):
+    alone = engine.generate(PROMPT, seed=5, **OPTIONS)
+    assert engine.generate(PROMPT, seed=5, **OPTIONS).token_ids == alone.token_ids  # run to run
+    assert engine.generate_batch([PROMPT], seed=5, **OPTIONS)[0].token_ids == alone.token_ids  # a batch of one
+    assert engine.generate_batch([PROMPT, OTHER], seed=5, **OPTIONS)[0].token_ids == alone.token_ids  # row 0 of two
+
+    scheduler = Scheduler(engine.runtime, engine.drafter, max_batch=2, draft_size=engine.draft_size)  # as the server
+    ids = engine.encode(PROMPT)[0].tolist()
+    other = engine.encode(OTHER)[0].tolist()
+    sampling = Sampling(OPTIONS["temperature"], OPTIONS["top_k"])
+    row = scheduler.submit(Request(ids, OPTIONS["max_new_tokens"], sampling, seed=5))
+    scheduler.submit(Request(other, OPTIONS["max_new_tokens"], sampling))  # unseeded: auto, beside it
+    tokens = []
+    while scheduler.has_work():
+        tokens += [t for update in scheduler.step() if update.row_id == row for t in update.tokens]
+    assert tokens == alone.token_ids
+
+    code, out, err = cli("generate", "--model", checkpoint, "--method", "prompt_lookup", "--prompt", PROMPT,
+                         "--max-new-tokens", "16", "--temperature", "0.9", "--top-k", "20", "--seed", "5", "--json")
+    assert code == 0, err
+    assert json.loads(out)["token_ids"] == alone.token_ids
+
+
+def test_refusals_carry_their_field_and_code(engine):
+    from hasten.core.errors import FieldError
+
+    scheduler = Scheduler(engine.runtime, engine.drafter, max_tokens_in_flight=50)
+    ids = engine.encode(PROMPT)[0].tolist()
+    context = engine.runtime.context_length
+    cases = [(Request([], 4), "input_ids", "invalid_value"),
+             (Request(ids, -1), "max_new_tokens", "invalid_value"),
+             (Request(ids, context), "max_new_tokens", "context_length_exceeded"),
+             (Request(ids, 40), "max_new_tokens", "over_capacity"),
+             (Request(ids, 4, seed=1.5), "seed", "invalid_value")]
+    for request, field, code in cases:
+        with pytest.raises(FieldError) as refusal:
+            scheduler.submit(request)
+        assert (refusal.value.field, refusal.value.code) == (field, code)
+        assert field in str(refusal.value) or field == "input_ids"  # the library's own name for it
+        assert "max_tokens" in refusal.value.render("max_tokens") or field != "max_new_tokens"

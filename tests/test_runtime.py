@@ -1,0 +1,137 @@
+"""The Runtime protocol: every registered drafter on each runtime generates or refuses with one
+error naming the missing capability, before any forward; the documented one-file runtime
+runs; and no code above the models floor probes a model object to decide what it is."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import transformers as tf
+
+import hasten
+from hasten.core.runtime import Capability, MissingCapability, Runtime
+from hasten.drafters import REGISTRY, PromptLookup, create
+from hasten.models.hf import HuggingFaceRuntime, runtime_of
+from hasten.models.layers import model_name
+from hasten.models.llamacpp import LlamaCppModel
+from helpers import VOCAB, _COMMON, hf_greedy, repetitive_prompt, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "architecture.md"
+NEW = 10
+
+
+def tiny_falcon():
+    """Falcon's attention does not go through transformers' attention interface."""
+    torch.manual_seed(0)
+    config = tf.FalconConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, **_COMMON)
+    return tf.FalconForCausalLM(config).eval()
+
+
+def drafter_for(name: str, model):
+    return create(name, model=model) if REGISTRY[name].needs_draft_model else create(name)
+
+
+@pytest.fixture(scope="module")
+def targets():
+    return {"llama": tiny_model("llama"), "falcon": tiny_falcon()}
+
+
+@pytest.mark.filterwarnings("ignore::hasten.HastenWarning")  # untrained drafters: warned about elsewhere
+@pytest.mark.parametrize("arch", ["llama", "falcon"])
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_drafter_on_hugging_face_generates_or_refuses_by_capability(targets, arch, name):
+    model = targets[arch]
+    runtime = runtime_of(model)
+    prompt = repetitive_prompt(12, seed=3)
+    missing = REGISTRY[name].needs - runtime.capabilities
+    if missing:
+        with pytest.raises(MissingCapability) as refusal:
+            hasten.generate(model, prompt, drafter=drafter_for(name, model), max_new_tokens=NEW)
+        assert refusal.value.field == "method" and refusal.value.missing == missing
+        assert all(str(capability) in str(refusal.value) for capability in missing)
+        return
+    try:
+        out = hasten.generate(model, prompt, drafter=drafter_for(name, model), max_new_tokens=NEW)
+    except ValueError as err:  # this architecture, not this runtime: one line that names it
+        assert "\n" not in str(err) and model_name(model) in str(err), err
+        return
+    assert out.sequences.tolist() == hf_greedy(model, prompt, NEW).tolist()
+
+
+def test_triforce_on_falcon_is_refused_for_query_capture(targets):
+    with pytest.raises(MissingCapability, match="triforce needs query capture, which the Hugging Face runtime"):
+        hasten.generate(targets["falcon"], repetitive_prompt(12), drafter=create("triforce", model=targets["falcon"]),
+                        max_new_tokens=4)
+    assert Capability.QUERY_CAPTURE in runtime_of(targets["llama"]).capabilities
+
+
+def llama_cpp_declarations() -> type[LlamaCppModel]:
+    """What the llama.cpp runtime declares, without loading a file (its capabilities, name
+    and kind are class attributes)."""
+    return LlamaCppModel
+
+
+@pytest.mark.parametrize("name", sorted(REGISTRY))
+def test_every_drafter_on_llama_cpp_is_refused_by_capability_or_allowed(name):
+    runtime = llama_cpp_declarations()
+    needs = REGISTRY[name].needs
+    if not needs:
+        REGISTRY[name].check_runtime(runtime)
+        return
+    with pytest.raises(MissingCapability) as refusal:
+        REGISTRY[name].check_runtime(runtime)
+    assert refusal.value.missing == needs and "llama.cpp runtime" in str(refusal.value)
+
+
+def test_longspec_on_llama_cpp_names_what_it_lacks():
+    with pytest.raises(MissingCapability, match="longspec needs KV read-back, torch modules, which the llama.cpp"):
+        REGISTRY["longspec"].check_runtime(llama_cpp_declarations())
+
+
+def test_runtime_of_takes_models_and_runtimes_only():
+    model = tiny_model("llama")
+    runtime = runtime_of(model)
+    assert isinstance(runtime, HuggingFaceRuntime) and runtime.vocab_size == VOCAB
+    assert runtime_of(runtime) is runtime
+    with pytest.raises(TypeError, match="PreTrainedModel or a hasten Runtime"):
+        runtime_of(object())
+    with pytest.raises(TypeError, match="PreTrainedModel or a hasten Runtime"):
+        hasten.generate(object(), torch.tensor([[1, 2]]))
+
+
+def documented_runtime() -> dict:
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), re.S)
+    code = next(block for block in blocks if "class Recompute(Runtime)" in block)
+    namespace: dict = {}
+    exec(compile(code, str(PAGE), "exec"), namespace)
+    return namespace
+
+
+def test_the_documented_runtime_decodes_losslessly_and_refuses_by_capability():
+    Recompute = documented_runtime()["Recompute"]
+    model = tiny_model("qwen2")
+    prompt = repetitive_prompt(16, seed=5)
+    runtime = Recompute(model)
+    assert isinstance(runtime, Runtime) and runtime.capabilities == frozenset()
+    for drafter in (None, PromptLookup(num_tokens=4), create("lookahead")):
+        out = hasten.generate(runtime, prompt, drafter=drafter, max_new_tokens=16)
+        assert out.sequences.tolist() == hf_greedy(model, prompt, 16).tolist()
+    assert hasten.generate(runtime, prompt, drafter=PromptLookup(num_tokens=4), max_new_tokens=16).stats.drafted_tokens
+    with pytest.raises(MissingCapability, match="medusa needs hidden states, torch modules, which the recompute"):
+        hasten.generate(runtime, prompt, drafter=create("medusa"), max_new_tokens=4)
+
+
+PROBE = re.compile(r"\b(?:hasattr|getattr)\((?:model|target|ctx\.target|self\.model|self\.target|runtime)\s*,")
+
+
+def test_no_attribute_probe_of_a_model_or_target_decides_behaviour():
+    """The engine, the drafters and the API ask runtimes and declared attributes, never
+    ``hasattr(model, ...)`` (the runtime adapters in models/ are where model differences live)."""
+    found = []
+    for folder in ("engine", "drafters"):
+        for path in sorted((ROOT / "src" / "hasten" / folder).glob("*.py")):
+            found += [f"{path.name}:{i}" for i, line in enumerate(path.read_text().splitlines(), 1) if PROBE.search(line)]
+    api = ROOT / "src" / "hasten" / "api.py"
+    found += [f"api.py:{i}" for i, line in enumerate(api.read_text().splitlines(), 1) if PROBE.search(line)]
+    assert found == []
