@@ -12,8 +12,9 @@ import torch
 
 import hasten
 from hasten.drafters import Lookahead, PromptLookup
-from hasten.engine import sizing
-from hasten.engine.sizing import CostAwareSize, CostCurve
+from hasten.engine import calibration
+from hasten.engine.calibration import CostCurve
+from hasten.engine.sizing import CostAwareSize
 from hasten.models.llamacpp import LlamaCppModel
 
 pytest.importorskip(
@@ -29,7 +30,7 @@ CHUNKED = CostCurve(tuple(range(1, 17)), tuple(3.0 * (n // 4) + (n % 4) for n in
 @pytest.fixture
 def private_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(sizing, "_MEMO", {})
+    monkeypatch.setattr(calibration, "_MEMO", {})
     return tmp_path
 
 
@@ -38,16 +39,16 @@ def test_the_llama_cpp_cost_curve_is_timed_once_per_file_and_threads(tiny, tiny_
     timing_blocks = LlamaCppModel.timing_blocks
     monkeypatch.setattr(LlamaCppModel, "timing_blocks",
                         lambda self, *args: timed.append(self.threads) or timing_blocks(self, *args))
-    curve = sizing.load_or_calibrate(tiny)
+    curve = calibration.load_or_calibrate(tiny)
     assert curve.sizes[:16] == tuple(range(1, 17))  # every size up to 16: llama.cpp's kernels are chunked
     assert all(seconds > 0 for seconds in curve.seconds)
     files = list((private_cache / "cost").glob("*.json"))
     assert len(files) == 1 and json.loads(files[0].read_text())["key"]["backend"] == "llama.cpp"
-    sizing._MEMO.clear()  # as a new process would: the file alone answers
-    assert sizing.load_or_calibrate(tiny) == curve and timed == [1]
+    calibration._MEMO.clear()  # as a new process would: the file alone answers
+    assert calibration.load_or_calibrate(tiny) == curve and timed == [1]
     other = LlamaCppModel(tiny_gguf, threads=2, context=512)  # the same file on 2 threads: its own curve
     try:
-        sizing.load_or_calibrate(other)
+        calibration.load_or_calibrate(other)
     finally:
         other.close()
     assert timed == [1, 2] and len(list((private_cache / "cost").glob("*.json"))) == 2

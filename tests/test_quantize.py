@@ -124,7 +124,7 @@ def test_smollm2_int8_greedy_equals_hf_generate_on_the_int8_model():
 
 
 def test_an_int8_model_gets_its_own_cost_calibration():
-    from hasten.engine.sizing import calibration_key
+    from hasten.engine.calibration import calibration_key
 
     model = tiny_model("llama")
     assert calibration_key(quantize(copy.deepcopy(model), "int8")) != calibration_key(model)

@@ -8,7 +8,8 @@ import torch
 from hasten.bench.replay import Recorded, Recording, copy_bound, longest_copies, record, replay
 from hasten.drafters import Lookahead, PromptLookup
 from hasten.engine.loop import generate
-from hasten.engine.sizing import CostAwareSize, CostCurve, FixedSize
+from hasten.engine.calibration import CostCurve
+from hasten.engine.sizing import CostAwareSize, FixedSize
 
 from helpers import repetitive_prompt, save_checkpoint, tiny_model
 

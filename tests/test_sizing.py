@@ -1,7 +1,7 @@
 """Hardware-aware draft sizing (engine/sizing.py): the rule's choices on injected cost
-curves, the calibration cache, and losslessness (greedy equality, sampled law) with auto
-sizing. No test times anything: cost curves are given, and the one real calibration's
-numbers are never asserted."""
+curves, the calibration cache (engine/calibration.py), and losslessness (greedy equality,
+sampled law) with auto sizing. No test times anything: cost curves are given, and the one
+real calibration's numbers are never asserted."""
 import functools
 
 import pytest
@@ -11,8 +11,9 @@ import hasten
 from hasten.core.sampling import Sampling
 from hasten.core.tree import TokenTree
 from hasten.drafters import DraftModel, Lookahead, PromptLookup
-from hasten.engine import sizing
-from hasten.engine.sizing import CostAwareSize, CostCurve, FixedSize, SizingState, sizing_rule
+from hasten.engine import calibration
+from hasten.engine.calibration import CostCurve
+from hasten.engine.sizing import CostAwareSize, FixedSize, SizingState, sizing_rule
 from helpers import ScriptedDrafter, TreeScriptedDrafter, hf_greedy, repetitive_prompt, tiny_model
 from test_sampling_distribution import TARGET, bound, exact_law, peaky_model, sampled_law_tv
 
@@ -185,23 +186,23 @@ def test_sizing_rule_names():
 # ---- the calibration cache -------------------------------------------------------------------------------
 def test_calibration_is_written_once_and_reused_per_model_and_threads(tmp_path, monkeypatch):
     monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(sizing, "_MEMO", {})
+    monkeypatch.setattr(calibration, "_MEMO", {})
     runs = []
-    real = sizing.calibrate
-    monkeypatch.setattr(sizing, "calibrate", lambda model: runs.append(model) or real(model, sizes=(1, 4), reps=1))
+    real = calibration.calibrate
+    monkeypatch.setattr(calibration, "calibrate", lambda model: runs.append(model) or real(model, sizes=(1, 4), reps=1))
     model = tiny_model("llama")
-    first = sizing.load_or_calibrate(model)
+    first = calibration.load_or_calibrate(model)
     files = list((tmp_path / "cost").glob("*.json"))
     assert len(runs) == 1 and len(files) == 1
     stamp = files[0].stat().st_mtime_ns
-    sizing._MEMO.clear()  # as a new process would: the file alone must answer
-    assert sizing.load_or_calibrate(model) == first
+    calibration._MEMO.clear()  # as a new process would: the file alone must answer
+    assert calibration.load_or_calibrate(model) == first
     assert len(runs) == 1 and files[0].stat().st_mtime_ns == stamp
-    sizing.load_or_calibrate(tiny_model("llama", num_hidden_layers=1))  # another model: its own curve
+    calibration.load_or_calibrate(tiny_model("llama", num_hidden_layers=1))  # another model: its own curve
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)  # other threads: another curve
-        sizing.load_or_calibrate(model)
+        calibration.load_or_calibrate(model)
     finally:
         torch.set_num_threads(threads)
     assert len(runs) == 3 and len(list((tmp_path / "cost").glob("*.json"))) == 3
@@ -209,13 +210,13 @@ def test_calibration_is_written_once_and_reused_per_model_and_threads(tmp_path, 
 
 def test_a_damaged_cache_file_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(sizing, "_MEMO", {})
-    monkeypatch.setattr(sizing, "calibrate", lambda model: STEEP)
+    monkeypatch.setattr(calibration, "_MEMO", {})
+    monkeypatch.setattr(calibration, "calibrate", lambda model: STEEP)
     model = tiny_model("llama")
-    path = sizing.cost_file(sizing.calibration_key(model))
+    path = calibration.cost_file(calibration.calibration_key(model))
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
-    assert sizing.load_or_calibrate(model) == STEEP
+    assert calibration.load_or_calibrate(model) == STEEP
     assert '"sizes"' in path.read_text()
 
 
@@ -298,8 +299,8 @@ def test_engine_and_load_take_draft_size(tmp_path, monkeypatch):
     from helpers import tiny_tokenizer
 
     monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
-    monkeypatch.setattr(sizing, "_MEMO", {})
-    monkeypatch.setattr(sizing, "calibrate", lambda model: STEEP)  # no timing in tests
+    monkeypatch.setattr(calibration, "_MEMO", {})
+    monkeypatch.setattr(calibration, "calibrate", lambda model: STEEP)  # no timing in tests
     model, tokenizer = tiny_model("llama"), tiny_tokenizer()
     fixed = hasten.load(model, "prompt_lookup", tokenizer=tokenizer, draft_size="fixed")
     assert not list((tmp_path / "cost").glob("*.json"))  # fixed sizes need no calibration
@@ -319,8 +320,8 @@ def test_engine_and_load_take_draft_size(tmp_path, monkeypatch):
 def no_calibration(tmp_path, monkeypatch):
     """Auto sizing with a given cost curve (tests never time the machine) and a private cache."""
     monkeypatch.setenv("HASTEN_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(sizing, "_MEMO", {})
-    monkeypatch.setattr(sizing, "calibrate", lambda model: STEEP)
+    monkeypatch.setattr(calibration, "_MEMO", {})
+    monkeypatch.setattr(calibration, "calibrate", lambda model: STEEP)
 
 
 def test_generate_takes_draft_size(tmp_path, no_calibration, capsys):

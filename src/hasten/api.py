@@ -19,7 +19,8 @@ from . import zoo
 from .drafters.base import REGISTRY, Drafter, create
 from .engine.inputs import check_inputs, eos_ids
 from .engine.loop import decode
-from .engine.sizing import SizingChoice, SizingRule, load_or_calibrate
+from .engine.calibration import load_or_calibrate
+from .engine.sizing import SizingChoice, SizingRule
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
 from .models import gguf, vlm

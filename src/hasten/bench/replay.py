@@ -35,7 +35,8 @@ from ..core.tree import TokenTree
 from ..drafters.base import Drafter
 from ..engine.loop import generate
 from ..engine.sequence import Sequence, step
-from ..engine.sizing import CostCurve, SizingRule, load_or_calibrate
+from ..engine.calibration import CostCurve, load_or_calibrate
+from ..engine.sizing import SizingRule
 from ..engine.verify import GreedyAcceptance
 from ..models.adapter import ForwardOutput
 from ..models.hf import runtime_of

@@ -20,7 +20,8 @@ from ..api import AUTOREGRESSIVE, make_drafter
 from ..drafters.base import REGISTRY
 from ..engine.inputs import check_positions
 from ..engine.loop import generate
-from ..engine.sizing import load_or_calibrate, sizing_rule
+from ..engine.calibration import load_or_calibrate
+from ..engine.sizing import sizing_rule
 from ..models.hf import runtime_of
 from ..core.stats import DecodeStats
 from .tasks import Task

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from ..core.schedule import warmup_cosine
+from ..core.schedule import adamw, optimizer_step, warmup_cosine
 from . import sim
 from .models import dit as dit_model
 from .models import policy as policy_model
@@ -44,20 +44,15 @@ def train(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, torch.Gene
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    opt = adamw([{"params": list(model.parameters()), "lr": lr, "weight_decay": 0.01}])
     warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup, s / steps))
     model.train()
     start, losses = time.monotonic(), []
     bar = tqdm(range(steps), desc=label, mininterval=5, file=sys.stderr)
     for step in bar:
         with torch.enable_grad():  # callers (tests) may run under no_grad
             loss = loss_fn(model, generator)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+            optimizer_step(opt, loss, warmup_cosine(step, warmup, step / steps))
         decay = min(0.999, (1 + step) / (10 + step))
         with torch.no_grad():
             for e, p in zip(ema.parameters(), model.parameters()):

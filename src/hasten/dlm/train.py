@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hasten.core.schedule import warmup_cosine
+from hasten.core.schedule import adamw, decay_groups, optimizer_step, warmup_cosine
 from hasten.machine import machine_info
 from hasten.zoo import WEIGHTS_DIR, corpus
 from hasten.zoo.recipe import sample_batch, token_stream
@@ -98,10 +98,7 @@ def train(out: Path, minutes: float, seq_len: int, batch_size: int, lr: float, s
     windows = torch.from_numpy(heldout_stream[:eval_windows * seq_len].astype(np.int64)).view(eval_windows, seq_len)
     rng = np.random.default_rng(seed)
     generator = torch.Generator().manual_seed(seed)
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
-                                  lr=lr, betas=(0.9, 0.95))
+    optimizer = adamw(decay_groups(model.parameters(), lr, 0.1), betas=(0.9, 0.95))
     evals = [{"step": 0, "minutes": 0.0, "heldout_loss": heldout_loss(model, windows, mask_id)}]
     print(f"dlm-tiny: start heldout loss {evals[0]['heldout_loss']:.4f}", file=sys.stderr)
     budget = minutes * 60
@@ -109,14 +106,9 @@ def train(out: Path, minutes: float, seq_len: int, batch_size: int, lr: float, s
     step, losses = 0, []
     model.train()
     while (elapsed := time.monotonic() - start) < budget:
-        for group in optimizer.param_groups:
-            group["lr"] = lr * warmup_cosine(step, 30, elapsed / budget, 0.1)
         batch = sample_batch(train_stream, rng, batch_size, seq_len)  # [batch, seq_len]
         loss = diffusion_loss(model, batch, mask_id, generator)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(optimizer, loss, warmup_cosine(step, 30, elapsed / budget, 0.1))
         step += 1
         losses.append(loss.item())
         if step % 25 == 0:

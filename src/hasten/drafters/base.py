@@ -138,13 +138,13 @@ class Drafter:
         """Refuse, before any forward, a runtime that lacks what this drafter needs
         (:class:`~hasten.core.runtime.MissingCapability`, naming each missing capability).
         A runtime class whose declarations are class attributes (llama.cpp's) will do too."""
-        missing = frozenset(cls.needs) - runtime.capabilities
-        if missing:
-            raise MissingCapability(cls.name, runtime.name, missing)
-        if runtime.encoder_decoder and not cls.encoder_decoder_ok:
+        if runtime.encoder_decoder and not cls.encoder_decoder_ok:  # the plainer reason, where both hold
             raise FieldError("method", "unsupported_method",
                              f"{cls.name} does not support encoder-decoder targets; use a chain drafter such as "
                              "prompt_lookup, draft_model or gad")
+        missing = frozenset(cls.needs) - runtime.capabilities
+        if missing:
+            raise MissingCapability(cls.name, runtime.name, missing)
 
     @classmethod
     def reads_features(cls) -> bool:

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
 from tqdm import tqdm
 
-from ..core.schedule import warmup_cosine
+from ..core.schedule import adamw, optimizer_step, warmup_cosine
 from ..core.settings import Settings, option
 from ..drafters.trainable import Batch, Trainable  # noqa: F401  (Trainable: the protocol, re-exported)
 
@@ -69,11 +69,11 @@ class TrainSettings(Settings):
         return {k: v for k, v in asdict(self).items() if k not in ("minutes", "checkpoint_every")}
 
 
-def lr_at(step: int, total_steps: int | None, s: TrainSettings) -> float:
-    """Linear warmup, then cosine decay to FINAL_LR_RATIO x lr at ``total_steps``. During
-    the warmup the rate does not depend on ``total_steps`` (unknown while calibrating)."""
+def lr_scale(step: int, total_steps: int | None, s: TrainSettings) -> float:
+    """Linear warmup, then cosine decay to FINAL_LR_RATIO of the peak at ``total_steps``.
+    During the warmup the rate does not depend on ``total_steps`` (unknown while calibrating)."""
     progress = 0.0 if step < s.warmup_steps else (step - s.warmup_steps) / max(1, total_steps - s.warmup_steps)
-    return s.lr * warmup_cosine(step, s.warmup_steps, progress, FINAL_LR_RATIO)
+    return warmup_cosine(step, s.warmup_steps, progress, FINAL_LR_RATIO)
 
 
 @dataclass
@@ -89,9 +89,8 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
     target = trainable.target.requires_grad_(False).eval()
     torch.manual_seed(settings.seed)
     module = trainable.build().to(device).train()
-    optimizer = torch.optim.AdamW(
-        [p for p in module.parameters() if p.requires_grad], lr=settings.lr, weight_decay=settings.weight_decay
-    )
+    optimizer = adamw([{"params": [p for p in module.parameters() if p.requires_grad], "lr": settings.lr,
+                        "weight_decay": settings.weight_decay}])
     sampler = torch.Generator().manual_seed(settings.seed)  # which rows form each batch
     train_rows, eval_rows = data.split()
     state = {"step": 0, "total_steps": settings.steps, "elapsed_s": 0.0, "schedule": settings.schedule,
@@ -115,9 +114,9 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
         save_checkpoint(checkpoint, module, optimizer, sampler, state)
 
     while (state["total_steps"] is None or state["step"] < state["total_steps"]) and time.monotonic() - start < budget_s:
-        lr = lr_at(state["step"], state["total_steps"], settings)
+        scale = lr_scale(state["step"], state["total_steps"], settings)
         rows = train_rows[torch.randint(len(train_rows), (settings.batch_size,), generator=sampler)]
-        metrics = _step(trainable, module, optimizer, data.batch(rows, target, device), lr, settings.grad_clip)
+        metrics = _step(trainable, module, optimizer, data.batch(rows, target, device), scale, settings.grad_clip)
         state["step"] += 1
         state["metrics"] = (state["metrics"] + [metrics])[-METRIC_WINDOW:]
         bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
@@ -145,15 +144,10 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
 
 
 @torch.enable_grad()  # the CLI turns autograd off globally
-def _step(trainable: Trainable, module: nn.Module, optimizer, batch: Batch, lr: float, grad_clip: float) -> dict:
-    for group in optimizer.param_groups:
-        group["lr"] = lr
+def _step(trainable: Trainable, module: nn.Module, optimizer, batch: Batch, scale: float, grad_clip: float) -> dict:
     loss, metrics = trainable.loss(module, batch)
     if loss.requires_grad:  # a batch can hold no label at all (targets that stop at once)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_norm_(module.parameters(), grad_clip)
-        optimizer.step()
+        optimizer_step(optimizer, loss, scale, grad_clip)
     return {"loss": loss.item(), **metrics}
 
 

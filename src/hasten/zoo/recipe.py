@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from hasten.core.schedule import warmup_cosine
+from hasten.core.schedule import adamw, decay_groups, optimizer_step, warmup_cosine
 from hasten.machine import machine_info
 from hasten.zoo import corpus
 
@@ -179,11 +179,6 @@ def lr_scale(step: int, progress: float, s) -> float:
     return warmup_cosine(step, s.warmup_steps, progress, s.final_lr_ratio)
 
 
-def lr_at(step: int, progress: float, s: Settings) -> float:
-    """The learning rate of `s.lr` on that schedule."""
-    return s.lr * lr_scale(step, progress, s)
-
-
 def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int) -> torch.Tensor:
     starts = rng.integers(0, len(stream) - seq_len, size=batch_size)
     windows = np.stack([stream[i:i + seq_len] for i in starts]).astype(np.int64)
@@ -265,13 +260,8 @@ def timed_training(name: str, model, optimizer, rng: np.random.Generator,
         progress = elapsed / budget_s
         if s.max_steps:
             progress = max(progress, state["step"] / s.max_steps)
-        for group in optimizer.param_groups:
-            group["lr"] = group["peak"] * lr_scale(state["step"], progress, s)
         loss = next_loss(rng)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
+        optimizer_step(optimizer, loss, lr_scale(state["step"], progress, s))
         state["step"] += 1
         state["train_losses"].append(loss.item())
         bar.set_postfix(step=state["step"], loss=f"{loss.item():.3f}", refresh=False)
@@ -290,12 +280,7 @@ def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_s
                 out_dir: Path, ckpt_dir: Path, s: Settings) -> dict:
     """Train `model` for the time budget, save it (float16) with the tokenizer and a
     training.json into out_dir, and return that report."""
-    matrices = [p for p in model.parameters() if p.dim() >= 2]  # no weight decay on norm gains
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": s.weight_decay},
-                                   {"params": vectors, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
-    for group in optimizer.param_groups:
-        group["peak"] = s.lr
+    optimizer = adamw(decay_groups(model.parameters(), s.lr, s.weight_decay), betas=(0.9, 0.95))
     rng = np.random.default_rng(s.seed)
     n_eval = min(s.eval_windows, len(heldout_stream) // s.seq_len)
     eval_windows = torch.from_numpy(heldout_stream[:n_eval * s.seq_len].astype(np.int64)).view(n_eval, s.seq_len)

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hasten.core.schedule import adamw
 from hasten.core.settings import Settings, add_flags, from_args, option
 from hasten.machine import machine_info
 from hasten.zoo import scenes
@@ -263,10 +264,10 @@ def train(model, processor, out_dir: Path, ckpt_dir: Path, s: VlmSettings, evalu
     vision = [p for n, p in model.named_parameters() if not n.startswith("model.language_model.")]
     matrices = [p for n, p in model.named_parameters() if n.startswith("model.language_model.") and p.dim() >= 2]
     vectors = [p for n, p in model.named_parameters() if n.startswith("model.language_model.") and p.dim() < 2]
-    groups = [{"params": matrices, "weight_decay": s.weight_decay, "peak": s.lr},
-              {"params": vectors, "weight_decay": 0.0, "peak": s.lr},  # no decay on norm gains
-              {"params": vision, "weight_decay": 0.0, "peak": s.vision_lr}]
-    optimizer = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95))
+    groups = [{"params": matrices, "weight_decay": s.weight_decay, "lr": s.lr},
+              {"params": vectors, "weight_decay": 0.0, "lr": s.lr},  # no decay on norm gains
+              {"params": vision, "weight_decay": 0.0, "lr": s.vision_lr}]
+    optimizer = adamw(groups, betas=(0.9, 0.95))
     rng = np.random.default_rng(s.seed)
     eval_batches = heldout_batches(processor, s, n_image)
 
