@@ -382,10 +382,12 @@ def interleaved_runs(model, drafter, prompts, new):
     from hasten.engine.inputs import eos_ids
     from hasten.engine.loop import decode
     from hasten.engine.verify import acceptance_rule
+    from hasten.models.hf import runtime_of
 
-    sampling, eos = Sampling(), eos_ids(model, None)
+    runtime = runtime_of(model)
+    sampling, eos = Sampling(), eos_ids(runtime, None)
     stats = [DecodeStats() for _ in prompts]
-    runs = {i: decode(model, prompt, drafter, new, sampling, eos, None, stats[i], acceptance_rule(sampling))
+    runs = {i: decode(runtime, prompt, drafter, new, sampling, eos, None, stats[i], acceptance_rule(sampling))
             for i, prompt in enumerate(prompts)}
     outputs = [[] for _ in prompts]
     while runs:
