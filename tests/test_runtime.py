@@ -135,3 +135,27 @@ def test_no_attribute_probe_of_a_model_or_target_decides_behaviour():
     api = ROOT / "src" / "hasten" / "api.py"
     found += [f"api.py:{i}" for i, line in enumerate(api.read_text().splitlines(), 1) if PROBE.search(line)]
     assert found == []
+
+
+TOUCH = re.compile(r"ctx\.target\.(?:forward|forward_rows|crop|commit|start|cache)\b")
+
+
+def test_no_drafter_runs_or_rolls_back_the_loops_cache():
+    """Drafters read what the loop lends (tokens, features, read_kv, probe_queries); the
+    session runs every forward on its cache and restores it."""
+    found = [f"{path.name}:{i}" for path in sorted((ROOT / "src" / "hasten" / "drafters").glob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if TOUCH.search(line)]
+    assert found == []
+
+
+def test_a_query_probe_leaves_the_cache_as_it_was():
+    model = tiny_model("llama")
+    session = runtime_of(model).session()
+    tokens, _ = session.start(repetitive_prompt(10))
+    keys, values = (t.clone() for t in session.read_kv(-1))
+    queries = session.probe_queries(tokens[-1])
+    assert sorted(queries) == list(range(model.config.num_hidden_layers))
+    assert all(q.shape == (model.config.num_attention_heads, 1, 8) for q in queries.values())  # [heads, 1, head_dim]
+    assert session.cache_length == len(tokens) - 1
+    assert torch.equal(session.read_kv(-1)[0], keys) and torch.equal(session.read_kv(-1)[1], values)
+    assert session.kv_readable and not runtime_of(model).batch(2).add([1, 2, 3])[0].kv_readable

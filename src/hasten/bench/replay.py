@@ -132,6 +132,7 @@ class RecordedTarget:
 
     encoder_decoder = False
     prompt_embeds = None
+    kv_readable = False
 
     def __init__(self, recording: Recording, entry: Recorded, clock: SimulatedClock):
         self.reference = entry.prompt + entry.output

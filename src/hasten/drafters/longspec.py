@@ -42,7 +42,7 @@ from transformers.cache_utils import DynamicCache
 
 from ..core.runtime import Capability
 from ..core.settings import Settings, option
-from ..models.adapter import ModelAdapter, model_name
+from ..models.adapter import model_name
 from ..models.compat import cache_argument
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
 from .candidates import GrowingTree, dynamic_tree
@@ -86,12 +86,6 @@ def target_layout(model: PreTrainedModel) -> tuple[int, int, int]:
     kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
     head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
     return heads, kv_heads, head_dim
-
-
-def last_layer_kv(adapter: ModelAdapter) -> KV:
-    """The target's last-layer keys and values as cached (post-RoPE), [1, kv_heads, entries, head_dim]: views."""
-    layer = adapter.cache.layers[-1]
-    return layer.keys, layer.values
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -369,9 +363,9 @@ class LongSpec(TrainedDrafter):
         self.rotary = TargetRotary(model)  # borrowed, like the LM head
 
     def start(self, ctx: DraftContext) -> LongSpecState:
-        if not isinstance(ctx.target, ModelAdapter):
-            raise ValueError("longspec reads one sequence's KV cache in place; the rows of a batch share a padded "
-                             "cache it cannot read: decode its prompts one at a time")
+        if not ctx.target.kv_readable:
+            raise ValueError("longspec reads one sequence's full KV cache in place; the rows of a batch share a "
+                             "padded cache and a compressed prompt lacks entries: decode its prompts one at a time")
         c, s = self.module.config, self.settings
         weight = self.lm_head.weight
         cache = WindowCache(c.window, (s.depth - 1) * s.top_k, c.heads, c.hidden_size // c.heads, weight.dtype,
@@ -411,14 +405,14 @@ class LongSpec(TrainedDrafter):
         root = torch.tensor([len(ctx.tokens) - 1], device=device)
         x, _ = self.module.own_kv(self.embed(torch.tensor([ctx.tokens[-1]], device=device))[None], root[None])
         committed = (cache.keys[:, :, : cache.committed], cache.values[:, :, : cache.committed])  # the root's row last
-        return self._run(last_layer_kv(ctx.target), x, root, committed, cache.seen_from(root))[0]
+        return self._run(ctx.target.read_kv(-1), x, root, committed, cache.seen_from(root))[0]
 
     def draft(self, ctx: DraftContext) -> Draft:
         if len(ctx.tokens) < 2:  # nothing cached by the target yet (one-token prompt)
             return EMPTY_DRAFT
         first = self.root_logp(ctx)
         cache, module, device = ctx.state.cache, self.module, self.lm_head.weight.device
-        target_kv, root = last_layer_kv(ctx.target), len(ctx.tokens) - 1
+        target_kv, root = ctx.target.read_kv(-1), len(ctx.tokens) - 1
         sees: dict[int, list[int]] = {-1: []}  # node -> scratch rows it sees: its ancestors' and its own
 
         def expand(nodes: list[int], grown: GrowingTree) -> torch.Tensor:

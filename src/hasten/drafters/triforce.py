@@ -186,19 +186,17 @@ class TriForce(Drafter):
 
     def begin(self, ctx: DraftContext) -> TriForceState:
         settings = self.settings
-        if settings.refresh and not self._reads_target_cache(ctx):
+        if settings.refresh and not ctx.target.kv_readable:
             raise ValueError("triforce refresh reads the prompt's entries from the target's own full cache: "
                              "one sequence on a plain ModelAdapter only (not batches, llama.cpp or "
                              "compressed caches); use refresh=0 there")
         model = ctx.target.model
         prompt = ctx.tokens[:-1]  # what the loop's target has cached: all but the root
         cache = DynamicCache()
-        if prompt and self._reads_target_cache(ctx) and ctx.target.cache_length == len(prompt):
-            # the loop's own cache holds the prompt's entries: one forward of the root records
-            # the query that picks the chunks, and is cropped away again
-            with last_queries(model) as queries:
-                ctx.target.forward([ctx.tokens[-1]], tree=None)
-            ctx.target.crop(len(prompt))
+        if prompt and ctx.target.kv_readable and ctx.target.cache_length == len(prompt):
+            # the loop's own cache holds the prompt's entries; the target's probe of the root
+            # records the query that picks the chunks, and leaves its cache as it was
+            queries = ctx.target.probe_queries(ctx.tokens[-1])
             cache = self._selection(ctx, queries, len(prompt))
         elif prompt:  # batch rows, llama.cpp, compressed caches: a prefill of its own, as the reference
             with torch.no_grad(), last_queries(model) as queries:
@@ -209,16 +207,11 @@ class TriForce(Drafter):
         middle = Middle(model, cache, selected, len(prompt))
         return TriForceState(middle, self._streaming(ctx.tokens[:-1]))
 
-    @staticmethod
-    def _reads_target_cache(ctx: DraftContext) -> bool:
-        """Whether the loop's target is one sequence's full cache (a plain ModelAdapter)."""
-        return isinstance(ctx.target, ModelAdapter) and ctx.target.offset == 0 and not ctx.target.encoder_decoder
-
     def _selection(self, ctx: DraftContext, queries: dict[int, torch.Tensor], prompt: int) -> DynamicCache:
         """The retrieval selection of the first ``prompt`` entries of the loop's full cache."""
         prompt_part = DynamicCache()
-        for index, layer in enumerate(ctx.target.cache.layers):  # [1, kv_heads, committed, head_dim]
-            prompt_part.update(layer.keys[:, :, :prompt], layer.values[:, :, :prompt], index)
+        for index, (keys, values) in enumerate(ctx.target.read_all_kv()):  # [1, kv_heads, committed, head_dim]
+            prompt_part.update(keys[:, :, :prompt], values[:, :, :prompt], index)
         return retrieval_cache(prompt_part, queries, self.settings.budget, self.settings.chunk_size)
 
     def _streaming(self, committed: list[int]) -> Streaming:

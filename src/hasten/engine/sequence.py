@@ -35,6 +35,7 @@ class RowCache(Protocol):
     encoder_decoder: bool
     trees_ok: bool
     prompt_embeds: torch.Tensor | None  # [T - 1, embed] what an image prefill fed the language model
+    kv_readable: bool  # whether read_kv, read_all_kv and probe_queries answer (one sequence's full cache)
 
     @property
     def cache_length(self) -> int: ...

@@ -20,7 +20,7 @@ from . import cache as kv
 from .attention import MaskedTree, kv_heads_in_place
 from .compat import cache_argument
 from . import vlm
-from .layers import attention_mask, forward_with_placeholders, model_name  # model_name: also imported from here
+from .layers import attention_mask, forward_with_placeholders, last_queries, model_name  # model_name: also imported from here
 from ..core.tree import TokenTree
 
 
@@ -221,6 +221,36 @@ class ModelAdapter:
     def trees_ok(self) -> bool:
         """Whether this target verifies tree drafts (encoder-decoders verify chains only)."""
         return not self.encoder_decoder
+
+    # ---- what a drafter may read of this sequence (declared by kv_readable) --------------------
+    @property
+    def kv_readable(self) -> bool:
+        """Whether :meth:`read_kv` and :meth:`probe_queries` answer: one causal sequence's full
+        cache (not an encoder-decoder's, not a compressed prompt's)."""
+        return not self.encoder_decoder and self.offset == 0
+
+    def read_kv(self, layer: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s cached keys and values as the model stored them (post-RoPE),
+        [1, kv_heads, entries, head_dim] each: views to read, never to write."""
+        entry = self.cache.layers[layer]
+        return entry.keys, entry.values
+
+    def read_all_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's :meth:`read_kv`, in layer order."""
+        return [(entry.keys, entry.values) for entry in self.cache.layers]
+
+    def probe_queries(self, token: int) -> dict[int, torch.Tensor]:
+        """Each layer's post-RoPE query of ``token`` fed after the cached entries
+        (``{layer: [heads, 1, head_dim]}``); the cache is as it was afterwards, however the
+        forward ends. The model must route attention through transformers' attention
+        interface (the runtime's query capture capability)."""
+        length = self.cache_length
+        try:
+            with last_queries(self.model) as queries:
+                self.forward([token], tree=None)
+        finally:
+            self.crop(length)
+        return queries
 
     # ---- cache -------------------------------------------------------------------------
     @property

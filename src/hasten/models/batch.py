@@ -40,6 +40,7 @@ class BatchRow:
     trees_ok = True
     encoder_decoder = False
     prompt_embeds = None  # batches take no images
+    kv_readable = False  # the rows share one padded cache: no row's entries can be read alone
 
     def __init__(self, batch: "BatchAdapter", slot: int, length: int):
         self.batch = batch

@@ -277,6 +277,7 @@ class LlamaCppRow:
     encoder_decoder = False
     trees_ok = False  # chains only: the loop verifies a tree draft's main chain
     prompt_embeds = None  # text prompts only
+    kv_readable = False  # llama.cpp's KV cells are not exposed
 
     def __init__(self, context: LlamaCppContext, sequence: int):
         self.context, self.sequence = context, sequence
