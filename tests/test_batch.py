@@ -286,7 +286,7 @@ def test_row_seeds_make_sampled_rows_reproducible():
         scheduler = Scheduler(model, PromptLookup())
         ids = [scheduler.submit(Request(row.tolist(), 8, sampling, seed=11)) for row in prompts()[:2]]
         out = scheduler.run()
-        runs.append([out[i] for i in ids])
+        runs.append([out[i].tokens for i in ids])
     assert runs[0] == runs[1]
 
 

@@ -203,16 +203,11 @@ class Engine:
             ids = self.encode(prompt)[0].tolist()
             request = Request(ids, max_new_tokens, sampling, None if seed is None else seed + i, stop=stops)
             rows[scheduler.submit(request)] = i
-        texts = {row_id: TextStream(self.tokenizer, stops) for row_id in rows}
-        stats = {row_id: DecodeStats() for row_id in rows}
-        while scheduler.has_work():
-            for update in scheduler.step():
-                texts[update.row_id].push(update.tokens)
-                stats[update.row_id] = update.stats
         outputs = [None] * len(prompts)
-        for row_id, i in rows.items():
-            stream = texts[row_id]
-            outputs[i] = EngineOutput(stream.shown + stream.finish(), stream.token_ids, stats[row_id])
+        for row_id, result in scheduler.run().items():
+            stream = TextStream(self.tokenizer, stops)
+            text = stream.push(result.tokens) + stream.finish()
+            outputs[rows[row_id]] = EngineOutput(text, stream.token_ids, result.stats)
         return outputs
 
     # ---- chats -----------------------------------------------------------------------------

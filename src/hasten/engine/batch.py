@@ -58,6 +58,13 @@ class RowUpdate:
     queued_seconds: float  # from submit to admission
 
 
+@dataclass
+class RowResult:
+    tokens: list[int]  # every token the row committed
+    stats: DecodeStats
+    finish_reason: str | None = None  # "stop", "length" or "cancelled"
+
+
 @dataclass(frozen=True)
 class StepInfo:
     batch_size: int  # rows that ran this step
@@ -247,10 +254,16 @@ class Scheduler:
         entry = self._running.pop(row_id)
         self.target.remove(entry.row)
 
-    def run(self) -> dict[int, list[int]]:
-        """Step until every submitted row has ended; returns each row's new tokens."""
-        out: dict[int, list[int]] = {}
+    def run(self) -> dict[int, "RowResult"]:
+        """Step until every submitted row has ended: each row's new tokens, statistics and why
+        it ended, by row id. The one loop that drives a scheduler to the end (``hasten.generate``'s
+        batches and ``Engine.generate_batch``; the server steps it from its decode thread)."""
+        results: dict[int, RowResult] = {}
         while self.has_work():
             for update in self.step():
-                out.setdefault(update.row_id, []).extend(update.tokens)
-        return out
+                result = results.setdefault(update.row_id, RowResult([], update.stats))
+                result.tokens.extend(update.tokens)
+                result.stats = update.stats
+                if update.finished:
+                    result.finish_reason = update.finish_reason
+        return results

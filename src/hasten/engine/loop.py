@@ -242,18 +242,10 @@ def _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_tok
         scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, None, eos, stop, generator))
         for prompt in prompts
     ]
-    new: dict[int, list[int]] = {row_id: [] for row_id in row_ids}
-    stats: dict[int, DecodeStats] = {row_id: DecodeStats() for row_id in row_ids}
-    reasons: dict[int, str | None] = {}
-    while scheduler.has_work():
-        for update in scheduler.step():
-            new[update.row_id].extend(update.tokens)
-            stats[update.row_id] = update.stats
-            if update.finished:
-                reasons[update.row_id] = update.finish_reason
+    results = scheduler.run()
     rows = [
-        GenerationOutput(torch.tensor([prompt[0].tolist() + new[row_id]], dtype=torch.long), stats[row_id],
-                         reasons.get(row_id))
+        GenerationOutput(torch.tensor([prompt[0].tolist() + results[row_id].tokens], dtype=torch.long),
+                         results[row_id].stats, results[row_id].finish_reason)
         for prompt, row_id in zip(prompts, row_ids)
     ]
     return BatchGenerationOutput(rows, sum((row.stats for row in rows), DecodeStats()))
