@@ -11,7 +11,8 @@ import torch
 from transformers import AutoTokenizer
 
 import hasten
-from hasten.api import AUTOREGRESSIVE, resolve_path
+from hasten.api import AUTOREGRESSIVE
+from hasten.loading import resolve_path
 from hasten.bench.long_tasks import LONG_PREFIX_TOKENS, NEEDLE_DISTANCE_TOKENS, NEEDLE_LINES
 from hasten.bench.report import markdown
 from hasten.bench.runner import OVERALL, check_lengths, hasten_method, hf_method, run_bench

@@ -237,7 +237,7 @@ def test_a_bad_compressor_name():
 # ---- online distillation ------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def vlm_tiny():
-    from hasten.api import load_model, resolve_path
+    from hasten.loading import load_model, resolve_path
 
     return load_model("zoo:vlm-tiny"), resolve_path("zoo:vlm-tiny")
 

@@ -154,7 +154,7 @@ def test_eagle_cache_follows_the_committed_tokens():
 
 def test_weights_beside_the_model_are_found(tmp_path):
     checkpoint = save_checkpoint(tmp_path / "model", arch="llama")
-    model = hasten.api.load_model(checkpoint)
+    model = hasten.loading.load_model(checkpoint)
     data = distill(model, TOKENIZER, TRAIN_TEXT, DistillSettings(samples=4, prompt_tokens=8, gen_tokens=8), tmp_path / "work",
                    source="test", progress=False)
     train_drafter("eagle", model, data, tmp_path / "model" / "eagle", steps=1)
@@ -345,7 +345,7 @@ TRAINED = {**{name: entry[0] for name, entry in DRAFTERS.items()}, "medusa": Med
 @pytest.fixture(scope="module")
 def zoo_model():
     assert (ZOO / "config.json").is_file(), f"the zoo model is missing from {ZOO}"
-    model = hasten.api.load_model("zoo:code-tiny")
+    model = hasten.loading.load_model("zoo:code-tiny")
     prompt = torch.tensor([list(range(200, 264))])
     return model, prompt, hasten.generate(model, prompt, max_new_tokens=12).sequences
 
@@ -369,7 +369,7 @@ def test_shipped_weights(zoo_model, name):
 def test_a_missing_weights_file_fails(tmp_path):
     """A config without its weights next to the target is an error, not an untrained drafter."""
     checkpoint = save_checkpoint(tmp_path / "model", arch="llama")
-    EagleLayer.for_target(hasten.api.load_model(checkpoint)).save(tmp_path / "model" / "eagle")
+    EagleLayer.for_target(hasten.loading.load_model(checkpoint)).save(tmp_path / "model" / "eagle")
     (tmp_path / "model" / "eagle" / WEIGHTS_FILE).unlink()
     with pytest.raises(FileNotFoundError, match="no eagle weights"):
         hasten.load(checkpoint, "eagle").generate("def add(", max_new_tokens=4)

@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 import hasten
-from hasten import api, zoo
+from hasten import loading, zoo
 from hasten.models import gguf
 from hasten.zoo import real
 
@@ -132,8 +132,8 @@ def test_gguf_loads_to_the_same_weights_and_generates_like_hf(cache_env):
 
 def test_a_directory_holding_one_gguf_and_the_file_share_one_cached_conversion(cache_env):
     _, path, cache = cache_env
-    converted = Path(api.resolve_path(path.parent))
-    assert converted == Path(api.resolve_path(path)) == gguf.cache_dir_for(path, cache)
+    converted = Path(loading.resolve_path(path.parent))
+    assert converted == Path(loading.resolve_path(path)) == gguf.cache_dir_for(path, cache)
     assert (converted / gguf.DONE_FILE).is_file() and (converted / "model.safetensors").is_file()
     assert (converted / "config.json").is_file() and (converted / "tokenizer.json").is_file()
 
@@ -145,7 +145,7 @@ def test_the_second_load_reads_the_cache_without_converting(cache_env, monkeypat
         raise AssertionError("converted again")
 
     monkeypatch.setattr(gguf, "convert", no_second_conversion)
-    model = api.load_model(path)
+    model = loading.load_model(path)
     assert type(model).__name__ == "LlamaForCausalLM"
 
 
@@ -205,7 +205,7 @@ def test_the_zoo_and_the_models_agree_on_the_cache(monkeypatch, tmp_path):
 
 def test_a_model_object_loads_with_its_tokenizer(cache_env):
     reference, path, _ = cache_env
-    tokenizer = api.load_tokenizer(path)
+    tokenizer = loading.load_tokenizer(path)
     with pytest.raises(ValueError, match="needs its tokenizer"):
         hasten.load(reference, "prompt_lookup")
     engine = hasten.load(reference, "prompt_lookup", tokenizer=tokenizer)
@@ -218,17 +218,17 @@ def test_a_model_object_loads_with_its_tokenizer(cache_env):
 
 
 def test_dtype_names_are_accepted_and_checked():
-    assert api.as_dtype("bfloat16") is torch.bfloat16 and api.as_dtype(torch.float16) is torch.float16
-    assert api.as_dtype(None) is None
+    assert loading.as_dtype("bfloat16") is torch.bfloat16 and loading.as_dtype(torch.float16) is torch.float16
+    assert loading.as_dtype(None) is None
     with pytest.raises(ValueError, match="floating-point"):
-        api.as_dtype("int8")
+        loading.as_dtype("int8")
 
 
 # ---------------------------------------------------------------- names that are not local paths
 
 
 def test_an_unreachable_hub_id_fails_fast_and_says_why(monkeypatch):
-    monkeypatch.setattr(api, "hub_unreachable", lambda endpoint: "connection refused")
+    monkeypatch.setattr(loading, "hub_unreachable", lambda endpoint: "connection refused")
     start = time.perf_counter()
     with pytest.raises(ValueError, match=r"not a local path, and the Hugging Face hub is unreachable \(conn"):
         hasten.load("no-such-org/no-such-model", "autoregressive")
@@ -238,18 +238,18 @@ def test_an_unreachable_hub_id_fails_fast_and_says_why(monkeypatch):
 def test_offline_mode_is_named_as_the_reason(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="HF_HUB_OFFLINE is set"):
-        api.resolve_path("no-such-org/no-such-model")
+        loading.resolve_path("no-such-org/no-such-model")
 
 
 def test_a_missing_path_is_not_taken_for_a_hub_id():
     for name in ("/no/such/model", "./relative/missing", "missing.gguf", "a/b/c"):
         with pytest.raises(ValueError, match="could not be loaded: no such file or directory"):
-            api.resolve_path(name)
+            loading.resolve_path(name)
 
 
 def test_an_unreachable_address_is_reported_not_raised():
     # Port 9 on localhost: nothing listens there, so the connection is refused at once.
-    assert api.hub_unreachable("http://127.0.0.1:9", timeout_s=2.0)
+    assert loading.hub_unreachable("http://127.0.0.1:9", timeout_s=2.0)
 
 
 # ---------------------------------------------------------------- the packaged zoo entries

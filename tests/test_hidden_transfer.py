@@ -287,7 +287,7 @@ def test_shipped_weights():
         pytest.fail(f"zoo:code-tiny weights missing from {ZOO}")
     directory = ZOO / "hidden_transfer"
     assert sum(p.stat().st_size for p in directory.iterdir() if p.is_file()) < 2_000_000
-    model = hasten.api.load_model("zoo:code-tiny")
+    model = hasten.loading.load_model("zoo:code-tiny")
     prompt = torch.tensor([list(range(200, 264))])
     reference = hasten.generate(model, prompt, max_new_tokens=24).sequences
     with warnings.catch_warnings():

@@ -19,7 +19,7 @@ FLOORS = {
     "models": 2, "zoo": 2,
     "drafters": 3, "diffusion": 3, "dlm": 3,
     "engine": 4,
-    "approx": 5,
+    "approx": 5, "loading": 5,
     "api": 6,
     "training": 7, "bench": 7, "serve": 7,
     "cli": 8,

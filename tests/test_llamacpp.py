@@ -182,7 +182,7 @@ def test_the_context_limit_is_reported(tiny):
 def test_smollm2_greedy_equals_llama_cpp_greedy(method):
     from hasten.bench.chat_tasks import chat_input_ids, chat_tasks
     from hasten.zoo import real
-    from hasten.api import load_tokenizer
+    from hasten.loading import load_tokenizer
 
     path = real.resolve("smollm2-135m")
     model = LlamaCppModel(path, threads=1, context=2048)

@@ -46,7 +46,7 @@ def test_corpus_seeds_the_trie(tmp_path):
     corpus.write_text("for i in range(10):\n    print(i)\n")
     tok = AutoTokenizer.from_pretrained(path)
     ids = tok(corpus.read_text(), add_special_tokens=False).input_ids[:5]  # the corpus's opening tokens
-    model = hasten.api.load_model(path)
+    model = hasten.loading.load_model(path)
     drafter = Lookahead(corpus=str(corpus))
     ctx = context(ids)
     ctx.target = hasten.models.ModelAdapter(model)

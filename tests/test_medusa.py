@@ -84,7 +84,7 @@ def test_one_token_prompt_drafts_nothing_at_first():
 
 def test_heads_beside_the_model_are_found(tmp_path):
     checkpoint = save_checkpoint(tmp_path / "model", arch="llama")
-    model = hasten.api.load_model(checkpoint)
+    model = hasten.loading.load_model(checkpoint)
     train_heads(model, tmp_path / "model" / "medusa")
     engine = hasten.load(checkpoint, "medusa")
     plain = hasten.load(checkpoint, "autoregressive")

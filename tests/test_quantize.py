@@ -110,7 +110,7 @@ def test_an_unknown_kind_is_refused():
 
 @pytest.mark.real
 def test_smollm2_int8_greedy_equals_hf_generate_on_the_int8_model():
-    from hasten.api import load_model, load_tokenizer
+    from hasten.loading import load_model, load_tokenizer
     from hasten.bench.chat_tasks import chat_input_ids, chat_tasks
     from hasten.zoo import real
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hasten
-from hasten import api
+from hasten import loading
 
 pytestmark = pytest.mark.real
 
@@ -25,7 +25,7 @@ QUESTION = "When was the lamp switched to electricity, and when did the last kee
 def available(name: str):
     """The model's local directory, or skip with the reason (say what to install)."""
     try:
-        return api.resolve_path(name)
+        return loading.resolve_path(name)
     except ValueError as err:
         pytest.skip(f"{name} is not available ({err}); run `make real` first")
 

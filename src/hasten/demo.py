@@ -40,7 +40,7 @@ class Job:
 
 def chat_job(max_new_tokens: int) -> Job:
     """The rewrite request in SmolLM2's chat template; ValueError when the model is unavailable."""
-    tokenizer = hasten.api.load_tokenizer(CHAT_MODEL)
+    tokenizer = hasten.loading.load_tokenizer(CHAT_MODEL)
     messages = [{"role": "user", "content": REQUEST}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return Job(CHAT_MODEL, prompt, f"user: {REQUEST}", max_new_tokens)

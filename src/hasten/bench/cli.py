@@ -10,7 +10,8 @@ from datetime import datetime, timezone
 
 import torch
 
-from ..api import AUTOREGRESSIVE, gguf_tokenizer
+from ..api import AUTOREGRESSIVE
+from ..loading import gguf_tokenizer
 from ..arguments import (
     DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, at_least, method_settings, writable_directory,
 )
@@ -224,7 +225,7 @@ def load_tasks_and_models(args: argparse.Namespace) -> tuple[list, list[torch.Te
     given), lengths checked against the model's positions."""
     from transformers import AutoTokenizer
 
-    from ..api import load_model, resolve_path
+    from ..loading import load_model, resolve_path
 
     if args.backend == LLAMA_CPP:
         try:

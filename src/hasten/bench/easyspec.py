@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from ..api import load_model, load_tokenizer
+from ..loading import load_model, load_tokenizer
 from ..core.stats import DecodeStats
 from ..drafters import DraftModel, EasySpec, EasySpecSettings
 from ..drafters.base import Drafter

@@ -20,7 +20,8 @@ import time
 
 import torch
 
-from ..api import AUTOREGRESSIVE, gguf_source
+from ..api import AUTOREGRESSIVE
+from ..loading import gguf_source
 from ..core.stats import DecodeStats
 from ..drafters.base import REGISTRY
 from ..models.llamacpp import LlamaCppModel, llama_cpp_module

@@ -225,7 +225,7 @@ def _add(parser: argparse.ArgumentParser) -> None:
 def _run(args: argparse.Namespace) -> int:
     from transformers import AutoProcessor
 
-    from ..api import load_model, resolve_path
+    from ..loading import load_model, resolve_path
 
     at_least(args, 1, "scenes", "max_new_tokens", "repeats", "threads")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]

@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..api import load_model, resolve_path
+    from ..loading import load_model, resolve_path
 
     # Validate what is cheap before loading anything.
     training = trainable_drafters()[args.drafter]
