@@ -365,3 +365,34 @@ def test_serve_builds_a_llama_cpp_app_from_its_flags(tiny_gguf, cli, monkeypatch
     assert isinstance(scheduler.target, LlamaCppBatch) and scheduler.max_batch == 3
     code, _, err = cli("serve", "--model", str(tiny_gguf), "--backend", "llama.cpp", "--dtype", "bfloat16")
     assert code == 2 and "drop --dtype" in err
+
+
+@pytest.mark.filterwarnings("ignore::hasten.HastenWarning")
+@pytest.mark.parametrize("name", sorted(hasten.drafters.REGISTRY))
+def test_every_drafter_generates_or_is_refused_by_capability(tiny, tiny_gguf, name):
+    """Every registered drafter on a loaded llama.cpp runtime: the ones that need nothing of
+    it decode exactly as llama.cpp does; the others are refused with the missing capability
+    named, before any forward (a draft model of another runtime is a llama.cpp draft here)."""
+    from hasten.core.runtime import MissingCapability
+    from hasten.drafters import REGISTRY, create
+    from test_gguf import tiny_llama
+
+    cls = REGISTRY[name]
+    prompt = repetitive(tiny.vocab_size, seed=4)
+    missing = cls.needs - tiny.capabilities
+    if missing:
+        draft = tiny_llama() if cls.needs_draft_model else None  # drafters built on a PyTorch draft model
+        drafter = create(name, model=draft) if draft is not None else create(name)
+        with pytest.raises(MissingCapability) as refusal:
+            hasten_decode(tiny, prompt, drafter, 8)
+        assert refusal.value.missing == missing and "llama.cpp runtime" in str(refusal.value)
+        return
+    if name == "easyspec":  # it drives a PyTorch draft's layers by hand: a llama.cpp draft is refused at once
+        with pytest.raises(TypeError, match="needs a transformers PreTrainedModel draft"):
+            create(name, model=LlamaCppModel(tiny_gguf, threads=1, context=512))
+        drafter = create(name, model=tiny_llama())
+    else:
+        drafter = create(name, model=LlamaCppModel(tiny_gguf, threads=1, context=512)) if cls.needs_draft_model \
+            else create(name)
+    got, _ = hasten_decode(tiny, prompt, drafter, 16)
+    assert got == llama_cpp_greedy(tiny_gguf, prompt, 16, 512)

@@ -348,6 +348,9 @@ class EasySpec(DraftModel):
     encoder_decoder_ok = False
 
     def __init__(self, model: PreTrainedModel, settings: EasySpecSettings | None = None, **kwargs):
+        if not isinstance(model, PreTrainedModel):  # its layers are driven by hand: a PyTorch draft only
+            raise TypeError(f"easyspec drives its draft model's decoder layers and needs a transformers "
+                            f"PreTrainedModel draft, got {type(model).__name__}; use draft_model for other drafts")
         super().__init__(model, settings, **kwargs)
         s = self.settings
         groups = s.layer_groups(len(decoder_layers(model)))
