@@ -139,6 +139,29 @@ class GrowingTree:
         return len(self.tokens) - 1
 
 
+class LevelVisibility:
+    """What each node of a :class:`GrowingTree` sees among the nodes already fed to the draft,
+    level by level: its ancestors and itself (tree attention inside the draft)."""
+
+    def __init__(self) -> None:
+        self.sees: dict[int, list[int]] = {-1: []}  # node -> indices of the fed nodes it sees
+
+    @property
+    def fed(self) -> int:
+        """Nodes fed so far (earlier levels)."""
+        return len(self.sees) - 1
+
+    def add_level(self, nodes: list[int], tree: GrowingTree) -> torch.Tensor:
+        """Feed ``nodes`` (one level, after the earlier ones): [len(nodes), fed + len(nodes)]
+        bool, row i the fed nodes node i sees, this level's own columns last."""
+        fed, count = self.fed, len(nodes)
+        rows = torch.zeros(count, fed + count, dtype=torch.bool)
+        for row, node in enumerate(nodes):
+            self.sees[node] = self.sees[tree.parents[node]] + [fed + row]
+            rows[row, self.sees[node]] = True
+        return rows
+
+
 # expand(nodes, tree) -> [len(nodes), vocab] the draft's log-probs of each node's next token
 Expand = Callable[[list[int], GrowingTree], torch.Tensor]
 

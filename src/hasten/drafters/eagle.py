@@ -33,7 +33,7 @@ from transformers import PreTrainedModel
 from ..core.settings import Settings, option
 from ..core.stats import allocated_bytes
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
-from .candidates import GrowingTree, dynamic_tree
+from .candidates import GrowingTree, LevelVisibility, dynamic_tree
 from .nn import Block, CommittedRun, KVCache, causal, heads_for
 from .trainable import Batch, TrainedTraining, valid_positions
 from .trained import ModuleConfig, TrainedDrafter, TrainedModule, WeightsSetting, at_least_one
@@ -174,27 +174,21 @@ class Eagle(TrainedDrafter):
         s = self.settings
         lm_head, cache = self.lm_head, state.cache
         committed = cache.length  # == r, the root's position, and the pair index of depth-1 nodes
-        # node -> the tree columns it sees: its ancestors' and its own (indices among the
-        # tree's fed nodes, whose keys/values sit after the committed pairs)
-        sees: dict[int, list[int]] = {-1: []}
+        # the tree columns each node sees: its ancestors' and its own (the fed nodes' keys and
+        # values sit after the committed pairs)
+        levels = LevelVisibility()
         # The nodes expanded at one level are children of the nodes expanded at the level
         # before, so their input features are rows of that level's output.
         guesses, row_of = newest[None], {-1: 0}  # [n, H] the layer's guesses of the next features; node -> row
 
         def expand(nodes: list[int], grown: GrowingTree) -> torch.Tensor:
             nonlocal guesses, row_of
-            n, fed = len(nodes), len(sees) - 1
+            n, fed = len(nodes), levels.fed
             features = guesses[[row_of[grown.parents[node]] for node in nodes]][None]  # [1, n, H]
             ids = torch.tensor([[grown.tokens[node] for node in nodes],
                                 [committed + grown.depths[node] - 1 for node in nodes]], device=device)  # [2, n]
-            rows = []
-            for row, node in enumerate(nodes):
-                sees[node] = sees[grown.parents[node]] + [fed + row]
-                rows.append([False] * (fed + n))
-                for column in sees[node]:
-                    rows[-1][column] = True
             visible = torch.ones(n, committed + fed + n, dtype=torch.bool, device=device)
-            visible[:, committed:] = torch.tensor(rows, device=device)  # every committed pair, then the path
+            visible[:, committed:] = levels.add_level(nodes, grown).to(device)  # every committed pair, then the path
             # the level's keys/values go after the earlier levels', past the committed pairs
             out = self.module(features, self.embed(ids[0])[None], ids[1:], visible[None], cache, committed + fed)
             guesses, row_of = out[0], {node: row for row, node in enumerate(nodes)}

@@ -45,12 +45,10 @@ from ..core.settings import Settings, option
 from ..models.adapter import model_name
 from ..models.compat import cache_argument
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
-from .candidates import GrowingTree, dynamic_tree
-from .nn import RMSNorm, heads_for, rotary, rotate
+from .candidates import GrowingTree, LevelVisibility, dynamic_tree
+from .nn import KV, RMSNorm, heads_for, rotary, rotate
 from .trainable import Batch, TrainedTraining, valid_positions
 from .trained import ModuleConfig, TrainedDrafter, TrainedModule, WeightsSetting, at_least_one
-
-KV = tuple[torch.Tensor, torch.Tensor]  # keys, values: [batch, heads, n, head_dim]
 
 
 # ---- what the drafter reads of the target -------------------------------------------------------
@@ -413,19 +411,16 @@ class LongSpec(TrainedDrafter):
         first = self.root_logp(ctx)
         cache, module, device = ctx.state.cache, self.module, self.lm_head.weight.device
         target_kv, root = ctx.target.read_kv(-1), len(ctx.tokens) - 1
-        sees: dict[int, list[int]] = {-1: []}  # node -> scratch rows it sees: its ancestors' and its own
+        levels = LevelVisibility()  # the scratch rows each node sees: its ancestors' and its own
 
         def expand(nodes: list[int], grown: GrowingTree) -> torch.Tensor:
-            n, fed = len(nodes), len(sees) - 1
+            n, fed = len(nodes), levels.fed
             tokens = torch.tensor([grown.tokens[node] for node in nodes], device=device)
             positions = torch.tensor([root + grown.depths[node] for node in nodes], device=device)  # [n]
             x, own = module.own_kv(self.embed(tokens)[None], positions[None])
             keys_values = cache.write_scratch(fed, own)  # after the earlier levels' rows
-            tree_rows = torch.zeros(n, fed + n, dtype=torch.bool)
-            for row, node in enumerate(nodes):
-                sees[node] = sees[grown.parents[node]] + [fed + row]
-                tree_rows[row, sees[node]] = True
-            visible = torch.cat([cache.seen_from(positions), tree_rows.to(device)], dim=1)  # [n, committed + fed + n]
+            tree_rows = levels.add_level(nodes, grown).to(device)  # [n, fed + n]
+            visible = torch.cat([cache.seen_from(positions), tree_rows], dim=1)  # [n, committed + fed + n]
             return self._run(target_kv, x, positions, keys_values, visible)
 
         s = self.settings
