@@ -172,3 +172,32 @@ def test_bad_top_k_and_top_p_are_refused(kwargs):
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=name):
         Sampling(1.0, **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [1e-38, 1e-45, 5e-324])
+def test_a_vanishing_temperature_gives_the_limit_law_not_nans(temperature):
+    """Below float32's range the law is the limit one: the best tokens share the mass (a
+    server once raised IndexError for every row of a batch on temperature 1e-38)."""
+    logits = torch.tensor([[1.0, 3.0, 2.0, 3.0], [0.5, 0.1, 0.2, 0.0]])
+    probs = Sampling(temperature).probs(logits)
+    assert torch.equal(probs, torch.tensor([[0.0, 0.5, 0.0, 0.5], [1.0, 0.0, 0.0, 0.0]]))
+    generator = torch.Generator().manual_seed(0)
+    assert {sample(probs[1], generator) for _ in range(20)} == {0}
+
+
+def test_a_vanishing_temperature_decodes_as_greedy_beside_other_rows():
+    from hasten.engine.batch import Request, Scheduler
+    from helpers import repetitive_prompt, tiny_model
+
+    model = tiny_model("llama")
+    prompts = [repetitive_prompt(12, seed)[0].tolist() for seed in range(3)]
+    scheduler = Scheduler(model, max_batch=3)
+    no_eos = frozenset()
+    rows = [scheduler.submit(Request(prompts[0], 10, Sampling(1e-38), seed=1, eos_token_ids=no_eos)),
+            scheduler.submit(Request(prompts[1], 10, Sampling(0.8), seed=2, eos_token_ids=no_eos)),
+            scheduler.submit(Request(prompts[2], 10, Sampling(0.0), eos_token_ids=no_eos))]
+    results = scheduler.run()
+    greedy = Scheduler(model, max_batch=1)
+    alone = greedy.submit(Request(prompts[0], 10, Sampling(0.0), eos_token_ids=no_eos))
+    assert results[rows[0]].tokens == greedy.run()[alone].tokens
+    assert all(len(results[row].tokens) == 10 for row in rows)

@@ -30,6 +30,7 @@ import torch
 from .settings import Settings
 
 _FIRST_CANDIDATES = 64  # top-p candidates tried first; nuclei of real models are mostly smaller
+_SMALLEST_DIVISOR = torch.finfo(torch.float32).tiny  # below it every score but the best is -inf anyway
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,12 @@ class Sampling(Settings):
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., vocab] logits -> [..., vocab] float32 probabilities after processing."""
-        scores = logits.float() / self.temperature
+        logits = logits.float()
+        # shifted by the row's best score first (softmax does not change): any temperature > 0,
+        # however small, then divides finite numbers <= 0, and a temperature too small for the
+        # others to survive leaves the limit law (the best tokens, ties shared) instead of NaNs
+        temperature = max(self.temperature, _SMALLEST_DIVISOR)  # a double below float32's range must not become 0
+        scores = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
         vocab = scores.shape[-1]
         if self.top_k is not None and self.top_k < vocab:
             kth = torch.topk(scores, self.top_k, dim=-1).values[..., -1:]  # [..., 1]
