@@ -308,6 +308,7 @@ BAD_BODIES = [
     ({"prompt": [10**6]}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "model": 3}, "model"),
+    ({"prompt": "a\ud800b"}, "prompt"),  # a lone surrogate: no tokenizer can read it
 ]
 
 
@@ -322,12 +323,15 @@ def test_bad_completion_requests_are_400_naming_the_field(base, body, param):
     ({"messages": [{"content": "x"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, "max_completion_tokens"),
+    ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": "\udfff"}]}]}, "messages[0].content[0]"),
 ])
 def test_bad_chat_requests_are_400_naming_the_field(base, body, param):
     assert_error(*call(base, "/v1/chat/completions", {"model": NAME, **body}), 400, param)
 
 
-NOT_JSON = [b"{not json", b"[1, 2]", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', b"\xff"]
+NOT_JSON = [b"{not json", b"[1, 2]", b'{"model": "tiny", "prompt": "x", "temperature": NaN}', b"\xff",
+            b"[" * 3000 + b"]" * 3000]  # nested past the parser's depth: a 400, not a 500
 
 
 @pytest.mark.parametrize("raw", NOT_JSON)

@@ -55,6 +55,8 @@ def parse_body(raw: bytes) -> dict:
         body = json.loads(raw, parse_constant=no_constants)
     except (ValueError, UnicodeDecodeError) as err:
         raise APIError(400, f"the request body is not valid JSON: {err}", None, "invalid_json") from None
+    except RecursionError:  # a small body can nest past the parser's depth
+        raise APIError(400, "the request body nests too deeply to be a request", None, "invalid_json") from None
     if not isinstance(body, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(body).__name__}", None, "invalid_json")
     return body
@@ -171,7 +173,7 @@ def parse_prompt(body: dict) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise invalid("prompt", "'prompt' is empty")
-        return prompt
+        return unicode_text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
@@ -196,17 +198,28 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
     return plain
 
 
+def unicode_text(text: str, field: str) -> str:
+    """``text`` if it is valid Unicode; a lone surrogate (JSON's ``"\\ud800"``) has no UTF-8 form,
+    so no tokenizer can read it: 400 naming the field."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise invalid(field, f"'{field}' is not valid Unicode text: a lone surrogate at character {err.start}",
+                      "invalid_value") from None
+    return text
+
+
 def content_text(content, where: str) -> str:
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return unicode_text(content, f"{where}.content")
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise invalid(f"{where}.content[{j}]", "only text content parts ({type: text, text}) are supported",
                               "invalid_type")
-            parts.append(part["text"])
+            parts.append(unicode_text(part["text"], f"{where}.content[{j}]"))
         return "".join(parts)
     raise invalid(f"{where}.content", f"'{where}.content' must be a string or a list of text parts", "invalid_type")
