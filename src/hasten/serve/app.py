@@ -178,9 +178,10 @@ class Service:
         """(text piece, update, finish_reason or None) as the row decodes; the last one has its
         finish reason. Leaving early (a client gone, an error) cancels the row."""
         done = False
+        checked = [time.monotonic()]  # when the connection was last looked at
         try:
             while True:
-                item = await self._next(gen.queue, disconnected)
+                item = await self._next(gen.queue, disconnected, checked)
                 if isinstance(item, RowError):
                     done = True  # the worker already dropped the row
                     raise APIError(500, item.message, None, "decode_failed")
@@ -200,15 +201,21 @@ class Service:
                 self.worker.cancel(gen.row_id)
 
     @staticmethod
-    async def _next(queue: asyncio.Queue, disconnected: Callable | None):
+    async def _next(queue: asyncio.Queue, disconnected: Callable | None, checked: list[float]):
+        """The row's next update. With ``disconnected``, the connection is looked at every
+        DISCONNECT_POLL_SECONDS whether or not updates keep coming (a decoding row sends them
+        all the time), and a client that left ends the wait with ConnectionAbortedError."""
         if disconnected is None:
             return await queue.get()
         while True:
+            if time.monotonic() - checked[0] >= DISCONNECT_POLL_SECONDS:
+                checked[0] = time.monotonic()
+                if await disconnected():
+                    raise ConnectionAbortedError("the client went away")
             try:
                 return await asyncio.wait_for(queue.get(), DISCONNECT_POLL_SECONDS)
             except asyncio.TimeoutError:
-                if await disconnected():
-                    raise ConnectionAbortedError("the client went away") from None
+                continue
 
     async def _answer(self, request: HTTPRequest, kind: str, input_ids: list[int], max_tokens: int,
                       params: Params) -> Response:
