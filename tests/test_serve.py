@@ -411,7 +411,20 @@ class FailingOnce(Scheduler):
         return super().step()
 
 
-def test_a_failing_step_fails_its_rows_and_the_server_goes_on(engine):
+POISON = [5, 6, 93, 7]  # a prompt no other test request starts with
+
+
+class Poisoned(PacedScheduler):
+    """The real (paced) scheduler, but admitting a prompt that starts with POISON raises: one
+    bad row makes the step of every row beside it fail."""
+
+    def _start(self, request, queued_seconds, reserved):
+        if request.input_ids[: len(POISON)] == POISON:
+            raise RuntimeError("planted failure")
+        return super()._start(request, queued_seconds, reserved)
+
+
+def test_a_passing_failure_is_survived_and_the_server_goes_on(engine):
     app = create_app(engine, lambda: FailingOnce(engine.model, engine.drafter, max_tokens_in_flight=100),
                      ServeOptions(NAME))
     server, thread, url = start_server(app)
@@ -420,13 +433,40 @@ def test_a_failing_step_fails_its_rows_and_the_server_goes_on(engine):
         status, body = call(url, "/v1/completions", {"model": NAME, "prompt": [5] * 90, "max_tokens": 11}, key=None)
         assert_error(status, body, 400, "max_tokens")
         assert "max_tokens (11)" in body["error"]["message"] and body["error"]["code"] == "over_capacity"
-        status, body = call(url, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4}, key=None)
-        assert status == 500 and "planted failure" in body["error"]["message"]
+        # the step fails once; the row does not fail alone, so it moves to a fresh scheduler and ends as it would
         status, body = call(url, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": NEW,
                                                      "temperature": 0}, key=None)
         assert status == 200 and body["choices"][0]["text"] == reference(engine, PROMPTS[0]).text
         assert call(url, "/health", key=None)[0] == 200
     finally:
+        stop_server(server, thread)
+
+
+def test_a_row_that_breaks_the_step_fails_alone(engine):
+    """Seven rows decode while a poisoned one arrives: it gets the error, each of the seven
+    ends with exactly its single-request text, and the server serves the next request."""
+    app = create_app(engine, lambda: Poisoned(engine.model, engine.drafter, max_batch=MAX_BATCH), ServeOptions(NAME))
+    server, thread, url = start_server(app)
+    normal = [{"model": NAME, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 30, "temperature": 0}
+              for i in range(7)]
+    poisoned = {"model": NAME, "prompt": POISON, "max_tokens": 30, "temperature": 0}
+    expected = [reference(engine, body["prompt"], 30).text for body in normal]
+    PacedScheduler.PACE["seconds"] = 0.02  # the seven are still decoding when the poisoned row is admitted
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(8) as pool:
+            answers = [pool.submit(call, url, "/v1/completions", body, None) for body in normal]
+            time.sleep(0.3)
+            bad = pool.submit(call, url, "/v1/completions", poisoned, None)
+            results = [answer.result() for answer in answers]
+            status, body = bad.result()
+        assert status == 500 and "planted failure" in body["error"]["message"]
+        assert [(code, answer["choices"][0]["text"]) for code, answer in results] == [(200, text) for text in expected]
+        status, body = call(url, "/v1/completions", normal[0], key=None)
+        assert status == 200 and body["choices"][0]["text"] == expected[0]
+    finally:
+        PacedScheduler.PACE["seconds"] = 0.0
         stop_server(server, thread)
 
 

@@ -134,6 +134,12 @@ class Scheduler:
         with self._lock:
             self._cancelled.add(row_id)
 
+    def row_generator(self, row_id: int) -> torch.Generator | None:
+        """The generator a running row draws from (seeded at admission), or None for a row
+        that is not running or does not sample."""
+        entry = self._running.get(row_id)
+        return None if entry is None else entry.sequence.ctx.generator
+
     @property
     def running(self) -> int:
         return len(self._running)

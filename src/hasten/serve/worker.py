@@ -2,16 +2,23 @@
 each row's updates to the asyncio queue of the HTTP request that asked for it.
 
 The scheduler's ``step`` is called from this one thread only; ``submit`` and ``cancel`` are
-thread-safe and come from the event loop. A step that raises fails the rows it held (their
-clients get an error) and the worker starts over with a fresh scheduler, so one bad step
-never leaves a batch or a cache half-updated for the requests that follow.
+thread-safe and come from the event loop.
+
+A step that raises fails only the rows that cause it. The worker starts a fresh scheduler (so
+no batch or cache is left half-updated), tries every row's next step alone on a scratch
+scheduler (its generator cloned, so the probe draws nothing from it), fails the rows that
+raise there, and resubmits the others as continuations: their prompt plus the tokens their
+clients already have, the rest of their budget, the same generator. A greedy row's text is
+then exactly what it would have been; a sampled row keeps drawing from its own stream.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -42,15 +49,28 @@ class Sink:
             pass
 
 
+@dataclass
+class _Row:
+    """A request the worker serves: what was asked, where its updates go, what was sent."""
+
+    request: object  # the scheduler's Request, as submitted
+    sink: Sink
+    scheduler_id: int  # its row id in the current scheduler (a continuation gets a new one)
+    sent: list[int] = field(default_factory=list)  # tokens its client has been given
+
+
 class Worker:
-    """Owns a scheduler and the thread that steps it."""
+    """Owns a scheduler and the thread that steps it. Row ids it hands out stay the same when
+    a failed step makes it move rows to a fresh scheduler."""
 
     def __init__(self, make_scheduler: Callable[[], object], metrics: Metrics | None = None):
         self.make_scheduler = make_scheduler
         self.scheduler = make_scheduler()
         self.metrics = metrics
-        self._sinks: dict[int, Sink] = {}
-        self._lock = threading.Lock()  # guards _sinks and swapping the scheduler
+        self._rows: dict[int, _Row] = {}  # by the worker's row id
+        self._by_scheduler_id: dict[int, int] = {}  # the current scheduler's row id -> the worker's
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # guards the row tables and swapping the scheduler
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
@@ -71,8 +91,10 @@ class Worker:
     def submit(self, request, sink: Sink) -> int:
         """Queue ``request``; its updates go to ``sink``. ValueError (naming the field) if refused."""
         with self._lock:  # registered before the decode thread can report on the row
-            row_id = self.scheduler.submit(request)
-            self._sinks[row_id] = sink
+            scheduler_id = self.scheduler.submit(request)
+            row_id = next(self._ids)
+            self._rows[row_id] = _Row(request, sink, scheduler_id)
+            self._by_scheduler_id[scheduler_id] = row_id
         self._wake.set()
         if self.metrics:
             self.metrics.queue_depth(self.scheduler.running, self.scheduler.waiting)
@@ -81,8 +103,8 @@ class Worker:
     def cancel(self, row_id: int) -> None:
         """End a row at the next step boundary (its client left, or its text hit a stop string)."""
         with self._lock:
-            if row_id in self._sinks:
-                self.scheduler.cancel(row_id)
+            if row_id in self._rows:
+                self.scheduler.cancel(self._rows[row_id].scheduler_id)
         self._wake.set()
 
     @property
@@ -101,7 +123,7 @@ class Worker:
                 try:
                     updates = self.scheduler.step()
                 except Exception as err:  # noqa: BLE001 - any failure must reach the clients, not kill the thread
-                    self._fail_all(err)
+                    self._recover(err)
                     continue
                 self._record_step()
                 self._dispatch(updates)
@@ -109,24 +131,66 @@ class Worker:
     def _dispatch(self, updates) -> None:
         for update in updates:
             with self._lock:
-                sink = self._sinks.pop(update.row_id, None) if update.finished else self._sinks.get(update.row_id)
+                row_id = self._by_scheduler_id.get(update.row_id)
+                row = self._rows.get(row_id)
+                if row is not None:
+                    row.sent.extend(update.tokens)
+                    if update.finished:
+                        del self._rows[row_id], self._by_scheduler_id[update.row_id]
             if update.finished and self.metrics:
                 self.metrics.row_finished(update.finish_reason or "stop", update.stats, update.queued_seconds)
-            if sink is not None:
-                sink.put(update)
+            if row is not None:
+                row.sink.put(update)
 
     def _record_step(self) -> None:
         info = getattr(self.scheduler, "last_step", None)
         if self.metrics and info is not None:
             self.metrics.step(info, self.scheduler.running, self.scheduler.waiting)
 
-    def _fail_all(self, err: Exception) -> None:
-        log.exception("a decode step failed; failing its %d rows and starting a fresh scheduler", len(self._sinks))
+    def _recover(self, err: Exception) -> None:
+        """After a step raised: a fresh scheduler, the rows that fail alone failed with the
+        error, the others moved over as continuations (see the module's doc)."""
         with self._lock:
-            sinks, self._sinks = self._sinks, {}
-            self.scheduler = self.make_scheduler()
-        message = f"the decode step failed: {type(err).__name__}: {err}"
-        for sink in sinks.values():
-            if self.metrics:
-                self.metrics.finished.labels("error").inc()
-            sink.put(RowError(message))
+            old, self.scheduler = self.scheduler, self.make_scheduler()
+            rows, self._by_scheduler_id = dict(self._rows), {}
+        log.warning("a decode step failed (%s: %s); trying its %d rows one by one", type(err).__name__, err, len(rows))
+        for row_id, row in rows.items():
+            continuation = self._continuation(old, row)
+            failure = self._fails_alone(continuation)
+            if failure is not None:
+                log.exception("row %d fails alone; failing it", row_id, exc_info=failure)
+                with self._lock:
+                    self._rows.pop(row_id, None)
+                if self.metrics:
+                    self.metrics.finished.labels("error").inc()
+                row.sink.put(RowError(f"the decode step failed: {type(failure).__name__}: {failure}"))
+                continue
+            with self._lock:
+                row.scheduler_id = self.scheduler.submit(continuation)
+                self._by_scheduler_id[row.scheduler_id] = row_id
+        if self.metrics:
+            self.metrics.queue_depth(self.scheduler.running, self.scheduler.waiting)
+
+    @staticmethod
+    def _continuation(old, row: _Row):
+        """The row's request from where its client is: its prompt plus the tokens sent, the
+        rest of its budget, drawing on from the generator it had (a waiting row: as asked)."""
+        request = row.request
+        generator = old.row_generator(row.scheduler_id) or request.generator
+        return dataclasses.replace(request, input_ids=list(request.input_ids) + row.sent,
+                                   max_new_tokens=request.max_new_tokens - len(row.sent), generator=generator)
+
+    def _fails_alone(self, request) -> Exception | None:
+        """Whether the request's next step raises on a scheduler of its own (a copy of its
+        generator draws, so the real one is untouched); the exception, or None."""
+        generator = request.generator
+        if generator is not None:
+            generator = torch.Generator(generator.device).manual_seed(0)
+            generator.set_state(request.generator.get_state())
+        probe = self.make_scheduler()
+        try:
+            probe.submit(dataclasses.replace(request, generator=generator))
+            probe.step()
+        except Exception as err:  # noqa: BLE001 - the probe is where a bad row shows itself
+            return err
+        return None
