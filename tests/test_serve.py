@@ -571,3 +571,37 @@ def test_a_non_streamed_client_leaving_while_its_row_decodes_cancels_the_row(eng
     finally:
         PacedScheduler.PACE["seconds"] = 0.0
     assert metrics(base).get("hasten_running_rows", 0.0) == 0.0
+
+
+def test_a_seed_holds_beside_neighbours_with_the_default_sizing(engine, monkeypatch, tmp_path):
+    """The server's default draft sizing (unset: auto, but fixed for a seeded sampled row):
+    the same seeded request gives the same text alone and beside seven unseeded neighbours.
+    A steep cost curve (given, not timed) makes auto sizing choose depths by the batch, so a
+    seeded row sized by it would draw differently beside neighbours."""
+    from hasten.engine import calibration
+
+    monkeypatch.setenv("HASTEN_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibration, "_MEMO", {})
+    monkeypatch.setattr(calibration, "calibrate", lambda model: calibration.CostCurve(
+        (1, 2, 4, 8, 16, 32, 64), (1.0, 1.1, 1.4, 2.5, 5.0, 10.0, 20.0)))
+    app = create_app(engine, lambda: Scheduler(engine.runtime, engine.drafter, max_batch=8, draft_size=None),
+                     ServeOptions(NAME))
+    server, thread, url = start_server(app)
+    seeded = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": 24, "temperature": 1.0, "top_p": 0.9, "seed": 7}
+    neighbours = [{"model": NAME, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 24, "temperature": 0.8}
+                  for i in range(7)]
+    try:
+        from concurrent.futures import ThreadPoolExecutor
+
+        status, alone = call(url, "/v1/completions", seeded, None)
+        assert status == 200
+        with ThreadPoolExecutor(8) as pool:
+            crowd = [pool.submit(call, url, "/v1/completions", body, None) for body in neighbours]
+            beside = pool.submit(call, url, "/v1/completions", seeded, None)
+            assert all(answer.result()[0] == 200 for answer in crowd)
+            status, answer = beside.result()
+        assert status == 200 and answer["choices"][0]["text"] == alone["choices"][0]["text"]
+        assert alone["choices"][0]["text"] == engine.generate(PROMPTS[3], max_new_tokens=24, temperature=1.0,
+                                                              top_p=0.9, seed=7).text
+    finally:
+        stop_server(server, thread)
