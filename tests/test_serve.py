@@ -308,7 +308,21 @@ BAD_BODIES = [
     ({"prompt": [10**6]}, "prompt"),
     ({"max_tokens": 3}, "prompt"),
     ({"prompt": "x", "model": 3}, "model"),
+    ({"prompt": "x", "model": 123}, "model"),
     ({"prompt": "a\ud800b"}, "prompt"),  # a lone surrogate: no tokenizer can read it
+    # fields that would change the answer are refused, never silently ignored
+    ({"prompt": "x", "logprobs": 0}, "logprobs"),
+    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "functions": [{"name": "f"}]}, "functions"),
+    ({"prompt": "x", "stop_token_ids": [5]}, "stop_token_ids"),
+    ({"prompt": "x", "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "x", "ignore_eos": True}, "ignore_eos"),
+    ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
+    ({"prompt": "x", "min_p": 0.1}, "min_p"),
+    ({"prompt": "x", "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     "stream_options.continuous_usage_stats"),
 ]
 
 
@@ -605,3 +619,12 @@ def test_a_seed_holds_beside_neighbours_with_the_default_sizing(engine, monkeypa
                                                               top_p=0.9, seed=7).text
     finally:
         stop_server(server, thread)
+
+
+@pytest.mark.parametrize("extra", [{"logprobs": False}, {"suffix": ""}, {"repetition_penalty": 1.0}, {"min_p": 0},
+                                   {"min_tokens": 0}, {"ignore_eos": False}, {"stop_token_ids": []},
+                                   {"response_format": {"type": "text"}}, {"tool_choice": "none"}])
+def test_fields_at_their_neutral_values_are_accepted(engine, base, extra):
+    status, body = call(base, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 6,
+                                                   "temperature": 0, **extra})
+    assert status == 200 and body["choices"][0]["text"] == reference(engine, PROMPTS[0], 6).text

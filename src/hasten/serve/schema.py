@@ -82,8 +82,11 @@ def optional(body: dict, name: str, check, expected: str, default=None):
 
 def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)) -> Params:
     model = body.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise invalid("model", "'model' is required: the name GET /v1/models lists", "missing_required_parameter")
+    if not isinstance(model, str):
+        raise invalid("model", f"'model' must be a string (the name GET /v1/models lists), got {json.dumps(model)[:40]}",
+                      "invalid_type")
     max_tokens = None
     for name in max_tokens_names:  # chat also takes OpenAI's newer name, max_completion_tokens
         value = optional(body, name, is_int, "an integer")
@@ -133,6 +136,9 @@ def parse_stream_options(body: dict, stream: bool) -> bool:
         raise invalid("stream_options", "'stream_options' must be an object", "invalid_type")
     if not stream:
         raise invalid("stream_options", "'stream_options' is only allowed with 'stream': true")
+    if options.get("continuous_usage_stats") not in (None, False):
+        raise invalid("stream_options.continuous_usage_stats", "'stream_options.continuous_usage_stats' is not "
+                      "supported by hasten serve", "unsupported_parameter")
     include = options.get("include_usage", False)
     if not isinstance(include, bool):
         raise invalid("stream_options.include_usage", "'stream_options.include_usage' must be true or false",
@@ -143,16 +149,34 @@ def parse_stream_options(body: dict, stream: bool) -> bool:
 # Fields hasten knows and cannot honour: refused rather than silently ignored, since the
 # client would otherwise get an answer to a question it did not ask. Each maps to a test
 # of the values that are the same as leaving it out.
+def _absent(v) -> bool:
+    return v is None
+
+
+def _off(v) -> bool:  # false, never 0 (a completion's logprobs: 0 asks for the sampled token's log-prob)
+    return v is None or v is False
+
+
+def _number(neutral: float):
+    return lambda v: v is None or (is_number(v) and v == neutral)
+
+
+def _empty(v) -> bool:
+    return v is None or v in ([], {}, "")
+
+
 UNSUPPORTED = {
-    "logprobs": lambda v: v in (None, False),
-    "top_logprobs": lambda v: v is None,
-    "echo": lambda v: v in (None, False),
-    "suffix": lambda v: v is None,
-    "best_of": lambda v: v in (None, 1),
-    "presence_penalty": lambda v: v in (None, 0),
-    "frequency_penalty": lambda v: v in (None, 0),
-    "logit_bias": lambda v: v in (None, {}),
-    "tools": lambda v: v in (None, []),
+    # OpenAI's
+    "logprobs": _off, "top_logprobs": _absent, "echo": _off, "suffix": _empty, "best_of": _number(1),
+    "presence_penalty": _number(0), "frequency_penalty": _number(0), "logit_bias": _empty,
+    "tools": _empty, "functions": _empty, "tool_choice": lambda v: v in (None, "none", "auto"),
+    "function_call": lambda v: v in (None, "none", "auto"),
+    "response_format": lambda v: v is None or v == {"type": "text"},
+    # vLLM's extras, which clients written for vLLM send
+    "stop_token_ids": _empty, "min_tokens": _number(0), "ignore_eos": _off, "repetition_penalty": _number(1),
+    "min_p": _number(0), "allowed_token_ids": _absent, "prompt_logprobs": _absent, "bad_words": _empty,
+    "include_stop_str_in_output": _off, "guided_json": _absent, "guided_regex": _absent, "guided_choice": _absent,
+    "guided_grammar": _absent,
 }
 
 
