@@ -91,8 +91,7 @@ class Sequence:
             features = GrowingBuffer()
             if prefilled is not None:
                 features.extend(prefilled)
-        self.ctx = DraftContext(tokens, 0, sampling, generator, cache, source, features)
-        self.ctx.acceptance = acceptance
+        self.ctx = DraftContext(tokens, 0, sampling, generator, cache, source, features, acceptance=acceptance)
         self.fit = Draft.limit_depth if cache.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
         self.sizing = sizing or FixedSize()
         if drafter is not None:
