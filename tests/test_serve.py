@@ -412,6 +412,25 @@ def test_metrics_parse_and_move(base, client):
     assert after["hasten_generated_tokens_total{}"] - before["hasten_generated_tokens_total{}"] == NEW
     for name in ("hasten_running_rows{}", "hasten_waiting_rows{}"):
         assert name in after
+    # the latencies a client waits for: one first token, one whole answer, NEW - 1 tokens after the first
+    count = lambda name: after[name] - before.get(name, 0.0)  # noqa: E731
+    assert count("hasten_time_to_first_token_seconds_count{}") == 1
+    assert count("hasten_request_seconds_count{}") == 1
+    assert count("hasten_inter_token_seconds_count{}") == NEW - 1
+    assert count("hasten_time_to_first_token_seconds_sum{}") <= count("hasten_request_seconds_sum{}")
+
+
+def test_latency_shares_are_exact():
+    from hasten.serve.metrics import Metrics
+
+    m = Metrics()
+    m.tokens_arrived(3, 0.5, None)  # the first token after 0.5 s, two more with it
+    m.tokens_arrived(2, 0.9, 0.4)  # two more 0.4 s later: 0.2 s each
+    samples = {s.name: s.value for family in m.registry.collect() for s in family.samples if not s.labels or
+               set(s.labels) == {"le"} and s.labels["le"] == "+Inf"}
+    assert samples["hasten_time_to_first_token_seconds_sum"] == 0.5
+    assert samples["hasten_inter_token_seconds_count"] == 4
+    assert samples["hasten_inter_token_seconds_sum"] == pytest.approx(0.4)
 
 
 # ---- a failing step --------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import json
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
@@ -52,6 +52,8 @@ class Generation:
     prompt_tokens: int
     text: TextStream
     queue: asyncio.Queue
+    submitted: float = field(default_factory=time.monotonic)
+    last_token: float | None = None  # when its latest tokens arrived
 
 
 class Service:
@@ -185,9 +187,11 @@ class Service:
                 if isinstance(item, RowError):
                     done = True  # the worker already dropped the row
                     raise APIError(500, item.message, None, "decode_failed")
+                self._timed(gen, len(item.tokens))
                 piece = gen.text.push(item.tokens)
                 if item.finished:
                     done = True
+                    self.metrics.request_seconds.observe(time.monotonic() - gen.submitted)
                     piece += gen.text.finish()
                     yield piece, item, "stop" if gen.text.stopped else item.finish_reason
                     return
@@ -199,6 +203,14 @@ class Service:
         finally:
             if not done:
                 self.worker.cancel(gen.row_id)
+
+    def _timed(self, gen: Generation, count: int) -> None:
+        """The latency histograms, as a row's tokens reach its request."""
+        if count:
+            now = time.monotonic()
+            since_last = None if gen.last_token is None else now - gen.last_token
+            self.metrics.tokens_arrived(count, now - gen.submitted, since_last)
+            gen.last_token = now
 
     @staticmethod
     async def _next(queue: asyncio.Queue, disconnected: Callable | None, checked: list[float]):

@@ -47,6 +47,29 @@ class Metrics:
                                ["position"], registry=r)
         self.accepted = Counter("hasten_accepted_at_position", "steps whose accepted path reached draft position P",
                                 ["position"], registry=r)
+        # what a client waits for, as vLLM reports it: the first token, each next token, the whole answer
+        self.first_token_seconds = Histogram("hasten_time_to_first_token_seconds",
+                                             "seconds from a request's submission to its first generated token",
+                                             buckets=SECONDS, registry=r)
+        self.inter_token_seconds = Histogram("hasten_inter_token_seconds",
+                                             "seconds between a request's generated tokens (tokens that arrive "
+                                             "together share the wait before them)", buckets=SECONDS, registry=r)
+        self.request_seconds = Histogram("hasten_request_seconds",
+                                         "seconds from a request's submission to its last token", buckets=SECONDS,
+                                         registry=r)
+
+    def tokens_arrived(self, count: int, since_submission: float, since_last: float | None) -> None:
+        """``count`` tokens of one request arrived together, ``since_last`` seconds after its
+        previous ones (None: these are its first). The first token's wait is the time to first
+        token; every other token gets an equal share of the wait before its group (the first
+        group's others: none), so the mean inter-token time is (end - first) / (tokens - 1)."""
+        if count <= 0:
+            return
+        if since_last is None:
+            self.first_token_seconds.observe(since_submission)
+            count, since_last = count - 1, 0.0
+        for _ in range(count):
+            self.inter_token_seconds.observe(since_last / count)
 
     def step(self, info, running: int, waiting: int) -> None:
         """One scheduler step, from its ``StepInfo`` (batch_size, seconds, draft_seconds, verify_seconds)."""
