@@ -273,19 +273,22 @@ def chat_tasks(tokenizer, categories=CHAT_CATEGORIES, per_task: int = 2) -> list
     most = min(len(p) for p in PROMPTS.values())
     if not 1 <= per_task <= most:
         raise ValueError(f"--per-task must be between 1 and {most} for the chat tasks, got {per_task}")
-    templated = has_chat_template(tokenizer)
     tasks = []
     for category in CHAT_CATEGORIES:  # fixed order, whatever order they were asked in
         if category not in categories:
             continue
         for j, messages in enumerate(PROMPTS[category][:per_task]):
-            name = f"{category}-{j + 1}"
-            if templated:
-                text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
-                count = chat_input_ids(tokenizer, messages).shape[1]
-                tasks.append(Task(name, category, text, SOURCE, count, messages))
-            else:
-                text = plain_transcript(messages)
-                count = len(tokenizer(text).input_ids)  # as task_input_ids encodes it
-                tasks.append(Task(name, category, text, f"{SOURCE}, plain text (no chat template)", count))
+            tasks.append(chat_task(tokenizer, f"{category}-{j + 1}", category, messages, SOURCE))
     return tasks
+
+
+def chat_task(tokenizer, name: str, category: str, messages, source: str) -> Task:
+    """One conversation as a task: through the model's chat template (the assistant's turn
+    opened), or as a plain transcript for a tokenizer without one (a base model)."""
+    messages = tuple(messages)
+    if has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return Task(name, category, text, source, chat_input_ids(tokenizer, messages).shape[1], messages)
+    text = plain_transcript(messages)
+    count = len(tokenizer(text).input_ids)  # as task_input_ids encodes it
+    return Task(name, category, text, f"{source}, plain text (no chat template)", count)

@@ -22,12 +22,14 @@ from .runner import (
 )
 from . import llamacpp
 from .chat_tasks import CHAT_CATEGORIES, chat_tasks, has_chat_template, task_input_ids
+from .spec_bench import spec_bench_tasks
 from .tasks import ALL_CATEGORIES, CATEGORIES, LONG_CATEGORIES, builtin_tasks, read_prompts
 
 AUTO = "auto"
 LLAMA_CPP = "llama.cpp"
 # --tasks presets: "auto" is chat for a model whose tokenizer has a chat template, else code.
 TASK_PRESETS = {"code": CATEGORIES, "chat": CHAT_CATEGORIES}
+SPEC_BENCH = "spec-bench"  # Spec-Bench's 480 questions, six categories (spec_bench.py)
 
 
 def _csv(text: str) -> list[str]:
@@ -72,7 +74,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--tasks", default=AUTO,
         help="built-in task categories, comma-separated: code (= " + ",".join(CATEGORIES) + "), chat (= "
-        + ",".join(CHAT_CATEGORIES) + ", through the model's chat template), or single categories; the "
+        + ",".join(CHAT_CATEGORIES) + ", through the model's chat template), spec-bench (Spec-Bench's "
+        "questions, first turns, --per-task of each of its six categories, vendored with its Apache-2.0 "
+        "licence), or single categories; the "
         "long-context " + ",".join(LONG_CATEGORIES) + " only by name (they need a model with 16k positions, "
         "e.g. zoo:code-tiny-long) (default auto: chat if the tokenizer has a chat template, else code)",
     )
@@ -149,7 +153,7 @@ def _chosen(args) -> tuple[list[str], list[str]]:
 
 def check_workload(args: argparse.Namespace) -> None:
     """The arguments of add_workload_arguments, checked before any model loads."""
-    known = [AUTO, *TASK_PRESETS, *ALL_CATEGORIES, *CHAT_CATEGORIES]
+    known = [AUTO, *TASK_PRESETS, SPEC_BENCH, *ALL_CATEGORIES, *CHAT_CATEGORIES]
     unknown = [c for c in _csv(args.tasks) if c not in known]
     if unknown:
         raise UserError(f"--tasks: unknown {unknown}; known: {', '.join(known)}")
@@ -158,7 +162,8 @@ def check_workload(args: argparse.Namespace) -> None:
 
 
 def _builtin(spec: str, tokenizer, per_task: int) -> list:
-    """The built-in tasks --tasks names: presets expanded, code tasks first, then chat tasks."""
+    """The built-in tasks --tasks names: presets expanded, code tasks first, then chat tasks,
+    then Spec-Bench's questions."""
     chosen = []
     for name in _csv(spec):
         if name == AUTO:
@@ -168,7 +173,8 @@ def _builtin(spec: str, tokenizer, per_task: int) -> list:
     chat = [c for c in CHAT_CATEGORIES if c in chosen]
     try:
         return (builtin_tasks(tokenizer, code, per_task) if code else []) + (
-            chat_tasks(tokenizer, chat, per_task) if chat else [])
+            chat_tasks(tokenizer, chat, per_task) if chat else []) + (
+            spec_bench_tasks(tokenizer, per_task) if SPEC_BENCH in chosen else [])
     except ValueError as err:  # e.g. --per-task beyond the prompts a chat category has
         raise UserError(str(err)) from None
 
