@@ -16,7 +16,7 @@ from .engine.sizing import SizingChoice, SizingRule
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
 from .loading import (
-    _optional_tokenizer, as_dtype, as_model, gguf_source, gguf_tokenizer, load_processor, load_tokenizer,
+    optional_tokenizer, as_dtype, as_model, gguf_source, gguf_tokenizer, load_processor, load_tokenizer,
     warn_if_tokenizers_differ,
 )
 from .models import vlm
@@ -315,7 +315,7 @@ def load(
         draft_model = as_model(draft, dtype, device)
         if int8:
             draft_model = quantize(draft_model, "int8")
-        draft_tokenizer = _optional_tokenizer(draft)
+        draft_tokenizer = optional_tokenizer(draft)
         if draft_tokenizer is not None and vocab_size(draft_model) == vocab_size(model):
             warn_if_tokenizers_differ(tokenizer, draft_tokenizer, str(draft))
     elif draft is not None:

@@ -160,7 +160,7 @@ def load_processor(name_or_path) -> object | None:
         raise ValueError(f"model {name_or_path!r} has no usable processor: {str(err).splitlines()[0]}") from err
 
 
-def _optional_tokenizer(name_or_path: str):
+def optional_tokenizer(name_or_path: str):
     """The draft's tokenizer if it ships one (a draft model needs none: it shares the target's)."""
     try:
         return load_tokenizer(name_or_path)

@@ -64,7 +64,9 @@ class Runtime:
     context_length: int | None  # positions one sequence may use; None: no limit is known
     encoder_decoder: bool = False
     device: torch.device = torch.device("cpu")  # where the loop puts prompts and generators
-    calibration_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)  # block sizes sizing times
+    # block sizes cost-aware sizing times (positions per forward): up to 128, so that a batch, whose
+    # forward runs rows x widest block positions, is priced from measurements
+    calibration_sizes: ClassVar[tuple[int, ...]] = (1, 2, 4, 8, 16, 32, 64, 128)
 
     def eos_token_ids(self) -> frozenset[int]:
         """The tokens that end a generation by default (the model's generation config)."""

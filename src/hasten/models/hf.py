@@ -23,9 +23,6 @@ from .layers import model_name
 # Config names of the number of positions a model was built for (learned position
 # embeddings fail beyond it; rotary ones drift off what they were trained on).
 POSITION_LIMITS = ("max_position_embeddings", "n_positions", "max_sequence_length")
-# Block sizes cost-aware sizing times on a PyTorch target (positions per forward): up to 128, so that
-# a batch, whose forward runs rows x widest block positions, is priced from measurements.
-CALIBRATION_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 def max_positions(model: PreTrainedModel) -> int | None:
@@ -44,7 +41,6 @@ class HuggingFaceRuntime(Runtime):
     model's attention does not go through transformers' attention interface (Falcon, T5)."""
 
     name = "Hugging Face"
-    calibration_sizes = CALIBRATION_SIZES
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
