@@ -59,3 +59,42 @@ def test_encoder_decoder_cache_crops_only_self_attention():
     cache.cross_attention_cache.update(x, x, 0)
     kv.crop(cache, 2)
     assert kv.length(cache) == 2 and cache.cross_attention_cache.get_seq_length() == 5
+
+
+def test_growing_cache_appends_in_place_and_matches_transformers_dynamic_cache():
+    """hasten's caches grow into spare capacity (no copy of the whole cache per step); the
+    logits are bit for bit those of transformers' concatenating DynamicCache, through
+    crops (rejected drafts), a tree compaction and a tensor put in from outside."""
+    from transformers.cache_utils import DynamicCache
+
+    model = tiny_model("llama")
+    prompt = repetitive_prompt(20)[0].tolist()
+    growing, dynamic = ModelAdapter(model), ModelAdapter(model)
+    dynamic.cache = DynamicCache()
+    for adapter in (growing, dynamic):
+        adapter.start(torch.tensor([prompt]))
+    layer = growing.cache.layers[0]
+    assert isinstance(layer, kv.GrowingLayer)
+    store = layer._key_store.data_ptr()
+
+    def both(block, tree=None):
+        a, b = growing.forward(block, tree).logits, dynamic.forward(block, tree).logits
+        assert torch.equal(a, b)
+
+    both([5])
+    both([6, 7, 8, 9])
+    for adapter in (growing, dynamic):
+        adapter.crop(adapter.cache_length - 3)  # three drafts rejected
+    both([10, 11])
+    assert layer._key_store.data_ptr() == store  # still the first store: nothing was copied
+    start = growing.cache_length
+    both([12, *TOKENS], TREE)
+    for adapter in (growing, dynamic):
+        adapter.commit(start, TREE, (1, 5))
+    both([13])
+    layer.keys, layer.values = layer.keys.clone(), layer.values.clone()  # a tensor from outside (a batch's rows)
+    both([14, 15])
+    assert growing.cache_length == dynamic.cache_length == len(prompt) - 1 + 10  # prompt minus its root, 10 kept
+    for _ in range(300):  # past the first capacity: the store grows, the numbers stay
+        both([16])
+    assert layer._key_store.shape[-2] >= growing.cache_length
