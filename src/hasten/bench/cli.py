@@ -20,7 +20,7 @@ from ..drafters.base import REGISTRY
 from .runner import (
     HF_BASELINES, OVERALL, LosslessnessError, check_lengths, hasten_method, hasten_method_names, hf_method, run_bench,
 )
-from . import llamacpp
+from . import llamacpp, vllm_cpu
 from .chat_tasks import CHAT_CATEGORIES, chat_tasks, has_chat_template, task_input_ids
 from .spec_bench import spec_bench_tasks
 from .tasks import ALL_CATEGORIES, CATEGORIES, LONG_CATEGORIES, builtin_tasks, read_prompts
@@ -47,7 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--baselines", default=AUTO,
         help=f"comma-separated baselines, or none (default: all that the given models allow; torch backend: "
-        f"{', '.join(HF_BASELINES)}; llama.cpp backend: {', '.join(llamacpp.BASELINES)})",
+        f"{', '.join(HF_BASELINES)}, and {', '.join(vllm_cpu.BASELINES)} when vLLM's environment exists "
+        "(make vllm; docs/benchmarks.md); llama.cpp backend: "
+        f"{', '.join(llamacpp.BASELINES)})",
     )
     add_workload_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per method and prompt (default 3)")
@@ -141,8 +143,9 @@ def _chosen(args) -> tuple[list[str], list[str]]:
     if AUTOREGRESSIVE not in names:  # always timed: it is the reference output and the speed baseline
         names.insert(0, AUTOREGRESSIVE)
     _check_method_args(args.method_arg, names)
-    known_baselines = llamacpp.BASELINES if on_llama_cpp else tuple(HF_BASELINES)
-    presets = {AUTO: list(known_baselines), "none": []}
+    known_baselines = llamacpp.BASELINES if on_llama_cpp else (*HF_BASELINES, *vllm_cpu.BASELINES)
+    automatic = [n for n in known_baselines if n not in vllm_cpu.BASELINES or vllm_cpu.vllm_python()]
+    presets = {AUTO: automatic, "none": []}
     baselines = presets[args.baselines] if args.baselines in presets else _csv(args.baselines)
     unknown = [n for n in baselines if n not in known_baselines]
     if unknown:
@@ -197,8 +200,10 @@ def bench_settings(name: str, settings: dict, args) -> dict:
     return settings
 
 
-def _build_methods(args, names, settings, baselines, model, draft, probe_ids) -> tuple[list, dict[str, str]]:
+def _build_methods(args, names, settings, baselines, model, draft, input_ids) -> tuple[list, dict[str, str]]:
     """The methods to time, and why any default one was left out."""
+    probe_ids = input_ids[0]
+    max_model_len = llamacpp.context_for(input_ids, args.max_new_tokens)  # vLLM's, sized as llama.cpp's
     methods, skipped = [], {}
     sizes = draft_sizes(args.draft_size)
     variants = [(name, size) for name in names for size in (sizes[:1] if name == AUTOREGRESSIVE else sizes)]
@@ -216,9 +221,13 @@ def _build_methods(args, names, settings, baselines, model, draft, probe_ids) ->
         methods.append(method)
     for name in baselines:
         try:
-            methods.append(llamacpp.baseline_method(name, model) if args.backend == LLAMA_CPP
-                           else hf_method(name, model, draft))
-        except ValueError as err:
+            if args.backend == LLAMA_CPP:
+                methods.append(llamacpp.baseline_method(name, model))
+            elif name in vllm_cpu.BASELINES:
+                methods.append(vllm_cpu.baseline_method(name, model, max_model_len, args.threads))
+            else:
+                methods.append(hf_method(name, model, draft))
+        except (ValueError, UserError) as err:
             if args.baselines != AUTO:
                 raise
             skipped[name] = str(err)
@@ -271,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
     writable_directory(args.out)  # now, not after the whole run
     torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
     tasks, input_ids, model, draft = load_tasks_and_models(args)
-    methods, skipped = _build_methods(args, names, settings, baselines, model, draft, input_ids[0])
+    methods, skipped = _build_methods(args, names, settings, baselines, model, draft, input_ids)
     print(
         f"hasten bench: {len(methods)} methods x {len(tasks)} prompts x {args.repeats} repeats, "
         f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads"
@@ -284,6 +293,10 @@ def run(args: argparse.Namespace) -> int:
     except LosslessnessError as err:
         print(f"hasten bench: LOSSLESSNESS FAILURE: {err}", file=sys.stderr)
         return 1
+    finally:
+        for method in methods:
+            if method.close:
+                method.close()
     results = {
         "command": command_line(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -300,7 +313,9 @@ def run(args: argparse.Namespace) -> int:
     paths = write_report(results, args.out)
     overall = results["by_category"][OVERALL]
     for row in overall:
-        print(f"{row['method']:>20}  {row['tokens_per_second']:8.1f} tok/s  {row['speedup_vs_ar'] or 0:.2f}x vs AR")
+        same = "" if row["identical"].split("/")[0] == row["identical"].split("/")[1] else (
+            f"  (output identical on {row['identical']} prompts)")
+        print(f"{row['method']:>20}  {row['tokens_per_second']:8.1f} tok/s  {row['speedup_vs_ar'] or 0:.2f}x vs AR{same}")
     print(f"hasten bench: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
 

@@ -1,0 +1,123 @@
+"""vLLM's CPU build as a baseline of ``hasten bench``: what a user who outgrows one process
+runs instead, on the same model directory, prompts, token budget and thread count.
+
+vLLM pins other versions of torch and transformers than hasten, so it lives in its own
+environment (``make vllm``: ``.venv-vllm``) and runs in a worker process
+(:mod:`hasten.bench.vllm_worker`), one per baseline, that the runner asks for one prompt
+at a time, interleaved with every other method as usual. The worker times
+``LLM.generate`` itself, so the pipe costs nothing.
+
+* ``vllm``: plain greedy decoding;
+* ``vllm_ngram``: vLLM's n-gram speculation (its prompt lookup): 5 speculative tokens,
+  n-grams of 2 to 4 tokens.
+
+Both run in the model's own dtype. vLLM's default (``dtype="auto"``) would run a float32
+checkpoint in bfloat16 on a CPU (it downcasts float32 models to the platform's preferred
+16-bit type), a different model with other outputs; a float32 run is the comparison with
+Hugging Face and hasten on the same weights. vLLM's kernels round otherwise than PyTorch's
+own, so its greedy tokens may leave hasten's at a near-tie: the runner reports such prompts
+(``identical``) instead of stopping, as it does for hasten's own methods.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..arguments import UserError
+from ..core.stats import DecodeStats
+from .runner import Method
+
+VLLM = "vllm"
+VLLM_NGRAM = "vllm_ngram"
+BASELINES = (VLLM, VLLM_NGRAM)
+NGRAM = {"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+ENV_PYTHON = "HASTEN_VLLM_PYTHON"
+DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+MARK = "@@hasten "  # the worker's protocol lines (vllm_worker.MARK)
+INSTALL = "run `make vllm` (vLLM's CPU build in its own .venv-vllm) or set HASTEN_VLLM_PYTHON to its python"
+
+
+def vllm_python() -> Path | None:
+    """The Python of vLLM's environment: $HASTEN_VLLM_PYTHON, else ./.venv-vllm/bin/python."""
+    given = os.environ.get(ENV_PYTHON)
+    path = Path(given) if given else DEFAULT_PYTHON
+    return path if path.exists() else None
+
+
+def thread_binding(threads: int) -> dict[str, str]:
+    """vLLM's CPU worker binds its OpenMP threads to cores itself (by default all but one):
+    ``threads`` cores from core 0, none reserved (0 = all cores)."""
+    count = threads or os.cpu_count() or 1
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{count - 1}" if count > 1 else "0",
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "OMP_NUM_THREADS": str(count)}
+
+
+class Worker:
+    """One vLLM engine in its own process, answering one prompt at a time."""
+
+    def __init__(self, python: Path, settings: dict, threads: int):
+        env = {**os.environ, **thread_binding(threads)}
+        self.log = tempfile.TemporaryFile("w+")  # vLLM logs plenty: a file, so no pipe ever fills up
+        # -P: the worker's own folder (hasten.bench) must not shadow vLLM's imports
+        self.process = subprocess.Popen([str(python), "-P", str(WORKER)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.ready = self.ask(settings)
+
+    def ask(self, message: dict) -> dict:
+        self.process.stdin.write(json.dumps(message) + "\n")
+        self.process.stdin.flush()
+        for line in self.process.stdout:
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+        self.log.seek(0)
+        raise UserError(f"the vLLM worker stopped without an answer; its last output:\n{self.log.read()[-3000:]}")
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.stdin.write("\n")
+            self.process.stdin.flush()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+def model_directory(model) -> str:
+    """The directory vLLM loads: the one the PyTorch model came from."""
+    path = getattr(model.config, "_name_or_path", "") or getattr(model, "name_or_path", "")
+    if not path or not Path(path, "config.json").exists():
+        raise UserError(f"the vLLM baselines need the model as a local directory with config.json; "
+                        f"this model came from {path or 'memory'!r}")
+    return str(Path(path).resolve())
+
+
+def baseline_method(name: str, model, max_model_len: int, threads: int) -> Method:
+    """A vLLM baseline on the directory ``model`` was loaded from, in its dtype."""
+    if name not in BASELINES:
+        raise ValueError(f"unknown vLLM baseline {name!r}; known: {', '.join(BASELINES)}")
+    python = vllm_python()
+    if python is None:
+        raise UserError(f"the {name} baseline needs vLLM: {INSTALL}")
+    dtype = str(model.dtype).removeprefix("torch.")
+    settings = {"model": model_directory(model), "dtype": dtype, "max_model_len": max_model_len,
+                "ngram": NGRAM if name == VLLM_NGRAM else None}
+    worker = Worker(python, settings, threads)
+
+    def run(input_ids: torch.Tensor, max_new_tokens: int):
+        answer = worker.ask({"prompt": input_ids[0].tolist(), "max_tokens": max_new_tokens})
+        tokens = answer["tokens"]
+        # each forward yields one token plus the drafts it accepted
+        steps = max(1, len(tokens) - answer["accepted"]) if name == VLLM_NGRAM else len(tokens)
+        return tokens, DecodeStats(steps=steps, new_tokens=len(tokens)), answer["seconds"]
+
+    recorded = {"vllm": worker.ready.get("vllm"), "dtype": dtype, "threads": threads or os.cpu_count(),
+                "enforce_eager": True, "prefix_caching": False, **(NGRAM if name == VLLM_NGRAM else {})}
+    return Method(name, "vllm", run, recorded, exact=False, close=worker.close)
+

@@ -1,0 +1,188 @@
+"""The vLLM baselines of ``hasten bench``: the worker protocol, the settings it passes to
+vLLM, and how the runner counts another engine's outputs.
+
+vLLM itself lives in its own environment (``make vllm``), absent from CI: here the worker
+runs under this Python with a stand-in ``vllm`` package that records what it was given and
+answers with the tokens it is told to. ``-m vllm`` runs the real one (tests/test_real_models.py
+style: skipped unless its environment exists).
+"""
+import json
+import textwrap
+
+import pytest
+
+from hasten.api import AUTOREGRESSIVE
+from hasten.arguments import UserError
+from hasten.bench import vllm_cpu
+from hasten.bench.runner import OVERALL, Method, hasten_method, run_bench
+from hasten.bench.tasks import Task
+from hasten.cli import main
+
+from helpers import repetitive_prompt, save_checkpoint, tiny_model
+
+STAND_IN = '''
+import json, os
+__version__ = "0.0-stand-in"
+LOG = os.environ["STAND_IN_LOG"]
+ANSWERS = json.loads(os.environ.get("STAND_IN_ANSWERS", "{}"))  # prompt's last id -> tokens
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+
+class Metric:
+    def __init__(self, name, value):
+        self.name, self.value = name, value
+
+class _Out:
+    def __init__(self, ids):
+        self.outputs = [type("C", (), {"token_ids": ids})()]
+
+class LLM:
+    def __init__(self, **kw):
+        self.accepted = 0
+        with open(LOG, "a") as f:
+            f.write(json.dumps({"llm": kw, "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_"))}}) + "\\n")
+
+    def get_metrics(self):
+        return [Metric("vllm:spec_decode_num_accepted_tokens", self.accepted)]
+
+    def generate(self, prompts, params, use_tqdm=False):
+        prompt = prompts[0]["prompt_token_ids"]
+        with open(LOG, "a") as f:
+            f.write(json.dumps({"prompt": prompt, "params": params.kw}) + "\\n")
+        print("vLLM chatter on stdout, which the protocol must skip")
+        tokens = ANSWERS.get(str(prompt[-1]), [7] * params.kw["max_tokens"])[: params.kw["max_tokens"]]
+        self.accepted += 2
+        return [_Out(tokens)]
+'''
+
+
+@pytest.fixture
+def stand_in(tmp_path, monkeypatch):
+    package = tmp_path / "site" / "vllm"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text(textwrap.dedent(STAND_IN))
+    log = tmp_path / "vllm.log"
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "site"))
+    monkeypatch.setenv("STAND_IN_LOG", str(log))
+    import sys
+
+    monkeypatch.setenv(vllm_cpu.ENV_PYTHON, sys.executable)
+
+    def records():
+        return [json.loads(line) for line in log.read_text().splitlines()]
+
+    return records
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return save_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+def reference_tokens(model, ids, n):
+    return hasten_method(AUTOREGRESSIVE, model).run(ids, n)[0]
+
+
+def test_vllm_baselines_run_the_model_directory_in_its_dtype_with_the_threads_asked(stand_in, checkpoint, monkeypatch):
+    from hasten.loading import load_model
+
+    model = load_model(checkpoint)
+    ids = repetitive_prompt(16)
+    right = reference_tokens(model, ids, 6)
+    monkeypatch.setenv("STAND_IN_ANSWERS", json.dumps({str(ids[0, -1].item()): right}))
+    plain = vllm_cpu.baseline_method("vllm", model, max_model_len=256, threads=1)
+    ngram = vllm_cpu.baseline_method("vllm_ngram", model, max_model_len=256, threads=2)
+    try:
+        tokens, stats, seconds = plain.run(ids, 6)
+        assert tokens == right and stats.steps == 6 and seconds >= 0
+        tokens, stats, _ = ngram.run(ids, 6)
+        assert tokens == right and stats.steps == 6 - 2  # each forward: one token plus the drafts accepted
+    finally:
+        plain.close()
+        ngram.close()
+    engines = [r for r in stand_in() if "llm" in r]
+    assert [e["llm"]["dtype"] for e in engines] == ["float32", "float32"]  # never vLLM's bfloat16 downcast
+    assert all(e["llm"]["model"] == str(__import__("pathlib").Path(checkpoint).resolve()) for e in engines)
+    assert all(e["llm"]["enable_prefix_caching"] is False for e in engines)
+    assert engines[0]["llm"].get("speculative_config") is None
+    assert engines[1]["llm"]["speculative_config"] == {"method": "ngram", **vllm_cpu.NGRAM}
+    assert engines[0]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert engines[1]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    requests = [r for r in stand_in() if "prompt" in r]
+    assert requests[0]["prompt"] == ids[0].tolist()
+    assert requests[0]["params"] == {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "detokenize": False}
+    assert plain.settings["dtype"] == "float32" and plain.settings["vllm"] == "0.0-stand-in"
+
+
+def test_another_engines_different_output_is_counted_not_fatal(models_and_ids):
+    """vLLM's kernels may round a near-tie the other way: the run goes on and says on how
+    many prompts its output was the reference."""
+    model, ids = models_and_ids
+    tasks = [Task("a-1", "a", "-"), Task("b-1", "b", "-")]
+    right = reference_tokens(model, ids[0], 5)
+
+    def run(input_ids, n):
+        from hasten.core.stats import DecodeStats
+        tokens = right if input_ids is ids[0] else [1] * n
+        return list(tokens), DecodeStats(steps=n, new_tokens=n), 0.01
+
+    other = Method("vllm", "vllm", run, exact=False)
+    out = run_bench([hasten_method(AUTOREGRESSIVE, model), other], tasks, ids, max_new_tokens=5, repeats=1,
+                    progress=False)
+    rows = {r["method"]: r for r in out["by_category"][OVERALL]}
+    assert rows["vllm"]["identical"] == "1/2" and rows[AUTOREGRESSIVE]["identical"] == "2/2"
+    by_task = {t["task"]: {r["method"]: r["identical"] for r in t["rows"]} for t in out["by_task"]}
+    assert by_task == {"a-1": {AUTOREGRESSIVE: "1/1", "vllm": "1/1"}, "b-1": {AUTOREGRESSIVE: "1/1", "vllm": "0/1"}}
+
+
+@pytest.fixture(scope="module")
+def models_and_ids():
+    return tiny_model("llama"), [repetitive_prompt(16, seed) for seed in range(2)]
+
+
+def test_bench_without_vllms_environment_says_how_to_get_it(tmp_path, checkpoint, monkeypatch, capsys):
+    monkeypatch.setenv(vllm_cpu.ENV_PYTHON, str(tmp_path / "missing" / "python"))
+    assert vllm_cpu.vllm_python() is None
+    with pytest.raises(UserError, match="make vllm"):
+        vllm_cpu.baseline_method("vllm", tiny_model("llama"), 256, 1)
+    code = main(["bench", "--model", checkpoint, "--methods", AUTOREGRESSIVE, "--baselines", "vllm",
+                 "--tasks", "complete", "--per-task", "1", "--max-new-tokens", "4", "--repeats", "1",
+                 "--no-progress", "--out", str(tmp_path / "out")])
+    assert code != 0 and "make vllm" in capsys.readouterr().err
+
+
+def test_bench_cli_times_the_vllm_baselines_beside_hasten(stand_in, checkpoint, tmp_path):
+    code = main(["bench", "--model", checkpoint, "--methods", AUTOREGRESSIVE, "--baselines", "vllm,vllm_ngram",
+                 "--tasks", "complete", "--per-task", "1", "--max-new-tokens", "4", "--repeats", "1",
+                 "--no-progress", "--out", str(tmp_path / "out")])
+    assert code == 0
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    rows = {r["method"]: r for r in results["by_category"][OVERALL]}
+    assert set(rows) == {AUTOREGRESSIVE, "vllm", "vllm_ngram"}
+    assert rows["vllm"]["identical"] == "0/1"  # the stand-in answers 7s
+    assert {m["name"]: m["kind"] for m in results["methods"]}["vllm_ngram"] == "vllm"
+    engines = [r for r in stand_in() if "llm" in r]
+    assert len(engines) == 2 and all(e["llm"]["max_model_len"] >= 4 for e in engines)
+
+
+@pytest.mark.vllm
+def test_real_vllm_float32_greedy_equals_hasten_on_a_tiny_model(tmp_path):
+    if vllm_cpu.vllm_python() is None:
+        pytest.skip("vLLM's environment is not installed: make vllm")
+    from hasten.loading import load_model
+
+    from helpers import tiny_tokenizer
+
+    path = tmp_path / "heads64"  # vLLM's CPU attention takes head sizes of 32 and up, not the usual tiny 8
+    tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    model = load_model(str(path))
+    ids = repetitive_prompt(16)
+    method = vllm_cpu.baseline_method("vllm", model, max_model_len=256, threads=1)
+    try:
+        tokens, _, _ = method.run(ids, 8)
+    finally:
+        method.close()
+    assert tokens == reference_tokens(model, ids, 8)
