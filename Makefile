@@ -65,6 +65,7 @@ $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 $(VLLM)
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .  # hasten.vllm's proposers, none of hasten's pins
 	$(VLLM_VENV)/bin/python -P -c "import vllm, torch; print('vLLM', vllm.__version__, 'on torch', torch.__version__)"
 	touch $@
 

@@ -15,6 +15,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -647,3 +648,46 @@ def test_fields_at_their_neutral_values_are_accepted(engine, base, extra):
     status, body = call(base, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 6,
                                                    "temperature": 0, **extra})
     assert status == 200 and body["choices"][0]["text"] == reference(engine, PROMPTS[0], 6).text
+
+
+def test_a_prompt_is_tokenized_off_the_event_loop_with_a_tokenizer_of_its_own(engine):
+    """While one request's prompt is being tokenized (held here until released), the server
+    answers /health and serves a token-id request; then the held one ends with its right text."""
+    app = create_app(engine, lambda: PacedScheduler(engine.model, engine.drafter, max_batch=MAX_BATCH),
+                     ServeOptions(NAME, KEY, BODY_LIMIT))
+    encoder = app.state.service.encode
+    assert encoder.engine.tokenizer is not engine.tokenizer and encoder.engine.model is engine.model
+    held, release, threads = threading.Event(), threading.Event(), []
+
+    class Holding:
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def __call__(self, *args, **kwargs):
+            threads.append(threading.current_thread().name)
+            held.set()
+            assert release.wait(30)
+            return self.tokenizer(*args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.tokenizer, name)
+
+    encoder.engine.tokenizer = Holding(encoder.engine.tokenizer)
+    server, thread, url = start_server(app)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(call, url, "/v1/completions",
+                               {"model": NAME, "prompt": PROMPTS[0], "max_tokens": NEW, "temperature": 0})
+            assert held.wait(30)
+            assert call(url, "/health", method="GET")[0] == 200
+            ids = engine.encode(PROMPTS[1])[0].tolist()
+            status, body = call(url, "/v1/completions", {"model": NAME, "prompt": ids, "max_tokens": NEW, "temperature": 0})
+            assert status == 200 and body["choices"][0]["text"] == reference(engine, PROMPTS[1]).text
+            assert not slow.done()  # still held: the other requests did not wait for it
+            release.set()
+            status, body = slow.result(60)
+        assert status == 200 and body["choices"][0]["text"] == reference(engine, PROMPTS[0]).text
+        assert threads and all(name.startswith("hasten-encode") for name in threads)
+    finally:
+        release.set()
+        stop_server(server, thread)

@@ -498,7 +498,7 @@ def test_an_unseen_evidence_class_is_explored_at_once():
 
 def test_prompt_lookup_grades_its_copy_by_how_long_the_match_is():
     from hasten.drafters.base import DraftContext
-    from hasten.drafters import prompt_lookup as pl
+    from hasten.core import ngram as pl
 
     def graded(tokens, source=None):
         drafter = PromptLookup(num_tokens=4)

@@ -41,6 +41,7 @@ class _Out:
 class LLM:
     def __init__(self, **kw):
         self.accepted = 0
+        self.speculative = kw.get("speculative_config")
         with open(LOG, "a") as f:
             f.write(json.dumps({"llm": kw, "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_"))}}) + "\\n")
 
@@ -53,7 +54,7 @@ class LLM:
             f.write(json.dumps({"prompt": prompt, "params": params.kw}) + "\\n")
         print("vLLM chatter on stdout, which the protocol must skip")
         tokens = ANSWERS.get(str(prompt[-1]), [7] * params.kw["max_tokens"])[: params.kw["max_tokens"]]
-        self.accepted += 2
+        self.accepted += 2 if self.speculative else 0
         return [_Out(tokens)]
 '''
 
@@ -107,7 +108,7 @@ def test_vllm_baselines_run_the_model_directory_in_its_dtype_with_the_threads_as
     assert all(e["llm"]["model"] == str(__import__("pathlib").Path(checkpoint).resolve()) for e in engines)
     assert all(e["llm"]["enable_prefix_caching"] is False for e in engines)
     assert engines[0]["llm"].get("speculative_config") is None
-    assert engines[1]["llm"]["speculative_config"] == {"method": "ngram", **vllm_cpu.NGRAM}
+    assert engines[1]["llm"]["speculative_config"] == vllm_cpu.SPECULATIVE["vllm_ngram"]
     assert engines[0]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0"
     assert engines[1]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     requests = [r for r in stand_in() if "prompt" in r]
@@ -162,6 +163,7 @@ def test_bench_cli_times_the_vllm_baselines_beside_hasten(stand_in, checkpoint, 
     rows = {r["method"]: r for r in results["by_category"][OVERALL]}
     assert set(rows) == {AUTOREGRESSIVE, "vllm", "vllm_ngram"}
     assert rows["vllm"]["identical"] == "0/1"  # the stand-in answers 7s
+    assert "output identical on 0/1 prompts" in (tmp_path / "out" / "results.md").read_text()
     assert {m["name"]: m["kind"] for m in results["methods"]}["vllm_ngram"] == "vllm"
     engines = [r for r in stand_in() if "llm" in r]
     assert len(engines) == 2 and all(e["llm"]["max_model_len"] >= 4 for e in engines)
@@ -186,3 +188,80 @@ def test_real_vllm_float32_greedy_equals_hasten_on_a_tiny_model(tmp_path):
     finally:
         method.close()
     assert tokens == reference_tokens(model, ids, 8)
+
+
+# ---- hasten.vllm: hasten's prompt lookup as a vLLM proposer -------------------------------------
+def vllm_config(depth: int, max_model_len: int = 64):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=depth),
+                           model_config=SimpleNamespace(max_model_len=max_model_len))
+
+
+def hasten_draft(tokens: list[int], depth: int) -> list[int]:
+    from hasten.core.sampling import Sampling
+    from hasten.drafters.base import DraftContext
+    from hasten.drafters.prompt_lookup import PromptLookup
+
+    drafter = PromptLookup(num_tokens=depth)
+    ctx = DraftContext(list(tokens), depth, Sampling(), None, None, None)
+    ctx.state = drafter.begin(ctx)
+    return list(drafter.propose(ctx).tokens)
+
+
+def test_the_vllm_proposer_drafts_what_hastens_prompt_lookup_drafts():
+    """Row by row and step by step, as vLLM calls it: rows growing, a row taken over by a new
+    request, a row still prefilling (nothing sampled), a row with no room left."""
+    import numpy as np
+
+    from hasten.vllm import PromptLookup
+
+    proposer = PromptLookup(vllm_config(depth=4, max_model_len=40))
+    proposer.load_model()
+    rng = np.random.default_rng(0)
+    story = [int(t) for t in rng.integers(5, 12, size=40)]  # a small alphabet: many repeats
+    other = [int(t) for t in rng.integers(20, 24, size=30)]
+    table = np.zeros((3, 40), dtype=np.int64)
+    checked = 0
+    for length in range(3, 30):
+        rows = [story[:length], other[: length + 2] if length < 12 else story[: length + 7], other[:5]]
+        for i, tokens in enumerate(rows):
+            table[i, : len(tokens)] = tokens
+        sampled = [[tokens[-1]] for tokens in rows[:2]] + [[]]  # row 2 is still prefilling
+        drafts = proposer.propose(sampled, np.array([len(t) for t in rows]), table)
+        assert drafts[2] == []
+        for tokens, draft in zip(rows[:2], drafts[:2]):
+            room = min(4, 40 - len(tokens))
+            assert draft == hasten_draft(tokens, room)[:room]
+            checked += bool(draft)
+    assert checked > 20  # drafts were really made and compared
+    full = story[:38]
+    table[0, :38] = full
+    assert proposer.propose([[full[-1]]], np.array([38]), table)[0] == hasten_draft(full, 2)  # 2 positions left
+    assert proposer.propose([[1]], np.array([40]), table) == [[]]
+
+
+@pytest.mark.vllm
+def test_real_vllm_with_hastens_proposer_decodes_as_vllm_alone(tmp_path):
+    """vLLM verifies hasten's drafts itself: its greedy output is its plain decoding's, and
+    drafts were accepted (a repeating prompt)."""
+    if vllm_cpu.vllm_python() is None:
+        pytest.skip("vLLM's environment is not installed: make vllm")
+    from hasten.loading import load_model
+
+    from helpers import tiny_tokenizer
+
+    path = tmp_path / "heads64"
+    tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    model = load_model(str(path))
+    ids = repetitive_prompt(24)
+    outputs = {}
+    for name in ("vllm", "vllm_prompt_lookup"):
+        method = vllm_cpu.baseline_method(name, model, max_model_len=256, threads=1)
+        try:
+            outputs[name] = method.run(ids, 24)
+        finally:
+            method.close()
+    assert outputs["vllm_prompt_lookup"][0] == outputs["vllm"][0] == reference_tokens(model, ids, 24)
+    assert outputs["vllm_prompt_lookup"][1].steps < 24  # some drafts were accepted

@@ -35,7 +35,11 @@ def _other_side(kinds: dict[str, str]) -> tuple[str, str, str, str]:
 
 
 def _note(row: dict, kinds: dict[str, str]) -> str:
-    """Say so wherever a hasten method is slower than the other runtime's path."""
+    """Say so wherever a hasten method is slower than the other runtime's path, and where
+    another engine's output was not the reference on every prompt."""
+    same, total = row.get("identical", "0/0").split("/")
+    if same != total:
+        return f"output identical on {same}/{total} prompts"
     if kinds.get(row["method"]) != "hasten":
         return ""
     _, plain_key, plain, _ = _other_side(kinds)

@@ -9,7 +9,10 @@ at a time, interleaved with every other method as usual. The worker times
 
 * ``vllm``: plain greedy decoding;
 * ``vllm_ngram``: vLLM's n-gram speculation (its prompt lookup): 5 speculative tokens,
-  n-grams of 2 to 4 tokens.
+  n-grams of 2 to 4 tokens;
+* ``vllm_prompt_lookup``: vLLM with hasten's prompt lookup as its proposer
+  (:class:`hasten.vllm.PromptLookup`), 5 speculative tokens: the same depth as ``vllm_ngram``,
+  hasten's matching rule. vLLM verifies; only the drafts are hasten's.
 
 Both run in the model's own dtype. vLLM's default (``dtype="auto"``) would run a float32
 checkpoint in bfloat16 on a CPU (it downcasts float32 models to the platform's preferred
@@ -34,8 +37,14 @@ from .runner import Method
 
 VLLM = "vllm"
 VLLM_NGRAM = "vllm_ngram"
-BASELINES = (VLLM, VLLM_NGRAM)
-NGRAM = {"num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+VLLM_PROMPT_LOOKUP = "vllm_prompt_lookup"
+BASELINES = (VLLM, VLLM_NGRAM, VLLM_PROMPT_LOOKUP)
+# each baseline's speculative_config (None: plain decoding)
+SPECULATIVE = {
+    VLLM: None,
+    VLLM_NGRAM: {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    VLLM_PROMPT_LOOKUP: {"method": "custom_class", "model": "hasten.vllm.PromptLookup", "num_speculative_tokens": 5},
+}
 ENV_PYTHON = "HASTEN_VLLM_PYTHON"
 DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
@@ -106,18 +115,19 @@ def baseline_method(name: str, model, max_model_len: int, threads: int) -> Metho
     if python is None:
         raise UserError(f"the {name} baseline needs vLLM: {INSTALL}")
     dtype = str(model.dtype).removeprefix("torch.")
+    speculative = SPECULATIVE[name]
     settings = {"model": model_directory(model), "dtype": dtype, "max_model_len": max_model_len,
-                "ngram": NGRAM if name == VLLM_NGRAM else None}
+                "speculative": speculative}
     worker = Worker(python, settings, threads)
 
     def run(input_ids: torch.Tensor, max_new_tokens: int):
         answer = worker.ask({"prompt": input_ids[0].tolist(), "max_tokens": max_new_tokens})
         tokens = answer["tokens"]
         # each forward yields one token plus the drafts it accepted
-        steps = max(1, len(tokens) - answer["accepted"]) if name == VLLM_NGRAM else len(tokens)
+        steps = max(1, len(tokens) - answer["accepted"])
         return tokens, DecodeStats(steps=steps, new_tokens=len(tokens)), answer["seconds"]
 
     recorded = {"vllm": worker.ready.get("vllm"), "dtype": dtype, "threads": threads or os.cpu_count(),
-                "enforce_eager": True, "prefix_caching": False, **(NGRAM if name == VLLM_NGRAM else {})}
+                "enforce_eager": True, "prefix_caching": False, "speculative_config": speculative}
     return Method(name, "vllm", run, recorded, exact=False, close=worker.close)
 

@@ -3,12 +3,12 @@ own environment (``make vllm``), never imported by hasten: vLLM pins other versi
 transformers and torch than hasten's.
 
 Protocol, one JSON object per line: the first line on stdin is the engine's settings
-``{"model", "dtype", "threads", "ngram": null | {...}, "max_model_len"}``; the worker
+``{"model", "dtype", "max_model_len", "speculative": null | vLLM's speculative_config}``; the worker
 answers (each answer on one stdout line after ``@@hasten ``) ``{"ready": true, "vllm": version, "dtype": ...}`` once the engine is built. Then
 each line ``{"prompt": [ids], "max_tokens": n}`` gets ``{"tokens": [ids], "seconds": s,
 "accepted": k}``: greedy, EOS ignored, no prefix caching (every request prefills its
-prompt), timed around ``LLM.generate`` alone; ``accepted`` counts draft tokens vLLM's
-n-gram speculation accepted (0 without it). An empty line or EOF ends it.
+prompt), timed around ``LLM.generate`` alone; ``accepted`` counts the draft tokens vLLM
+accepted (0 without speculation). An empty line or EOF ends it.
 """
 import json
 import os
@@ -40,8 +40,8 @@ def main() -> None:
     options = dict(model=settings["model"], dtype=settings["dtype"], enforce_eager=True,
                    enable_prefix_caching=False, max_model_len=settings["max_model_len"], seed=0,
                    gpu_memory_utilization=0.2, disable_log_stats=False)
-    if settings.get("ngram"):
-        options["speculative_config"] = {"method": "ngram", **settings["ngram"]}
+    if settings.get("speculative"):
+        options["speculative_config"] = settings["speculative"]
     llm = LLM(**options)
     say({"ready": True, "vllm": __version__, "dtype": settings["dtype"]})
     for line in sys.stdin:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.settings import Settings
+from ..core.ngram import NO_MATCH, Match, NgramIndex, find
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
 
 
@@ -35,58 +36,6 @@ class PromptLookupSettings(Settings):
             raise ValueError(f"max_ngram ({self.max_ngram}) must be >= min_ngram ({self.min_ngram})")
         if self.num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {self.num_tokens}")
-
-
-class NgramIndex:
-    """For each n, the latest (or, with ``earliest``, the first) end position of every
-    n-gram that has a continuation."""
-
-    def __init__(self, sizes: range, earliest: bool = False):
-        self.sizes, self.earliest = sizes, earliest
-        self.tables: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in sizes}
-        self.indexed = 0  # n-grams ending before this position are in the tables
-
-    def extend(self, tokens: list[int]) -> None:
-        # An n-gram ending at position e is usable only once tokens[e + 1] exists.
-        for end in range(self.indexed, len(tokens) - 1):
-            for n in self.sizes:
-                if end + 1 >= n:
-                    key = tuple(tokens[end + 1 - n : end + 1])
-                    if not (self.earliest and key in self.tables[n]):
-                        self.tables[n][key] = end
-        self.indexed = max(self.indexed, len(tokens) - 1)
-
-    def find(self, suffix: tuple[int, ...]) -> int | None:
-        return self.tables[len(suffix)].get(suffix)
-
-
-# evidence classes (see Drafter.evidence): how many tokens before the copy point match the
-# text just written. A long match means a copy stretch is under way; measured on SmolLM2's chat
-# tasks, copies after 16+ matching tokens were accepted at 0.96 at depth 1 and ~1.0 deeper,
-# after fewer than 8 at 0.70 (then 0.76-0.95)
-NO_MATCH, SHORT_MATCH, MEDIUM_MATCH, LONG_MATCH = 0, 1, 2, 3
-MEDIUM_FROM, LONG_FROM = 8, 16  # matching tokens (the n-gram included)
-
-
-@dataclass(frozen=True)
-class Match:
-    """Where this step's suffix was found: copy ``text[start:]`` (cyclically with ``period``
-    when the match overlaps the suffix); ``matched`` tokens before it equal the newest ones
-    (at least the n-gram, counted up to LONG_FROM)."""
-
-    text: list[int]
-    start: int
-    period: int | None
-    matched: int
-
-    @property
-    def evidence(self) -> int:
-        return LONG_MATCH if self.matched >= LONG_FROM else MEDIUM_MATCH if self.matched >= MEDIUM_FROM else SHORT_MATCH
-
-    def copy(self, count: int) -> Draft:
-        if self.period is None:
-            return Draft.chain(self.text[self.start : self.start + count])
-        return Draft.chain(self.text[self.start + i % self.period] for i in range(count))
 
 
 @dataclass
@@ -122,7 +71,7 @@ class PromptLookup(Drafter):
     def propose(self, ctx: DraftContext) -> Draft:
         count = min(self.settings.num_tokens, ctx.max_depth)
         match = self.lookup(ctx) if count >= 1 else None
-        return EMPTY_DRAFT if match is None else match.copy(count)
+        return EMPTY_DRAFT if match is None else Draft.chain(match.copy(count))
 
     def lookup(self, ctx: DraftContext) -> Match | None:
         """The longest suffix (down to ``min_ngram``) found in the committed tokens, else in
@@ -131,30 +80,6 @@ class PromptLookup(Drafter):
         if state.found is not None and state.found[0] == len(tokens):
             return state.found[1]
         state.history.extend(tokens)
-        match = None
-        for n in self._sizes:
-            if n > len(tokens):
-                continue
-            suffix = tuple(tokens[-n:])
-            end = state.history.find(suffix)
-            if end is not None:
-                # The match may overlap the suffix (a repeating stretch): the text
-                # then continues with period len(tokens) - end - 1, so copy cyclically.
-                match = Match(tokens, end + 1, len(tokens) - end - 1, _matched(tokens, end, tokens, n))
-                break
-            end = state.source.find(suffix)
-            if end is not None:
-                match = Match(state.source_tokens, end + 1, None, _matched(state.source_tokens, end, tokens, n))
-                break
+        match = find(tokens, [(state.history, tokens), (state.source, state.source_tokens)])
         state.found = (len(tokens), match)
         return match
-
-
-def _matched(text: list[int], end: int, tokens: list[int], n: int) -> int:
-    """Tokens of ``text`` ending at ``end`` equal to the newest ``tokens`` (``n`` known to be),
-    counted up to LONG_FROM."""
-    matched = n
-    while matched < LONG_FROM and matched <= end and matched < len(tokens) and \
-            text[end - matched] == tokens[-1 - matched]:
-        matched += 1
-    return matched

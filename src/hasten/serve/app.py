@@ -1,18 +1,20 @@
 """The HTTP layer of ``hasten serve``: OpenAI's completions and chat routes, ``/v1/models``,
 ``/metrics`` and ``/health`` on Starlette.
 
-A request is checked (:mod:`.schema`), tokenized, and submitted to the decode thread
-(:mod:`.worker`) as one scheduler row; the row's updates arrive on an asyncio queue and
+A request is checked (:mod:`.schema`), tokenized off the event loop (:class:`Encoder`), and
+submitted to the decode thread (:mod:`.worker`) as one scheduler row; the row's updates arrive on an asyncio queue and
 leave as one JSON answer or as server-sent events ending in ``data: [DONE]``. A client that
 goes away cancels its row; so does a stop string found in the text.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -56,9 +58,31 @@ class Generation:
     last_token: float | None = None  # when its latest tokens arrived
 
 
+class Encoder:
+    """Prompts and chats to input ids on a thread of their own, so a long prompt never holds up
+    the event loop (other requests' streamed tokens, /health). The thread encodes with its own
+    copy of the tokenizer: a Rust fast tokenizer refuses to encode on one thread while another
+    uses it ("Already borrowed"), and the event loop decodes streamed text, the decode thread
+    reads stop strings, with the engine's."""
+
+    def __init__(self, engine):
+        self.engine = copy.copy(engine)  # the engine's encode/encode_chat, with a private tokenizer
+        self.engine.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="hasten-encode")
+
+    async def __call__(self, method: str, *args) -> list[int]:
+        encode = getattr(self.engine, method)  # "encode" or "encode_chat"
+        ids = await asyncio.get_running_loop().run_in_executor(self.pool, encode, *args)
+        return ids[0].tolist()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+
 class Service:
     def __init__(self, engine, worker: Worker, metrics: Metrics, options: ServeOptions):
         self.engine, self.worker, self.metrics, self.options = engine, worker, metrics, options
+        self.encode = Encoder(engine)
         self.context = engine.runtime.context_length
         self.vocab = engine.runtime.vocab_size
         self.created = int(time.time())
@@ -85,7 +109,7 @@ class Service:
         self._check_model(params.model)
         prompt = parse_prompt(body)
         if isinstance(prompt, str):
-            input_ids = self.engine.encode(prompt)[0].tolist()
+            input_ids = await self.encode("encode", prompt)
         else:
             input_ids = self._checked_ids(prompt)
         max_tokens = self._budget(len(input_ids), params.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
@@ -97,7 +121,7 @@ class Service:
         self._check_model(params.model)
         messages = parse_messages(body)
         try:
-            input_ids = self.engine.encode_chat(messages)[0].tolist()
+            input_ids = await self.encode("encode_chat", messages)
         except ValueError as err:  # no chat template, or the template refused the messages
             raise invalid("messages", str(err)) from None
         asked_as = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -386,6 +410,7 @@ def create_app(engine, make_scheduler: Callable[[], object], options: ServeOptio
             yield
         finally:
             worker.stop()
+            service.encode.close()
 
     routes = [
         Route("/health", service.health, methods=["GET"]),
