@@ -16,6 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 FLOORS = {
     "core": 0, "version": 0,
     "machine": 1, "arguments": 1,
+    "vllm": 1,  # loaded inside vLLM's own environment: the ground floor only, never torch models
     "models": 2, "zoo": 2,
     "drafters": 3, "diffusion": 3, "dlm": 3,
     "engine": 4,

@@ -102,12 +102,16 @@ def allocated_bytes(tensors: Iterable) -> int:
 
 def cache_bytes(cache) -> int:
     """Allocated bytes of a Hugging Face KV cache: a ``DynamicCache`` (layers with ``keys``
-    and ``values``) or both halves of an ``EncoderDecoderCache``. Duck-typed: this floor
-    imports nothing from transformers' cache classes."""
+    and ``values``) or both halves of an ``EncoderDecoderCache``. A layer that says what it
+    holds (``held_bytes()``: hasten's growing layers, whose spare capacity of a few dozen
+    entries is not counted) is taken at its word. Duck-typed: this floor imports nothing from
+    transformers' cache classes."""
     halves = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
     caches = [half for half in halves if half is not None] or [cache]
-    return allocated_bytes(getattr(layer, part, None) for c in caches for layer in getattr(c, "layers", ())
-                           for part in ("keys", "values"))
+    layers = [layer for c in caches for layer in getattr(c, "layers", ())]
+    held = [layer for layer in layers if callable(getattr(layer, "held_bytes", None))]
+    return sum(layer.held_bytes() for layer in held) + allocated_bytes(
+        getattr(layer, part, None) for layer in layers if layer not in held for part in ("keys", "values"))
 
 
 def holder_kv_bytes(holder) -> int | None:

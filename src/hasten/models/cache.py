@@ -3,8 +3,8 @@
 The caches hasten builds grow in place (:class:`GrowingLayer`): transformers' ``DynamicLayer``
 concatenates every new block onto the whole cache, a copy of every cached key and value at
 every step (SmolLM2-135M, 700 cached tokens, one thread: a quarter of a decode step's time).
-A growing layer writes the block into spare capacity and hands attention a view of the
-filled part; crop and keep only move its end. Attention reads the same numbers either way.
+A growing layer writes the block into spare capacity (:data:`SLACK` entries) and hands
+attention a view of the filled part; crop and keep only move its end. Attention reads the same numbers either way.
 
 Speculation writes KV entries for draft tokens that may be rejected, so every cache
 hasten drives must be able to forget a suffix (``crop``) and, for trees, keep an
@@ -22,8 +22,11 @@ class CacheRollbackError(ValueError):
     """The model's cache cannot be rolled back, so speculation would be wrong."""
 
 
-GROWTH = 1.5  # capacity grows geometrically: amortised, each entry is copied O(1) times
-MIN_CAPACITY = 256  # entries a layer reserves at first
+# Entries a layer reserves past what it holds whenever it (re)allocates. A fixed margin keeps
+# the memory a cache reports (its allocated storage, see core.stats.cache_bytes) within that
+# many entries of what it holds, and a copy of the whole cache then happens once per SLACK
+# tokens instead of at every step.
+SLACK = 64
 
 
 class GrowingLayer(DynamicLayer):
@@ -58,7 +61,7 @@ class GrowingLayer(DynamicLayer):
 
     def _move_to_new_store(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
         length = self.get_seq_length()
-        capacity = max(MIN_CAPACITY, needed, int(needed * GROWTH))
+        capacity = needed + SLACK
         stores = []
         for old, new in ((self.keys, key_states), (self.values, value_states)):
             store = new.new_empty((*new.shape[:-2], capacity, new.shape[-1]))  # [batch, kv_heads, capacity, head_dim]
@@ -70,6 +73,13 @@ class GrowingLayer(DynamicLayer):
     def reset(self) -> None:
         super().reset()
         self._key_store = self._value_store = None
+
+    def held_bytes(self) -> int:
+        """Bytes of the entries held (what hasten reports as KV memory); the spare capacity
+        behind them (SLACK entries, and any cropped away since) is left out."""
+        if not self.is_initialized:
+            return 0
+        return self.keys.nbytes + self.values.nbytes
 
 
 def new_cache(encoder_decoder: bool) -> Cache:
