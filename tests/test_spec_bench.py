@@ -4,7 +4,10 @@ import json
 
 import pytest
 
-from hasten.bench.spec_bench import CATEGORIES, MT_BENCH, QUESTIONS, spec_bench_tasks
+import hasten
+from hasten.bench.chat_tasks import task_input_ids
+from hasten.bench.spec_bench import CATEGORIES, MT_BENCH, QUESTIONS, second_turns, spec_bench_tasks
+from hasten.loading import load_model
 from hasten.cli import main
 from helpers import tiny_model, tiny_tokenizer
 from test_chat import chat_tokenizer
@@ -57,8 +60,39 @@ def test_cli_bench_runs_spec_bench(tmp_path):
                  "--max-new-tokens", "4", "--methods", "autoregressive,prompt_lookup", "--baselines", "none",
                  "--threads", "1", "--out", str(out), "--no-progress"]) == 0
     results = json.loads((out / "results.json").read_text())
-    assert [t["category"] for t in results["tasks"]] == list(CATEGORIES)
+    # the six first turns, then the conversation question's second turn after the model's own answer
+    assert [t["category"] for t in results["tasks"]] == [*CATEGORIES, "conversation"]
     assert set(results["by_category"]) >= set(CATEGORIES)
+    first, second = results["tasks"][0], results["tasks"][-1]
+    assert second["name"] == first["name"] + "-turn2"
+    question = questions()[first["name"].removeprefix("spec-bench-")]
+    assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
+    assert [second["messages"][0]["content"], second["messages"][2]["content"]] == question["turns"]
+    model, tokenizer = load_model(str(path)), chat_tokenizer()
+    ids = task_input_ids(tokenizer, spec_bench_tasks(tokenizer, 1)[0])
+    greedy = hasten.generate(model, ids, max_new_tokens=4).sequences[0, ids.shape[1]:].tolist()
+    assert second["messages"][1]["content"] == tokenizer.decode(greedy, skip_special_tokens=True).strip()
+
+
+def test_second_turns_follow_the_models_own_answer():
+    tokenizer = chat_tokenizer()
+    tasks = spec_bench_tasks(tokenizer, 2)
+    answered = []
+
+    def answer(task):
+        answered.append(task.name)
+        return f"answer to {task.name}"
+
+    more = second_turns(tokenizer, tasks, answer)
+    conversation = [t for t in tasks if t.category == "conversation"]
+    assert answered == [t.name for t in conversation]  # only MT-bench's questions have a second turn
+    assert [t.name for t in more] == [f"{t.name}-turn2" for t in conversation]
+    for task, follow_up in zip(conversation, more):
+        assert follow_up.category == "conversation"
+        assert follow_up.messages[:2] == (task.messages[0], {"role": "assistant", "content": f"answer to {task.name}"})
+        assert follow_up.messages[2]["content"] == questions()[task.name.removeprefix("spec-bench-")]["turns"][1]
+        assert follow_up.prompt == tokenizer.apply_chat_template(list(follow_up.messages), add_generation_prompt=True,
+                                                                 tokenize=False)
 
 
 def test_cli_bench_spec_bench_too_long_for_the_model_is_one_line(tmp_path, capsys):

@@ -22,7 +22,7 @@ from .runner import (
 )
 from . import llamacpp, vllm_cpu
 from .chat_tasks import CHAT_CATEGORIES, chat_tasks, has_chat_template, task_input_ids
-from .spec_bench import spec_bench_tasks
+from .spec_bench import second_turns, spec_bench_tasks
 from .tasks import ALL_CATEGORIES, CATEGORIES, LONG_CATEGORIES, builtin_tasks, read_prompts
 
 AUTO = "auto"
@@ -30,6 +30,9 @@ LLAMA_CPP = "llama.cpp"
 # --tasks presets: "auto" is chat for a model whose tokenizer has a chat template, else code.
 TASK_PRESETS = {"code": CATEGORIES, "chat": CHAT_CATEGORIES}
 SPEC_BENCH = "spec-bench"  # Spec-Bench's 480 questions, six categories (spec_bench.py)
+
+
+SECOND_TURN_ROOM = 512  # positions a llama.cpp context keeps for an MT-bench second question and its template
 
 
 def _csv(text: str) -> list[str]:
@@ -255,8 +258,11 @@ def load_tasks_and_models(args: argparse.Namespace) -> tuple[list, list[torch.Te
         tasks = _builtin(args.tasks, tokenizer, args.per_task)
     input_ids = [task_input_ids(tokenizer, t) for t in tasks]  # chat tasks through the template
     draft_name = getattr(args, "draft", None)
+    follow_up = not args.prompts and SPEC_BENCH in _csv(args.tasks)  # MT-bench's second turns, once answered
     if args.backend == LLAMA_CPP:  # llama.cpp's contexts sized to these prompts, the same for every method
-        context = llamacpp.context_for(input_ids, args.max_new_tokens)
+        # a second turn holds its first turn, an answer of at most --max-new-tokens and a question
+        room = 2 * args.max_new_tokens + SECOND_TURN_ROOM if follow_up else 0
+        context = llamacpp.context_for(input_ids, args.max_new_tokens + room)
         try:
             model = llamacpp.load(args.model, torch.get_num_threads(), context)
             draft = llamacpp.load(draft_name, torch.get_num_threads(), context) if draft_name else None
@@ -265,8 +271,26 @@ def load_tasks_and_models(args: argparse.Namespace) -> tuple[list, list[torch.Te
     else:
         model = load_model(args.model)
         draft = load_model(draft_name) if draft_name else None
+    if follow_up:
+        more = second_turns(tokenizer, tasks, first_answer(model, tokenizer, tasks, input_ids, args.max_new_tokens))
+        tasks, input_ids = tasks + more, input_ids + [task_input_ids(tokenizer, t) for t in more]
     check_lengths(model, tasks, input_ids, args.max_new_tokens)
     return tasks, input_ids, model, draft
+
+
+def first_answer(model, tokenizer, tasks, input_ids, max_new_tokens: int):
+    """The model's own answer to a task, as a chat would give it: greedy plain decoding to
+    its EOS or ``max_new_tokens``, special tokens dropped (MT-bench's second turn follows it)."""
+    from ..engine.loop import generate
+
+    ids_of = {task.name: ids for task, ids in zip(tasks, input_ids)}
+
+    def answer(task) -> str:
+        ids = ids_of[task.name]
+        out = generate(model, ids, max_new_tokens=max_new_tokens).sequences[0, ids.shape[1]:]
+        return tokenizer.decode(out.tolist(), skip_special_tokens=True).strip()
+
+    return answer
 
 
 def run(args: argparse.Namespace) -> int:

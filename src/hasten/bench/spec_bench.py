@@ -7,13 +7,16 @@ mathematical reasoning and retrieval-augmented generation (80 each). Each task i
 first turn through the model's chat template (a plain transcript for a base model);
 conversation takes its questions round-robin over MT-bench's 8 categories, so a few of them
 already span writing, roleplay, reasoning, math, coding, extraction, STEM and humanities.
-The second turn (answered after the model's own first answer, as Spec-Bench runs MT-bench)
-is not run yet.
+MT-bench's questions have a second turn, which Spec-Bench asks after the model's own answer
+to the first: :func:`second_turns` builds those tasks once the model has answered (its greedy
+first answer, to EOS or the token budget), category ``conversation`` too, named ``...-turn2``.
 """
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 from .chat_tasks import chat_task
 from .tasks import Task, read_prompts
@@ -49,3 +52,22 @@ def spec_bench_tasks(tokenizer, per_task: int) -> list[Task]:
             messages = ({"role": "user", "content": question.prompt},)
             tasks.append(chat_task(tokenizer, f"spec-bench-{question.name}", category, messages, SOURCE))
     return tasks
+
+
+def second_turns(tokenizer, tasks: list[Task], answer: Callable[[Task], str]) -> list[Task]:
+    """The second turn of every MT-bench task in ``tasks`` (Spec-Bench's conversation
+    questions): its first turn, ``answer(task)`` (the model's own answer to it) as the
+    assistant's turn, then the question's second turn."""
+    turns = {}
+    for line in QUESTIONS.read_text(encoding="utf-8").splitlines():
+        record = json.loads(line)
+        if len(record["turns"]) > 1:
+            turns[f"spec-bench-{record['question_id']}"] = record["turns"]
+    follow_ups = []
+    for task in tasks:
+        if task.name in turns and task.messages:
+            first, second = turns[task.name][:2]
+            messages = ({"role": "user", "content": first}, {"role": "assistant", "content": answer(task)},
+                        {"role": "user", "content": second})
+            follow_ups.append(chat_task(tokenizer, f"{task.name}-turn2", task.category, messages, SOURCE))
+    return follow_ups
