@@ -21,9 +21,7 @@ request from its own history) is not wired into vLLM yet: vLLM's depth is fixed.
 """
 from __future__ import annotations
 
-from .core.ngram import NgramIndex, find
-
-MAX_NGRAM, MIN_NGRAM = 3, 1  # hasten's prompt_lookup defaults
+from .core.ngram import MAX_NGRAM, MIN_NGRAM, NgramIndex, find
 
 
 class PromptLookup:

@@ -18,7 +18,8 @@ from ..arguments import (
 from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
 from .runner import (
-    HF_BASELINES, OVERALL, LosslessnessError, check_lengths, hasten_method, hasten_method_names, hf_method, run_bench,
+    HF_BASELINES, OVERALL, LosslessnessError, check_lengths, hasten_method, hasten_method_names, hf_method,
+    not_identical_note, run_bench,
 )
 from . import llamacpp, vllm_cpu
 from .chat_tasks import CHAT_CATEGORIES, chat_tasks, has_chat_template, task_input_ids
@@ -30,8 +31,6 @@ LLAMA_CPP = "llama.cpp"
 # --tasks presets: "auto" is chat for a model whose tokenizer has a chat template, else code.
 TASK_PRESETS = {"code": CATEGORIES, "chat": CHAT_CATEGORIES}
 SPEC_BENCH = "spec-bench"  # Spec-Bench's 480 questions, six categories (spec_bench.py)
-
-
 SECOND_TURN_ROOM = 512  # positions a llama.cpp context keeps for an MT-bench second question and its template
 
 
@@ -337,9 +336,9 @@ def run(args: argparse.Namespace) -> int:
     paths = write_report(results, args.out)
     overall = results["by_category"][OVERALL]
     for row in overall:
-        same = "" if row["identical"].split("/")[0] == row["identical"].split("/")[1] else (
-            f"  (output identical on {row['identical']} prompts)")
-        print(f"{row['method']:>20}  {row['tokens_per_second']:8.1f} tok/s  {row['speedup_vs_ar'] or 0:.2f}x vs AR{same}")
+        note = not_identical_note(row)
+        print(f"{row['method']:>20}  {row['tokens_per_second']:8.1f} tok/s  {row['speedup_vs_ar'] or 0:.2f}x vs AR"
+              + (f"  ({note})" if note else ""))
     print(f"hasten bench: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     return 0
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 
-from .runner import AUTOREGRESSIVE, OVERALL
+from .runner import AUTOREGRESSIVE, OVERALL, not_identical_note
 
 SPEEDUP_PNG, ACCEPTANCE_PNG = "speedup.png", "acceptance.png"
 
@@ -37,9 +37,9 @@ def _other_side(kinds: dict[str, str]) -> tuple[str, str, str, str]:
 def _note(row: dict, kinds: dict[str, str]) -> str:
     """Say so wherever a hasten method is slower than the other runtime's path, and where
     another engine's output was not the reference on every prompt."""
-    same, total = row.get("identical", "0/0").split("/")
-    if same != total:
-        return f"output identical on {same}/{total} prompts"
+    different = not_identical_note(row)
+    if different:
+        return different
     if kinds.get(row["method"]) != "hasten":
         return ""
     _, plain_key, plain, _ = _other_side(kinds)

@@ -138,6 +138,12 @@ class Cell:
     identical: bool = True  # the output equals the reference (always so for exact methods)
 
 
+def not_identical_note(row: dict) -> str:
+    """"output identical on k/n prompts" where a row's outputs were not all the reference's, else ""."""
+    same, total = row.get("identical", "0/0").split("/")
+    return "" if same == total else f"output identical on {same}/{total} prompts"
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     return round(num / den, 4) if num and den else None
 

@@ -85,7 +85,9 @@ class Worker:
             if line.startswith(MARK):
                 return json.loads(line[len(MARK):])
         self.log.seek(0)
-        raise UserError(f"the vLLM worker stopped without an answer; its last output:\n{self.log.read()[-3000:]}")
+        last = self.log.read()[-3000:]
+        self.close()
+        raise UserError(f"the vLLM worker stopped without an answer; its last output:\n{last}")
 
     def close(self) -> None:
         if self.process.poll() is None:

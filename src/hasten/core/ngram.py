@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+MAX_NGRAM, MIN_NGRAM = 3, 1  # prompt lookup's default suffix lengths: the longest tried first, the shortest accepted
+
 
 class NgramIndex:
     """For each n, the latest (or, with ``earliest``, the first) end position of every
@@ -72,7 +74,6 @@ def matched_tokens(text: list[int], end: int, tokens: list[int], n: int) -> int:
             text[end - matched] == tokens[-1 - matched]:
         matched += 1
     return matched
-
 
 
 def find(tokens: list[int], sources: list[tuple[NgramIndex, list[int]]]) -> Match | None:

@@ -15,14 +15,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.settings import Settings
-from ..core.ngram import NO_MATCH, Match, NgramIndex, find
+from ..core.ngram import MAX_NGRAM, MIN_NGRAM, NO_MATCH, Match, NgramIndex, find
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
 
 
 @dataclass(frozen=True)
 class PromptLookupSettings(Settings):
-    max_ngram: int = 3  # longest suffix tried first
-    min_ngram: int = 1  # shortest suffix accepted as a match
+    max_ngram: int = MAX_NGRAM  # longest suffix tried first
+    min_ngram: int = MIN_NGRAM  # shortest suffix accepted as a match
     num_tokens: int = 10  # tokens copied after the match
     match: str = "latest"  # which occurrence of the suffix to copy after: "latest" or "earliest"
 

@@ -70,9 +70,14 @@ class Encoder:
         self.engine.tokenizer = copy.deepcopy(engine.tokenizer)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hasten-encode")
 
-    async def __call__(self, method: str, *args) -> list[int]:
-        encode = getattr(self.engine, method)  # "encode" or "encode_chat"
-        ids = await asyncio.get_running_loop().run_in_executor(self.pool, encode, *args)
+    async def text(self, prompt: str) -> list[int]:
+        return await self._run(self.engine.encode, prompt)
+
+    async def chat(self, messages: list[dict]) -> list[int]:
+        return await self._run(self.engine.encode_chat, messages)
+
+    async def _run(self, encode: Callable, argument) -> list[int]:
+        ids = await asyncio.get_running_loop().run_in_executor(self.pool, encode, argument)  # [1, T]
         return ids[0].tolist()
 
     def close(self) -> None:
@@ -109,7 +114,7 @@ class Service:
         self._check_model(params.model)
         prompt = parse_prompt(body)
         if isinstance(prompt, str):
-            input_ids = await self.encode("encode", prompt)
+            input_ids = await self.encode.text(prompt)
         else:
             input_ids = self._checked_ids(prompt)
         max_tokens = self._budget(len(input_ids), params.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
@@ -121,7 +126,7 @@ class Service:
         self._check_model(params.model)
         messages = parse_messages(body)
         try:
-            input_ids = await self.encode("encode_chat", messages)
+            input_ids = await self.encode.chat(messages)
         except ValueError as err:  # no chat template, or the template refused the messages
             raise invalid("messages", str(err)) from None
         asked_as = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
