@@ -3,14 +3,14 @@ import torch
 
 import hasten
 from hasten.drafters import PromptLookup, create
-from hasten.drafters.base import Draft, DraftContext
+from hasten.drafters.base import Draft, DraftContext, TargetView
 from hasten.core.sampling import Sampling
 from hasten.models.adapter import ModelAdapter
 from helpers import hf_greedy, tiny_model
 
 
 def context(tokens, source=None, max_depth=10):
-    target = ModelAdapter(tiny_model("llama"))
+    target = TargetView(ModelAdapter(tiny_model("llama")), frozenset())  # what a drafter needing nothing sees
     return DraftContext(list(tokens), max_depth, Sampling(), None, target, source)
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import hasten
 from hasten.core.sampling import Sampling
 from hasten.core.state import GrowingBuffer
-from hasten.drafters.base import DraftContext
+from hasten.drafters.base import DraftContext, TargetView
 from hasten.drafters.compress import BRANCHES, VisualCompressor, windows
 from hasten.drafters.eagle_vlm import EagleVlm, EagleVlmLayer, drafter_inputs, image_runs
 from hasten.drafters.nn import causal
@@ -130,7 +130,9 @@ def test_sampling_follows_the_vlm_law(tmp_path):
 def context_for(model, tokens, features, prompt_embeds):
     buffer = GrowingBuffer()
     buffer.extend(features)
-    target = types.SimpleNamespace(model=model, prompt_embeds=prompt_embeds)
+    row = types.SimpleNamespace(model=model, prompt_embeds=prompt_embeds, vocab_size=model.config.get_text_config().vocab_size,
+                                encoder_decoder=False, kv_readable=False)
+    target = TargetView(row, EagleVlm.needs)
     return DraftContext(list(tokens), 4, Sampling(0.0), None, target, feature_buffer=buffer)
 
 

@@ -7,7 +7,7 @@ import hasten
 from hasten.core.sampling import Sampling
 from hasten.core.settings import from_pairs
 from hasten.drafters import DraftModel, EasySpec, EasySpecSettings, create
-from hasten.drafters.base import DraftContext, Drafter
+from hasten.drafters.base import DraftContext, Drafter, TargetView
 from hasten.models import cache as kv
 from hasten.models.adapter import ModelAdapter
 from hasten.models.layers import UnsupportedArchitecture
@@ -77,7 +77,7 @@ def test_group_size_1_drafts_exactly_what_draft_model_drafts():
 
 def context(tokens, sampling=Sampling(), seed=None):
     generator = None if seed is None else torch.Generator().manual_seed(seed)
-    return DraftContext(list(tokens), 10, sampling, generator, ModelAdapter(TARGET))
+    return DraftContext(list(tokens), 10, sampling, generator, TargetView(ModelAdapter(TARGET), frozenset()))
 
 
 @pytest.mark.parametrize("sampling", [Sampling(), Sampling(1.0)], ids=["greedy", "sampled"])

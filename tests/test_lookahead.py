@@ -2,6 +2,7 @@
 import pytest
 
 from hasten.drafters import Lookahead, create
+from hasten.drafters.base import TargetView
 from hasten.drafters.lookahead import NgramTrie
 from test_drafters import context
 
@@ -49,7 +50,7 @@ def test_corpus_seeds_the_trie(tmp_path):
     model = hasten.loading.load_model(path)
     drafter = Lookahead(corpus=str(corpus))
     ctx = context(ids)
-    ctx.target = hasten.models.ModelAdapter(model)
+    ctx.target = TargetView(hasten.models.ModelAdapter(model), Lookahead.needs, str(path))
     ctx.state = drafter.begin(ctx)
     assert len(drafter.propose(ctx)) > 0  # the prompt alone has no earlier match: the corpus supplies it
     with pytest.raises(ValueError, match="corpus"):

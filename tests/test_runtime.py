@@ -11,6 +11,7 @@ import transformers as tf
 import hasten
 from hasten.core.runtime import Capability, MissingCapability, Runtime
 from hasten.drafters import REGISTRY, PromptLookup, create
+from hasten.drafters.base import TargetView, UndeclaredNeed
 from hasten.models.hf import HuggingFaceRuntime, runtime_of
 from hasten.models.layers import model_name
 from hasten.models.llamacpp import LlamaCppModel
@@ -137,15 +138,33 @@ def test_no_attribute_probe_of_a_model_or_target_decides_behaviour():
     assert found == []
 
 
-TOUCH = re.compile(r"ctx\.target\.(?:forward|forward_rows|crop|commit|start|cache)\b")
+class ReadsModulesUndeclared(PromptLookup):
+    """A drafter that borrows the target's modules without declaring Capability.MODULES."""
+
+    def begin(self, ctx):
+        return ctx.target.modules
 
 
-def test_no_drafter_runs_or_rolls_back_the_loops_cache():
-    """Drafters read what the loop lends (tokens, features, read_kv, probe_queries); the
-    session runs every forward on its cache and restores it."""
-    found = [f"{path.name}:{i}" for path in sorted((ROOT / "src" / "hasten" / "drafters").glob("*.py"))
-             for i, line in enumerate(path.read_text().splitlines(), 1) if TOUCH.search(line)]
-    assert found == []
+def test_drafters_see_a_view_that_lends_only_what_they_declare():
+    """``ctx.target`` is a TargetView: no forward, commit or crop of the loop's cache exists on
+    it, and each capability's reads answer only when the drafter declared that capability."""
+    model = tiny_model("llama")
+    session = runtime_of(model).session()
+    tokens, _ = session.start(repetitive_prompt(10))
+    bare = TargetView(session, frozenset())
+    assert [name for name in ("forward", "forward_rows", "crop", "commit", "start", "cache", "model")
+            if hasattr(bare, name)] == []
+    assert (bare.vocab_size, bare.encoder_decoder, bare.cache_length) == (VOCAB, False, len(tokens) - 1)
+    for read in (lambda v: v.modules, lambda v: v.read_kv(-1), lambda v: v.probe_queries(tokens[-1])):
+        with pytest.raises(UndeclaredNeed):
+            read(bare)
+    lent = TargetView(session, frozenset({Capability.MODULES, Capability.KV_READ, Capability.QUERY_CAPTURE}))
+    assert lent.modules is model and lent.kv_readable
+    assert torch.equal(lent.read_kv(-1)[0], session.read_kv(-1)[0])
+    row, _ = runtime_of(model).batch(2).add([1, 2, 3])
+    assert not TargetView(row, frozenset({Capability.KV_READ})).kv_readable  # a batch row's cache is shared
+    with pytest.raises(UndeclaredNeed, match="torch modules"):
+        hasten.generate(model, repetitive_prompt(10), drafter=ReadsModulesUndeclared(), max_new_tokens=4)
 
 
 def test_a_query_probe_leaves_the_cache_as_it_was():

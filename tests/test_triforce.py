@@ -44,7 +44,7 @@ def test_refreshed_selection_keeps_greedy_output_and_really_changes(arch):
     out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW)
     assert out.sequences.tolist() == reference.tolist()
 
-    from hasten.drafters.base import DraftContext
+    from hasten.drafters.base import DraftContext, TargetView
     from hasten.core.sampling import Sampling
     from hasten.engine.verify import GreedyAcceptance
     from hasten.models.adapter import ModelAdapter
@@ -52,10 +52,11 @@ def test_refreshed_selection_keeps_greedy_output_and_really_changes(arch):
     target = ModelAdapter(model)
     tokens = reference[0, :60].tolist()  # 12 tokens past the prompt's 48
     target.start(torch.tensor([tokens]))  # caches all but the root
-    ctx = DraftContext(tokens=tokens, max_depth=5, sampling=Sampling(), generator=None, target=target,
+    view = TargetView(target, TriForce.needs)
+    ctx = DraftContext(tokens=tokens, max_depth=5, sampling=Sampling(), generator=None, target=view,
                        acceptance=GreedyAcceptance())
     ctx.state = drafter.begin(DraftContext(tokens=tokens[:48], max_depth=5, sampling=Sampling(), generator=None,
-                                           target=target, acceptance=GreedyAcceptance()))
+                                           target=TargetView(target, TriForce.needs), acceptance=GreedyAcceptance()))
     before = ctx.state.middle
     before.forward(tokens[47:59])  # the generated tokens' entries, as drafting rounds would feed them
     after = drafter._refreshed(ctx, before)
@@ -75,7 +76,7 @@ def test_begin_selects_from_the_loops_cache_and_leaves_it_as_it_was():
     prefill) with one root forward that is cropped away: the loop's entries are untouched,
     and the middle level holds a selection within the budget."""
     from hasten.core.sampling import Sampling
-    from hasten.drafters.base import DraftContext
+    from hasten.drafters.base import DraftContext, TargetView
     from hasten.engine.verify import GreedyAcceptance
     from hasten.models.adapter import ModelAdapter
 
@@ -88,7 +89,8 @@ def test_begin_selects_from_the_loops_cache_and_leaves_it_as_it_was():
     real_forward = model.forward
     model.forward = lambda *a, **k: prefills.append(k["input_ids"].shape[1]) or real_forward(*a, **k)
     state = TriForce(small, **SMALL).begin(DraftContext(tokens=tokens, max_depth=5, sampling=Sampling(),
-                                                        generator=None, target=target, acceptance=GreedyAcceptance()))
+                                                        generator=None, target=TargetView(target, TriForce.needs),
+                                                        acceptance=GreedyAcceptance()))
     del model.forward
     assert prefills == [1]  # the root alone, no prompt-long prefill
     assert target.cache_length == 47

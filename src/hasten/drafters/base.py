@@ -25,7 +25,7 @@ from ..core.runtime import Capability, MissingCapability, Runtime
 from ..core.sampling import Sampling
 from ..core.state import GrowingBuffer
 from ..core.tree import TokenTree
-from ..models.adapter import ModelAdapter, Riders
+from ..models.adapter import Riders
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,65 @@ class Draft:
 EMPTY_DRAFT = Draft.chain(())
 
 
+class UndeclaredNeed(RuntimeError):
+    """A drafter read what it did not declare in ``needs``: a bug in the drafter, not in the request."""
+
+
+class TargetView:
+    """What a drafter may read of the target it drafts for (``ctx.target``), lent by the
+    capabilities its ``needs`` declare and nothing else. It holds no way to run a forward on
+    the loop's cache, commit to it or crop it: the loop owns the target's state.
+
+    Always lent: ``vocab_size``, ``encoder_decoder``, ``source`` (where the model was loaded
+    from) and ``cache_length`` (the committed tokens the target has cached: all but the root).
+    ``Capability.MODULES``: ``modules``, the target's own torch model (LM head, embeddings, rotary, layers).
+    ``Capability.FEATURES``: ``prompt_embeds``, what an image prefill fed the language model.
+    ``Capability.KV_READ``: ``read_kv`` and ``read_all_kv``, where ``kv_readable``.
+    ``Capability.QUERY_CAPTURE``: ``probe_queries``, which the target runs and undoes itself.
+    Reading anything else raises :class:`UndeclaredNeed`."""
+
+    def __init__(self, row, needs: frozenset[Capability], source: str = ""):
+        self._row, self._needs = row, frozenset(needs)
+        self.vocab_size: int = row.vocab_size
+        self.encoder_decoder: bool = row.encoder_decoder
+        self.source = source
+        # whether this row answers read_kv and probe_queries: one sequence's full cache
+        # (batch rows share a padded cache; llama.cpp does not expose its cells)
+        self.kv_readable: bool = bool(self._needs & {Capability.KV_READ, Capability.QUERY_CAPTURE}) and row.kv_readable
+
+    def _lend(self, capability: Capability):
+        if capability not in self._needs:
+            raise UndeclaredNeed(f"a drafter read the target's {capability} without declaring "
+                                 f"Capability.{capability.name} in its needs")
+        return self._row
+
+    @property
+    def modules(self):
+        """The target's torch model (borrow its LM head, embeddings, rotary, layers; never its cache)."""
+        return self._lend(Capability.MODULES).model
+
+    @property
+    def prompt_embeds(self) -> torch.Tensor | None:
+        """[T - 1, embed] what an image prefill fed the language model; None after a text prefill."""
+        return self._lend(Capability.FEATURES).prompt_embeds
+
+    @property
+    def cache_length(self) -> int:
+        return self._row.cache_length
+
+    def read_kv(self, layer: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer``'s cached keys and values, [1, kv_heads, entries, head_dim] views to read."""
+        return self._lend(Capability.KV_READ).read_kv(layer)
+
+    def read_all_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return self._lend(Capability.KV_READ).read_all_kv()
+
+    def probe_queries(self, token: int) -> dict[int, torch.Tensor]:
+        """Each layer's query of ``token`` fed after the cache, ``{layer: [heads, 1, head_dim]}``;
+        the target restores its cache afterwards."""
+        return self._lend(Capability.QUERY_CAPTURE).probe_queries(token)
+
+
 @dataclass
 class DraftContext:
     """What a drafter may look at when proposing; made by the loop for one generation."""
@@ -82,7 +141,7 @@ class DraftContext:
     max_depth: int  # deeper draft tokens cannot be used this step
     sampling: Sampling
     generator: torch.Generator | None
-    target: ModelAdapter
+    target: TargetView  # what the drafter may read of the target, by its declared needs
     source: list[int] | None = None  # encoder input, for encoder-decoder targets
     # committed target features, for drafters whose needs hold Capability.FEATURES: row t is the target's
     # last-layer hidden state at position t (its LM head turns it into tokens[t + 1]), so
@@ -151,7 +210,7 @@ class Drafter:
         """Whether the loop must collect the target's hidden states for this drafter."""
         return Capability.FEATURES in cls.needs
 
-    def check_target(self, target: ModelAdapter) -> None:
+    def check_target(self, target: TargetView) -> None:
         """Raise ValueError if this drafter cannot serve this particular ``target`` (a
         vocabulary or an architecture it cannot read); what the runtime can do at all is
         :meth:`check_runtime`'s."""

@@ -32,6 +32,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 from ..core.settings import option
+from ..models.vlm import image_token_id
 from .base import EMPTY_DRAFT, Draft, DraftContext, register
 from .compress import BRANCHES, VisualCompressor
 from .eagle import Eagle, EagleConfig, EagleLayer, EagleSettings, EagleTrainOptions, EagleTraining
@@ -220,7 +221,7 @@ class EagleVlm(Eagle):
         features = ctx.features  # [P, H]
         count, device = len(features), features.device
         tokens = torch.tensor(ctx.tokens[: count + 1], device=device)  # [P + 1] the pairs' next tokens included
-        placeholder = getattr(ctx.target.model.config, "image_token_id", None)
+        placeholder = image_token_id(ctx.target.modules)
         is_image = (tokens == placeholder).tolist() if placeholder is not None else [False] * (count + 1)
         prompt_embeds = ctx.target.prompt_embeds  # [T - 1, E] from an image prefill, else None
         if not any(is_image) or prompt_embeds is None:

@@ -355,7 +355,7 @@ class LongSpec(TrainedDrafter):
     def check_target(self, target) -> None:
         super().check_target(target)
         if not target.encoder_decoder:
-            TargetRotary(target.model)
+            TargetRotary(target.modules)
 
     def setup(self, model: PreTrainedModel) -> None:
         self.rotary = TargetRotary(model)  # borrowed, like the LM head

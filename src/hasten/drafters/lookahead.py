@@ -23,7 +23,6 @@ from functools import lru_cache
 
 from ..core.settings import Settings
 from ..core.tree import TokenTree
-from ..models.hf import runtime_of
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
 
 
@@ -114,7 +113,7 @@ class Lookahead(Drafter):
         s = self.settings
         trie = NgramTrie(s.max_prefix + s.branch_length)
         if s.corpus:
-            trie.feed(_corpus_ids(s.corpus, runtime_of(ctx.target.model).source))
+            trie.feed(_corpus_ids(s.corpus, ctx.target.source))
             trie.close()
         if ctx.source:
             trie.feed(ctx.source)

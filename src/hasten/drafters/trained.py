@@ -165,7 +165,7 @@ class TrainedDrafter(Drafter):
 
     # ---- the protocol ------------------------------------------------------------------
     def begin(self, ctx: DraftContext) -> Any:
-        model = ctx.target.model
+        model = ctx.target.modules
         if model is not self._target:
             self._prepare(model)
         return self.start(ctx)

@@ -165,7 +165,8 @@ class TriForceState:
 class TriForce(Drafter):
     name = "triforce"
     Settings = TriForceSettings
-    needs = frozenset({Capability.MODULES, Capability.QUERY_CAPTURE})  # the retrieval cache scores the target's queries
+    # the retrieval cache scores the target's queries over the prompt's entries in its cache
+    needs = frozenset({Capability.MODULES, Capability.QUERY_CAPTURE, Capability.KV_READ})
     needs_draft_model = True
     encoder_decoder_ok = False
 
@@ -178,10 +179,10 @@ class TriForce(Drafter):
     def check_target(self, target) -> None:
         super().check_target(target)
         check_same_vocabulary(self.model, target)
-        config = target.model.config.get_text_config()
+        config = target.modules.config.get_text_config()
         kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
         if getattr(config, "sliding_window", None) is not None and "sliding_attention" in kinds:
-            raise ValueError(f"triforce needs a full-attention target; {model_name(target.model)!r} has "
+            raise ValueError(f"triforce needs a full-attention target; {model_name(target.modules)!r} has "
                              "sliding-window layers, whose masks cannot follow a per-head retrieval cache")
 
     def begin(self, ctx: DraftContext) -> TriForceState:
@@ -190,7 +191,7 @@ class TriForce(Drafter):
             raise ValueError("triforce refresh reads the prompt's entries from the target's own full cache: "
                              "one sequence on a plain ModelAdapter only (not batches, llama.cpp or "
                              "compressed caches); use refresh=0 there")
-        model = ctx.target.model
+        model = ctx.target.modules
         prompt = ctx.tokens[:-1]  # what the loop's target has cached: all but the root
         cache = DynamicCache()
         if prompt and ctx.target.kv_readable and ctx.target.cache_length == len(prompt):

@@ -27,7 +27,7 @@ from transformers import PreTrainedModel
 from ..core.errors import FieldError
 from ..core.sampling import Sampling
 from ..core.stats import DecodeStats
-from ..drafters.base import Drafter
+from ..drafters.base import Drafter, TargetView
 from ..models.batch import BatchRow
 from ..models.hf import runtime_of
 from .inputs import check_positions, eos_ids
@@ -102,7 +102,7 @@ class Scheduler:
             drafter.check_runtime(self.runtime)  # before any forward
         self.target = self.runtime.batch(max_batch)
         if drafter is not None:
-            drafter.check_target(self.target)
+            drafter.check_target(TargetView(self.target, drafter.needs, self.runtime.source))
         self.model = model
         self.drafter = drafter
         self.max_batch = max_batch
@@ -251,7 +251,7 @@ class Scheduler:
         sequence = Sequence(
             row, list(request.input_ids), prefilled, self.drafter, request.sampling, generator,
             acceptance_rule(request.sampling, self.lossy_acceptance), eos, request.max_new_tokens, stats,
-            sizing, stop=request.stop,
+            sizing, stop=request.stop, model_source=self.runtime.source,
         )
         stats.prefill_seconds += time.perf_counter() - clock
         return _Running(sequence, row, queued_seconds, reserved)

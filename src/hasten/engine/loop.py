@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 
 from ..core.sampling import Sampling
 from ..core.stats import DecodeStats
-from ..drafters.base import Drafter
+from ..drafters.base import Drafter, TargetView
 from ..core.runtime import Runtime
 from ..models.hf import runtime_of
 from ..models.attention import MaskedTree, attention_path
@@ -71,7 +71,7 @@ def decode(
         drafter.check_runtime(runtime)  # before any forward
     target = runtime.session(tree_attention)
     if drafter is not None:
-        drafter.check_target(target)
+        drafter.check_target(TargetView(target, drafter.needs, runtime.source))
     clock = time.perf_counter()
     want_features = drafter is not None and drafter.reads_features()
     if kv_compression is None:
@@ -80,7 +80,7 @@ def decode(
         tokens, prefilled = kv_compression.start(target, input_ids, want_features)
     source = input_ids[0].tolist() if target.encoder_decoder else None
     sequence = Sequence(target, tokens, prefilled, drafter, sampling, generator, acceptance, eos_token_ids,
-                        max_new_tokens, stats, sizing, source, stop)
+                        max_new_tokens, stats, sizing, source, stop, runtime.source)
     stats.prefill_seconds += time.perf_counter() - clock
     while not sequence.finished:
         yield step(target, [sequence])[0]

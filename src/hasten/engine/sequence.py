@@ -19,7 +19,7 @@ from ..core.sampling import Sampling
 from ..core.state import GrowingBuffer
 from ..core.stats import DecodeStats, holder_kv_bytes
 from ..core.tree import TokenTree
-from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult
+from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult, TargetView
 from ..models.adapter import ForwardOutput, Riders
 from .sizing import FixedSize, SizingRule
 from .stops import StopStrings
@@ -27,8 +27,8 @@ from .verify import Acceptance
 
 
 class RowCache(Protocol):
-    """One sequence's view of the target: its model, and its rows of the KV cache. A
-    ModelAdapter is one; so is a BatchRow. Drafters see it as ``ctx.target``."""
+    """One sequence's target: its model, and its rows of the KV cache. A ModelAdapter is
+    one; so is a BatchRow. Drafters see a :class:`~hasten.drafters.base.TargetView` of it."""
 
     model: object
     vocab_size: int
@@ -75,6 +75,7 @@ class Sequence:
         sizing: SizingRule | None = None,
         source: list[int] | None = None,
         stop: StopStrings | None = None,
+        model_source: str = "",  # where the target was loaded from (a drafter's corpus may need its tokenizer)
     ):
         self.cache = cache
         self.drafter = drafter
@@ -91,7 +92,8 @@ class Sequence:
             features = GrowingBuffer()
             if prefilled is not None:
                 features.extend(prefilled)
-        self.ctx = DraftContext(tokens, 0, sampling, generator, cache, source, features, acceptance=acceptance)
+        view = TargetView(cache, drafter.needs if drafter else frozenset(), model_source)
+        self.ctx = DraftContext(tokens, 0, sampling, generator, view, source, features, acceptance=acceptance)
         self.fit = Draft.limit_depth if cache.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
         self.sizing = sizing or FixedSize()
         if drafter is not None:

@@ -80,6 +80,7 @@ class BatchAdapter:
 
     trees_ok = True
     encoder_decoder = False
+    kv_readable = False  # the rows share one padded cache: no row's entries can be read alone
 
     def __init__(self, model: PreTrainedModel):
         # the single-sequence adapter checks the model once (type, rollback-able cache)

@@ -409,6 +409,7 @@ class LlamaCppBatch:
 
     trees_ok = False
     encoder_decoder = False
+    kv_readable = False  # llama.cpp's KV cells are not exposed
     device = torch.device("cpu")
 
     def __init__(self, model: LlamaCppModel, rows: int):
