@@ -13,6 +13,7 @@ import hasten
 from hasten.core.sampling import Sampling
 from hasten.drafters import DraftModel, Lookahead, Medusa, PromptLookup
 from hasten.drafters.base import Draft, DraftContext, Drafter, create
+from hasten.core.runtime import Capability, MissingCapability
 from hasten.drafters.hidden_transfer import HiddenTransfer
 from hasten.engine.batch import Request, Scheduler
 from hasten.engine.stops import StopStrings
@@ -247,9 +248,10 @@ def test_scheduler_refuses_bad_requests_with_the_field_named():
 def test_batches_refuse_what_they_cannot_serve():
     with pytest.raises(ValueError, match="encoder-decoder"):
         hasten.generate(tiny_model("t5"), [torch.tensor([3, 4]), torch.tensor([5])], max_new_tokens=2)
-    with pytest.raises(ValueError, match="one at a time"):
+    with pytest.raises(MissingCapability, match="riders, which the Hugging Face runtime does not provide in a batch") as refused:
         hasten.generate(tiny_model("llama"), [torch.tensor([3, 4, 3, 4]), torch.tensor([5])],
                         drafter=HiddenTransfer(), max_new_tokens=4)
+    assert refused.value.missing == {Capability.RIDERS}  # refused by the batch's capabilities, before any forward
     with pytest.raises(ValueError, match="shape"):
         hasten.generate(tiny_model("llama"), torch.ones(2, 3, dtype=torch.long), attention_mask=torch.ones(2, 4))
     with pytest.raises(TypeError, match=r"input_ids\[1\]"):

@@ -15,7 +15,7 @@ from hasten.drafters.base import Drafter
 from hasten.drafters.medusa import Medusa, MedusaTraining, MedusaTrainOptions
 from hasten.training.cli import trainable_drafters
 from hasten.training.distill import DistillSettings, distill, read_documents
-from hasten.training.trainer import CHECKPOINT, Trainable, TrainSettings, lr_scale, option, train
+from hasten.training.trainer import CHECKPOINT, Trainable, TrainSettings, option, train
 from helpers import TRAIN_TEXT as TEXT, save_checkpoint, tiny_model, tiny_tokenizer
 
 TOKENIZER = tiny_tokenizer()
@@ -95,10 +95,11 @@ def test_read_documents(tmp_path):
 
 # ---- the trainer -----------------------------------------------------------------------------
 def test_lr_schedule():
-    s = TrainSettings(steps=100, lr=1.0, warmup_steps=10)
-    assert [lr_scale(i, None, s) for i in range(10)] == [lr_scale(i, 100, s) for i in range(10)]  # warmup ignores the plan
-    assert lr_scale(9, 100, s) == lr_scale(10, 100, s) == 1.0
-    assert lr_scale(100, 100, s) == pytest.approx(0.1)
+    schedule = TrainSettings(steps=100, lr=1.0, warmup_steps=10).lr_schedule
+    assert [schedule.scale(i, None) for i in range(10)] == [schedule.scale(i, 100) for i in range(10)]  # warmup ignores the plan
+    assert schedule.scale(9, 100) == schedule.scale(10, 100) == 1.0
+    assert schedule.scale(100, 100) == pytest.approx(0.1)
+    assert schedule.scale(10, 100, time_share=0.9) == 1.0  # paced by the planned steps; time only stops the run
 
 
 class Interrupted(MedusaTraining):

@@ -168,7 +168,7 @@ def test_recipe_trains_saves_and_resumes_a_minuscule_model(tmp_path):
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
     s = recipe.Settings(minutes=1.0, lr=1e-3, warmup_steps=10, final_lr_ratio=0.1)
     def lr_at(step, progress):
-        return s.lr * recipe.lr_scale(step, progress, s)
+        return s.lr * recipe.lr_schedule(s).scale(step, time_share=progress)
 
     assert lr_at(0, 0.0) == pytest.approx(1e-4)
     assert lr_at(9, 0.0) == pytest.approx(1e-3)

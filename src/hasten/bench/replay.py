@@ -147,8 +147,7 @@ class RecordedTarget:
     def crop(self, new_length: int) -> None:
         self.cache_length = new_length
 
-    def forward_rows(self, rows, blocks: list[list[int]], trees: list[TokenTree], hidden: bool,
-                     riders) -> list[ForwardOutput]:
+    def forward_rows(self, rows, blocks: list[list[int]], trees: list[TokenTree], hidden: bool) -> list[ForwardOutput]:
         began = time.perf_counter()
         block, tree = blocks[0], trees[0]
         base, reference = self.cache_length, self.reference  # block[0] sits at position base

@@ -40,10 +40,11 @@ class Capability(str, Enum):
 class MissingCapability(FieldError):
     """A drafter needs what a runtime does not provide: refused before any forward."""
 
-    def __init__(self, method: str, runtime: str, missing: frozenset[Capability]):
+    def __init__(self, method: str, runtime: str, missing: frozenset[Capability], batched: bool = False):
         names = ", ".join(sorted(str(capability) for capability in missing))
+        where = " in a batch (decode such requests one at a time)" if batched else ""
         super().__init__("method", "unsupported_method",
-                         f"{method} needs {names}, which the {runtime} runtime does not provide; "
+                         f"{method} needs {names}, which the {runtime} runtime does not provide{where}; "
                          "prompt_lookup, lookahead and draft_model run on every runtime")
         self.missing = missing
 
@@ -60,6 +61,7 @@ class Runtime:
     label: str  # the model's name for messages: its directory, file or class
     source: str = ""  # where the model was loaded from (a directory or file), "" if not from disk
     capabilities: frozenset[Capability] = frozenset()
+    unbatched: frozenset[Capability] = frozenset()  # capabilities a session has and a batch does not
     vocab_size: int
     context_length: int | None  # positions one sequence may use; None: no limit is known
     encoder_decoder: bool = False

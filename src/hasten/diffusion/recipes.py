@@ -17,15 +17,14 @@ import copy
 import json
 import platform
 import sys
-import time
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-from ..core.schedule import adamw, optimizer_step, warmup_cosine
+from ..core.schedule import adamw
+from ..core.training_loop import Budget, Schedule, TrainingLoop
 from . import sim
 from .models import dit as dit_model
 from .models import policy as policy_model
@@ -40,30 +39,27 @@ DEFAULTS = {  # the shipped weights were trained with these, one thread, on a 2-
 
 def train(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, torch.Generator], torch.Tensor],
           steps: int, lr: float, seed: int, label: str) -> tuple[torch.nn.Module, dict]:
-    """Generic loop: returns (EMA copy of the model, stats)."""
+    """``steps`` steps of ``loss_fn`` through the training loop; returns (EMA copy of the model, stats)."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)
     ema = copy.deepcopy(model).eval().requires_grad_(False)
-    opt = adamw([{"params": list(model.parameters()), "lr": lr, "weight_decay": 0.01}])
-    warmup = max(1, steps // 20)
+    optimizer = adamw([{"params": list(model.parameters()), "lr": lr, "weight_decay": 0.01}])
     model.train()
-    start, losses = time.monotonic(), []
-    bar = tqdm(range(steps), desc=label, mininterval=5, file=sys.stderr)
-    for step in bar:
-        with torch.enable_grad():  # callers (tests) may run under no_grad
-            loss = loss_fn(model, generator)
-            optimizer_step(opt, loss, warmup_cosine(step, warmup, step / steps))
-        decay = min(0.999, (1 + step) / (10 + step))
-        with torch.no_grad():
-            for e, p in zip(ema.parameters(), model.parameters()):
-                e.lerp_(p, 1 - decay)
-        losses.append(float(loss.detach()))
-        if step % 50 == 0:
-            bar.set_postfix(loss=f"{np.mean(losses[-50:]):.4f}")
-    stats = {"steps": steps, "lr": lr, "seed": seed, "minutes": round((time.monotonic() - start) / 60, 2),
-             "final_loss": float(np.mean(losses[-100:])), "threads": torch.get_num_threads(),
+    state = TrainingLoop(optimizer, lambda: loss_fn(model, generator), Schedule(warmup_steps=max(1, steps // 20)),
+                         Budget(steps=steps), after_step=lambda state: update_ema(ema, model, state.step),
+                         label=label, window=100).run()
+    stats = {"steps": steps, "lr": lr, "seed": seed, "minutes": round(state.elapsed_s / 60, 2),
+             "final_loss": state.recent_metrics()["loss"], "threads": torch.get_num_threads(),
              "torch": torch.__version__, "machine": platform.processor() or platform.machine()}
     return ema, stats
+
+
+@torch.no_grad()
+def update_ema(ema: torch.nn.Module, model: torch.nn.Module, steps_done: int) -> None:
+    """Move the moving average toward the weights, its decay growing with the steps to 0.999."""
+    decay = min(0.999, steps_done / (9 + steps_done))
+    for e, p in zip(ema.parameters(), model.parameters()):
+        e.lerp_(p, 1 - decay)
 
 
 # ---------------------------------------------------------------- DiT

@@ -16,14 +16,14 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from hasten.core.schedule import adamw, decay_groups, optimizer_step, warmup_cosine
+from hasten.core.schedule import adamw, decay_groups
+from hasten.core.training_loop import Budget, Checkpoints, Schedule, TrainingLoop
 from hasten.machine import machine_info
 from hasten.zoo import WEIGHTS_DIR, corpus
 from hasten.zoo.recipe import sample_batch, token_stream
@@ -88,7 +88,6 @@ def heldout_loss(model, windows: torch.Tensor, mask_id: int, seed: int = 1234) -
     return total / len(windows)
 
 
-@torch.enable_grad()
 def train(out: Path, minutes: float, seq_len: int, batch_size: int, lr: float, seed: int,
           eval_windows: int, work_dir: Path) -> dict:
     model, tokenizer = load_source()
@@ -99,31 +98,24 @@ def train(out: Path, minutes: float, seq_len: int, batch_size: int, lr: float, s
     rng = np.random.default_rng(seed)
     generator = torch.Generator().manual_seed(seed)
     optimizer = adamw(decay_groups(model.parameters(), lr, 0.1), betas=(0.9, 0.95))
-    evals = [{"step": 0, "minutes": 0.0, "heldout_loss": heldout_loss(model, windows, mask_id)}]
-    print(f"dlm-tiny: start heldout loss {evals[0]['heldout_loss']:.4f}", file=sys.stderr)
-    budget = minutes * 60
-    start = time.monotonic()
-    step, losses = 0, []
+
+    def batch_loss() -> torch.Tensor:
+        return diffusion_loss(model, sample_batch(train_stream, rng, batch_size, seq_len), mask_id, generator)
+
+    first = {"step": 0, "minutes": 0.0, "heldout_loss": heldout_loss(model, windows, mask_id)}  # outside the budget
+    print(f"dlm-tiny: start heldout loss {first['heldout_loss']:.4f}", file=sys.stderr)
     model.train()
-    while (elapsed := time.monotonic() - start) < budget:
-        batch = sample_batch(train_stream, rng, batch_size, seq_len)  # [batch, seq_len]
-        loss = diffusion_loss(model, batch, mask_id, generator)
-        optimizer_step(optimizer, loss, warmup_cosine(step, 30, elapsed / budget, 0.1))
-        step += 1
-        losses.append(loss.item())
-        if step % 25 == 0:
-            print(f"dlm-tiny: step {step} {elapsed / 60:.1f} min train loss {np.mean(losses[-25:]):.3f}",
-                  file=sys.stderr, flush=True)
-    elapsed = time.monotonic() - start
-    final_loss = heldout_loss(model, windows, mask_id)
-    evals.append({"step": step, "minutes": round(elapsed / 60, 2), "heldout_loss": final_loss})
+    last = Checkpoints(lambda state: {"heldout_loss": heldout_loss(model, windows, mask_id)})  # at the end only
+    state = TrainingLoop(optimizer, batch_loss, Schedule(warmup_steps=30, final_ratio=0.1), Budget(seconds=minutes * 60),
+                         checkpoints=last, label="dlm-tiny").run()
+    step, evals = state.step, [first, *state.evals]
     print(f"dlm-tiny: {step} steps, heldout loss {evals[0]['heldout_loss']:.4f} -> {evals[-1]['heldout_loss']:.4f}",
           file=sys.stderr)
     report = {
         "model": "dlm-tiny", "source": "zoo:code-tiny", "objective": "masked diffusion, shifted logits, 1/t weighted",
         "params": sum(p.numel() for p in model.parameters()), "mask_token_id": mask_id,
-        "steps": step, "tokens_seen": step * batch_size * seq_len, "minutes": round(elapsed / 60, 2),
-        "final_train_loss": float(np.mean(losses[-50:])) if losses else None,
+        "steps": step, "tokens_seen": step * batch_size * seq_len, "minutes": round(state.elapsed_s / 60, 2),
+        "final_train_loss": state.recent_metrics().get("loss"),
         "uniform_loss": math.log(model.config.vocab_size), "heldout": evals,
         "heldout_windows": eval_windows, "settings": {"seq_len": seq_len, "batch_size": batch_size, "lr": lr,
                                                       "seed": seed, "minutes": minutes},

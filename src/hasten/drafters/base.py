@@ -193,17 +193,18 @@ class Drafter:
         self.settings = settings_io.build(self.Settings, settings, **kwargs)
 
     @classmethod
-    def check_runtime(cls, runtime: Runtime | type[Runtime]) -> None:
-        """Refuse, before any forward, a runtime that lacks what this drafter needs
-        (:class:`~hasten.core.runtime.MissingCapability`, naming each missing capability).
+    def check_runtime(cls, runtime: Runtime | type[Runtime], batched: bool = False) -> None:
+        """Refuse, before any forward, a runtime (or its batches) that lacks what this drafter
+        needs (:class:`~hasten.core.runtime.MissingCapability`, naming each missing capability).
         A runtime class whose declarations are class attributes (llama.cpp's) will do too."""
         if runtime.encoder_decoder and not cls.encoder_decoder_ok:  # the plainer reason, where both hold
             raise FieldError("method", "unsupported_method",
                              f"{cls.name} does not support encoder-decoder targets; use a chain drafter such as "
                              "prompt_lookup, draft_model or gad")
-        missing = frozenset(cls.needs) - runtime.capabilities
+        capabilities = runtime.capabilities - runtime.unbatched if batched else runtime.capabilities
+        missing = frozenset(cls.needs) - capabilities
         if missing:
-            raise MissingCapability(cls.name, runtime.name, missing)
+            raise MissingCapability(cls.name, runtime.name, missing, batched)
 
     @classmethod
     def reads_features(cls) -> bool:

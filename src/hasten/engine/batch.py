@@ -99,7 +99,7 @@ class Scheduler:
             raise TypeError(f"drafter must be a hasten Drafter or None, got {type(drafter).__name__}")
         self.runtime = runtime_of(model)
         if drafter is not None:
-            drafter.check_runtime(self.runtime)  # before any forward
+            drafter.check_runtime(self.runtime, batched=True)  # before any forward
         self.target = self.runtime.batch(max_batch)
         if drafter is not None:
             drafter.check_target(TargetView(self.target, drafter.needs, self.runtime.source))

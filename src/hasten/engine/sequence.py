@@ -46,10 +46,11 @@ class RowCache(Protocol):
 
 
 class Target(Protocol):
-    """Runs one block per sequence, all in one forward."""
+    """Runs one block per sequence, all in one forward. ``riders`` (per row) is passed only
+    when a draft carries riders, which only a target with ``Capability.RIDERS`` is given."""
 
     def forward_rows(self, rows: list[RowCache], blocks: list[list[int]], trees: list[TokenTree],
-                     hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]: ...
+                     hidden: bool, **riders: list[Riders | None]) -> list[ForwardOutput]: ...
 
 
 class Sequence:
@@ -215,11 +216,12 @@ def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
         if len(rows) > 1:
             rows[0].sizing.plan([s.size_state for s in rows], [s.depth_limit for s in rows], [s.evidence for s in rows])
     drafts = [sequence.propose() for sequence in sequences]
+    riders = [draft.riders for draft in drafts]
     outs = target.forward_rows(
         [sequence.cache for sequence in sequences],
         [sequence.block(draft) for sequence, draft in zip(sequences, drafts)],
         [draft.tree for draft in drafts],
         any(sequence.want_features for sequence in sequences),
-        [draft.riders for draft in drafts],
+        **({"riders": riders} if any(r is not None for r in riders) else {}),  # only a riders-capable target
     )
     return [sequence.settle(draft, out) for sequence, draft, out in zip(sequences, drafts, outs)]

@@ -167,9 +167,9 @@ class ModelAdapter:
         return ForwardOutput(out.logits[0].float(), states, embeds=embeds)
 
     def forward_rows(self, rows: list["ModelAdapter"], blocks: list[list[int]], trees: list[TokenTree | None],
-                     hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]:
+                     hidden: bool, riders: list[Riders | None] = (None,)) -> list[ForwardOutput]:
         """The decode step's interface (see :mod:`hasten.engine.sequence`): this adapter is
-        one sequence, its own row."""
+        one sequence, its own row; ``riders`` come only with a draft that has them."""
         if len(rows) != 1 or rows[0] is not self:
             raise ValueError("a ModelAdapter runs one sequence; use hasten.models.batch.BatchAdapter for several")
         return [self.forward(blocks[0], trees[0], hidden, riders=riders[0])]

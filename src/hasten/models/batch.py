@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import cache as kv
-from .adapter import ForwardOutput, ModelAdapter, Riders, vocab_size
+from .adapter import ForwardOutput, ModelAdapter, vocab_size
 from .attention import kv_heads_in_place
 from .compat import cache_argument
 from .layers import attention_mask, model_name
@@ -164,11 +164,9 @@ class BatchAdapter:
     # ---- the shared forward ----------------------------------------------------------------
     @torch.no_grad()
     def forward_rows(self, rows: list[BatchRow], blocks: list[list[int]], trees: list[TokenTree | None],
-                     hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]:
+                     hidden: bool) -> list[ForwardOutput]:
         """Run every row's block (``block[1:]`` a tree hanging off ``block[0]``) in one
         forward. ``rows`` must be all of this batch's rows, in any order."""
-        if any(r is not None for r in riders):
-            raise ValueError("hidden transfer's rider positions are not batched; decode such sequences one at a time")
         if sorted(row.slot for row in rows) != list(range(len(self.rows))) or any(r.batch is not self for r in rows):
             raise ValueError("forward_rows needs every row of the batch exactly once")
         self.flush()

@@ -41,6 +41,7 @@ class HuggingFaceRuntime(Runtime):
     model's attention does not go through transformers' attention interface (Falcon, T5)."""
 
     name = "Hugging Face"
+    unbatched = frozenset({Capability.RIDERS})  # BatchAdapter verifies blocks without rider positions
 
     def __init__(self, model: PreTrainedModel):
         self.model = model

@@ -43,7 +43,7 @@ import torch
 
 from ..core.tree import TokenTree
 from ..core.runtime import Runtime
-from .adapter import ForwardOutput, Riders
+from .adapter import ForwardOutput
 
 INSTALL_HINT = ("pip install 'hasten[llamacpp]' (built from source; on a virtual machine whose CPU "
                 "reports AVX-512 or AMX build it with the flags in docs/cpu.md)")
@@ -297,14 +297,11 @@ class LlamaCppRow:
             logits = self._decode(chunk, [last and i == len(chunk) - 1 for i in range(len(chunk))])
         self._pending = (tokens[-1], logits)
 
-    def take_block(self, block: list[int], tree: TokenTree | None, hidden: bool,
-                   riders: Riders | None) -> tuple[torch.Tensor | None, list[int]]:
+    def take_block(self, block: list[int], tree: TokenTree | None, hidden: bool) -> tuple[torch.Tensor | None, list[int]]:
         """Check a block and settle the pending root: (the root's reused logits or None, the
         tokens still to decode)."""
         if hidden:
             raise ValueError(no_features())
-        if riders is not None:
-            raise ValueError("riders (hidden transfer) need a PyTorch target; the llama.cpp backend has none")
         if tree is not None and not tree.is_chain:
             raise ValueError("the llama.cpp target verifies chains only (trees_ok is False)")
         if self._pending is None:
@@ -370,10 +367,9 @@ class LlamaCppTarget(LlamaCppRow):
         self.prefill(tokens)
         return tokens, None
 
-    def forward(self, block: list[int], tree: TokenTree | None = None, hidden: bool = False,
-                riders: Riders | None = None) -> ForwardOutput:
+    def forward(self, block: list[int], tree: TokenTree | None = None, hidden: bool = False) -> ForwardOutput:
         """Run ``block`` (a chain) after the cached tokens: logits [block, vocab] float32."""
-        root_logits, rest = self.take_block(block, tree, hidden, riders)
+        root_logits, rest = self.take_block(block, tree, hidden)
         pieces = [] if root_logits is None else [root_logits]
         capacity = self.context.capacity
         for begin in range(0, len(rest), capacity):
@@ -383,11 +379,11 @@ class LlamaCppTarget(LlamaCppRow):
         return ForwardOutput(logits, None)
 
     def forward_rows(self, rows: list["LlamaCppTarget"], blocks: list[list[int]], trees: list[TokenTree | None],
-                     hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]:
+                     hidden: bool) -> list[ForwardOutput]:
         """The decode step's interface (see :mod:`hasten.engine.sequence`): one sequence, this one."""
         if len(rows) != 1 or rows[0] is not self:
             raise ValueError("a LlamaCppTarget runs one sequence")
-        return [self.forward(blocks[0], trees[0], hidden, riders[0])]
+        return [self.forward(blocks[0], trees[0], hidden)]
 
     def close(self) -> None:
         """Hand the context back to the model for the next generation (its cells are
@@ -439,12 +435,12 @@ class LlamaCppBatch:
         self._free.append(row.sequence)
 
     def forward_rows(self, rows: list[LlamaCppRow], blocks: list[list[int]], trees: list[TokenTree | None],
-                     hidden: bool, riders: list[Riders | None]) -> list[ForwardOutput]:
+                     hidden: bool) -> list[ForwardOutput]:
         """Every row's block in one llama_batch (more than one only past n_batch tokens):
         logits [block, vocab] per row."""
         reused, entries = [], []  # entries: (row index, sequence, position, token)
-        for index, (row, block, tree, rider) in enumerate(zip(rows, blocks, trees, riders)):
-            root_logits, rest = row.take_block(block, tree, hidden, rider)
+        for index, (row, block, tree) in enumerate(zip(rows, blocks, trees)):
+            root_logits, rest = row.take_block(block, tree, hidden)
             reused.append(root_logits)
             entries += [(index, row.sequence, position, token) for position, token in zip(row.place(len(rest)), rest)]
         decoded: list[list[torch.Tensor]] = [[] for _ in rows]

@@ -2,39 +2,36 @@
 
 A trained drafter (Medusa heads, an EAGLE-style layer, ...) plugs in by giving its drafter
 class a ``Training`` attribute: a :class:`~hasten.drafters.trainable.Trainable` subclass that builds the module for
-a target, computes its loss on a :class:`Batch` of self-distilled data, and saves it in
+a target, computes its loss on a :class:`~hasten.drafters.trainable.Batch` of self-distilled data, and saves it in
 the layout the drafter loads. ``hasten train NAME`` finds it through the drafter
 registry and turns its ``Options`` dataclass into flags; nothing here knows a method.
 
-The trainer owns everything else: AdamW with linear warmup and cosine decay, a progress
-bar, held-out evaluation, and checkpoints (module weights, AdamW moments, step, the batch
-sampler's RNG and the planned step count, in one safetensors file) from which
-``resume=True`` continues bit for bit.
+The trainer owns everything else: AdamW, and the run through hasten's one training loop
+(:mod:`hasten.core.training_loop`: linear warmup and cosine decay over the planned steps, clipping,
+a progress bar) with held-out evaluation and checkpoints (module weights, AdamW moments, the
+run's state, the batch sampler's RNG, in one safetensors file) from which ``resume=True``
+continues bit for bit.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
-import sys
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
 from torch import nn
-from tqdm import tqdm
 
-from ..core.schedule import adamw, optimizer_step, warmup_cosine
+from ..core.schedule import adamw
+from ..core.training_loop import Budget, Checkpoints, RunState, Schedule, TrainingLoop, mean_metrics
 from ..core.settings import Settings, option
-from ..drafters.trainable import Batch, Trainable  # noqa: F401  (Trainable: the protocol, re-exported)
+from ..drafters.trainable import Trainable  # the protocol, re-exported
 
 CHECKPOINT = "checkpoint.safetensors"
 FINAL_LR_RATIO = 0.1  # cosine decays to this fraction of the peak learning rate
-CALIBRATION_STEPS = 10  # steps timed to plan a --minutes-only run (all inside the warmup)
 DEFAULT_STEPS = 1000  # when neither steps nor minutes are given
-METRIC_WINDOW = 50  # training metrics are reported as the mean over the last steps
 
 
 @dataclass(frozen=True)
@@ -64,16 +61,16 @@ class TrainSettings(Settings):
             raise ValueError(f"lr must be > 0, got {self.lr}")
 
     @property
+    def lr_schedule(self) -> Schedule:
+        """Linear warmup, then cosine decay to FINAL_LR_RATIO of the peak over the planned steps after
+        the warmup (a --minutes-only run plans them while still warming up)."""
+        return Schedule(self.warmup_steps, FINAL_LR_RATIO, paced_by_time=False, cosine_after_warmup=True,
+                        clip=self.grad_clip)
+
+    @property
     def schedule(self) -> dict:
         """The settings a resumed run must share with the checkpoint to continue bit for bit."""
         return {k: v for k, v in asdict(self).items() if k not in ("minutes", "checkpoint_every")}
-
-
-def lr_scale(step: int, total_steps: int | None, s: TrainSettings) -> float:
-    """Linear warmup, then cosine decay to FINAL_LR_RATIO of the peak at ``total_steps``.
-    During the warmup the rate does not depend on ``total_steps`` (unknown while calibrating)."""
-    progress = 0.0 if step < s.warmup_steps else (step - s.warmup_steps) / max(1, total_steps - s.warmup_steps)
-    return warmup_cosine(step, s.warmup_steps, progress, FINAL_LR_RATIO)
 
 
 @dataclass
@@ -93,62 +90,41 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
                         "weight_decay": settings.weight_decay}])
     sampler = torch.Generator().manual_seed(settings.seed)  # which rows form each batch
     train_rows, eval_rows = data.split()
-    state = {"step": 0, "total_steps": settings.steps, "elapsed_s": 0.0, "schedule": settings.schedule,
-             "metrics": [], "evals": []}
     checkpoint = Path(work_dir) / CHECKPOINT
-    if resume and checkpoint.is_file():
-        state = load_checkpoint(checkpoint, module, optimizer, sampler)
-        if state["schedule"] != settings.schedule:
-            raise ValueError(f"{checkpoint} was made with other settings ({state['schedule']}); drop --resume to start over")
-        state["total_steps"] = state["total_steps"] or settings.steps
-    budget_s = settings.minutes * 60 if settings.minutes else math.inf
-    start = time.monotonic() - state["elapsed_s"]  # a resumed run continues the same budget
-    bar = tqdm(total=state["total_steps"], initial=state["step"], desc="train", disable=not progress,
-               file=sys.stderr, mininterval=2)
+    state = resumed(checkpoint, module, optimizer, sampler, settings) if resume and checkpoint.is_file() else None
 
-    def checkpoint_and_evaluate() -> None:
-        held_out = evaluate(trainable, module, data, eval_rows, settings.batch_size, device)
-        state["evals"].append({"step": state["step"], "loss": held_out.get("loss")})
-        bar.write(f"step {state['step']}: held-out loss {held_out.get('loss', float('nan')):.4f}", file=sys.stderr)
-        state["elapsed_s"] = time.monotonic() - start
-        save_checkpoint(checkpoint, module, optimizer, sampler, state)
-
-    while (state["total_steps"] is None or state["step"] < state["total_steps"]) and time.monotonic() - start < budget_s:
-        scale = lr_scale(state["step"], state["total_steps"], settings)
+    def batch_loss() -> tuple[torch.Tensor, dict]:
         rows = train_rows[torch.randint(len(train_rows), (settings.batch_size,), generator=sampler)]
-        metrics = _step(trainable, module, optimizer, data.batch(rows, target, device), scale, settings.grad_clip)
-        state["step"] += 1
-        state["metrics"] = (state["metrics"] + [metrics])[-METRIC_WINDOW:]
-        bar.set_postfix(loss=f"{metrics['loss']:.3f}", refresh=False)
-        bar.update(1)
-        if state["total_steps"] is None and state["step"] == min(CALIBRATION_STEPS, settings.warmup_steps):
-            seconds_per_step = (time.monotonic() - start) / state["step"]
-            state["total_steps"] = max(state["step"], int(budget_s / seconds_per_step))
-            bar.total = state["total_steps"]
-        if state["step"] % settings.checkpoint_every == 0:
-            checkpoint_and_evaluate()
-    bar.close()
-    if not state["evals"] or state["evals"][-1]["step"] != state["step"]:
-        checkpoint_and_evaluate()
+        return trainable.loss(module, data.batch(rows, target, device))
+
+    def held_out(state: RunState) -> dict:
+        return {"loss": evaluate(trainable, module, data, eval_rows, settings.batch_size, device).get("loss")}
+
+    def save(state: RunState) -> None:
+        save_checkpoint(checkpoint, module, optimizer, sampler, {**asdict(state), "schedule": settings.schedule})
+
+    budget = Budget(settings.steps, settings.minutes * 60 if settings.minutes else math.inf)
+    state = TrainingLoop(optimizer, batch_loss, settings.lr_schedule, budget, show_progress=progress,
+                         checkpoints=Checkpoints(held_out, save, every_steps=settings.checkpoint_every)).run(state)
     module.eval()
     report = {
-        "steps": state["step"],
-        "planned_steps": state["total_steps"],
-        "minutes": round(state["elapsed_s"] / 60, 2),
-        "train": _mean(state["metrics"]),  # over the last METRIC_WINDOW steps
+        "steps": state.step,
+        "planned_steps": state.planned_steps,
+        "minutes": round(state.elapsed_s / 60, 2),
+        "train": state.recent_metrics(),  # over the last steps (core.training_loop.METRIC_WINDOW)
         "eval": evaluate(trainable, module, data, eval_rows, settings.batch_size, device),
-        "evals": state["evals"],
+        "evals": state.evals,
         "settings": asdict(settings),
     }
     return TrainResult(module, report)
 
 
-@torch.enable_grad()  # the CLI turns autograd off globally
-def _step(trainable: Trainable, module: nn.Module, optimizer, batch: Batch, scale: float, grad_clip: float) -> dict:
-    loss, metrics = trainable.loss(module, batch)
-    if loss.requires_grad:  # a batch can hold no label at all (targets that stop at once)
-        optimizer_step(optimizer, loss, scale, grad_clip)
-    return {"loss": loss.item(), **metrics}
+def resumed(checkpoint: Path, module: nn.Module, optimizer, sampler: torch.Generator, settings: TrainSettings) -> RunState:
+    """The run saved in ``checkpoint``, its weights, moments and sampler loaded; refused if other settings made it."""
+    saved = load_checkpoint(checkpoint, module, optimizer, sampler)
+    if saved["schedule"] != settings.schedule:
+        raise ValueError(f"{checkpoint} was made with other settings ({saved['schedule']}); drop --resume to start over")
+    return RunState.restored(saved)
 
 
 @torch.no_grad()
@@ -161,12 +137,7 @@ def evaluate(trainable: Trainable, module: nn.Module, data, rows: torch.Tensor, 
         loss, metrics = trainable.loss(module, data.batch(chunk, trainable.target, device))
         results.append({"loss": float(loss), **metrics})
     module.train(training)
-    return _mean(results)
-
-
-def _mean(records: list[dict[str, float]]) -> dict[str, float]:
-    keys = {k for r in records for k in r}
-    return {k: sum(r[k] for r in records if k in r) / sum(k in r for r in records) for k in sorted(keys)}
+    return mean_metrics(results)
 
 
 # ---- checkpoints -----------------------------------------------------------------------------

@@ -27,9 +27,9 @@ from typing import Callable
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm import tqdm
 
-from hasten.core.schedule import adamw, decay_groups, optimizer_step, warmup_cosine
+from hasten.core.schedule import adamw, decay_groups
+from hasten.core.training_loop import Budget, Checkpoints, RunState, Schedule, TrainingLoop
 from hasten.machine import machine_info
 from hasten.zoo import corpus
 
@@ -172,11 +172,11 @@ class Settings:
     resume: bool = False
 
 
-def lr_scale(step: int, progress: float, s) -> float:
-    """Linear warmup over steps, then cosine decay to final_lr_ratio over `progress` in [0, 1]
-    (a share of the peak). Progress is measured in wall-clock time because the number of
-    steps a time budget buys is unknown in advance."""
-    return warmup_cosine(step, s.warmup_steps, progress, s.final_lr_ratio)
+def lr_schedule(s) -> Schedule:
+    """Linear warmup over steps, then cosine decay to final_lr_ratio of the peak as the run spends its
+    time budget (or its max_steps, whichever is further along): the number of steps a time budget
+    buys is unknown in advance."""
+    return Schedule(warmup_steps=s.warmup_steps, final_ratio=s.final_lr_ratio)
 
 
 def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch_size: int, seq_len: int) -> torch.Tensor:
@@ -223,56 +223,31 @@ def load_checkpoint(ckpt_dir: Path, model, optimizer) -> dict:
     return state
 
 
-@torch.enable_grad()  # callers (e.g. the test suite) may have turned autograd off
 def timed_training(name: str, model, optimizer, rng: np.random.Generator,
                    next_loss: Callable[[np.random.Generator], torch.Tensor], heldout: Callable[[], float],
-                   ckpt_dir: Path, s, seen: tuple[str, int]) -> dict:
-    """The zoo's training loop: steps of ``next_loss(rng)`` until ``s.minutes`` of wall clock
-    (or ``s.max_steps``) are spent, each optimizer group's ``peak`` learning rate on a warmup +
-    cosine schedule over the elapsed share of the budget (the steps a time budget buys are unknown
-    in advance), ``heldout()`` evaluated and a checkpoint written every ``s.eval_minutes``
-    and at the end, resuming from ``ckpt_dir`` if ``s.resume``. ``seen``: (what a step
-    consumes, how many per step), for the evaluations' log. Returns the training state."""
-    state = {"step": 0, "elapsed_s": 0.0, "train_losses": [], "evals": [], "rng": rng.bit_generator.state}
+                   ckpt_dir: Path, s, seen: tuple[str, int]) -> RunState:
+    """The zoo's run of the training loop: steps of ``next_loss(rng)`` until ``s.minutes`` of wall
+    clock (or ``s.max_steps``) are spent, on :func:`lr_schedule`; ``heldout()`` evaluated and a
+    checkpoint written at the start, every ``s.eval_minutes`` and at the end, resuming from
+    ``ckpt_dir`` if ``s.resume``. ``seen``: (what a step consumes, how many per step), for the
+    evaluations' record. Returns the run's state."""
+    state = None
     if s.resume and (ckpt_dir / "checkpoint.json").is_file():
-        state = load_checkpoint(ckpt_dir, model, optimizer)
-        rng.bit_generator.state = state["rng"]
-        print(f"{name}: resumed at step {state['step']}", file=sys.stderr)
-    budget_s = s.minutes * 60.0
-    start = time.monotonic() - state["elapsed_s"]  # resuming continues the same budget
+        saved = load_checkpoint(ckpt_dir, model, optimizer)
+        rng.bit_generator.state = saved["rng"]
+        state = RunState.restored(saved)
+        print(f"{name}: resumed at step {state.step}", file=sys.stderr)
 
-    def evaluate_and_checkpoint():
-        state["elapsed_s"] = time.monotonic() - start
-        loss = heldout()
-        state["evals"].append({"step": state["step"], "minutes": round(state["elapsed_s"] / 60, 2),
-                               seen[0]: state["step"] * seen[1], "heldout_loss": loss})
-        state["rng"] = rng.bit_generator.state
-        save_checkpoint(ckpt_dir, model, optimizer, state)
-        tqdm.write(f"{name}: step {state['step']} heldout loss {loss:.4f}", file=sys.stderr)
+    def evaluate(state: RunState) -> dict:
+        return {seen[0]: state.step * seen[1], "heldout_loss": heldout()}
 
-    if not state["evals"]:
-        evaluate_and_checkpoint()
-    last_eval = time.monotonic()
+    def save(state: RunState) -> None:
+        save_checkpoint(ckpt_dir, model, optimizer, {**asdict(state), "rng": rng.bit_generator.state})
+
     model.train()
-    bar = tqdm(total=round(budget_s), initial=round(state["elapsed_s"]), unit="s", desc=name,
-               mininterval=10, file=sys.stderr)
-    while (elapsed := time.monotonic() - start) < budget_s and (s.max_steps is None or state["step"] < s.max_steps):
-        progress = elapsed / budget_s
-        if s.max_steps:
-            progress = max(progress, state["step"] / s.max_steps)
-        loss = next_loss(rng)
-        optimizer_step(optimizer, loss, lr_scale(state["step"], progress, s))
-        state["step"] += 1
-        state["train_losses"].append(loss.item())
-        bar.set_postfix(step=state["step"], loss=f"{loss.item():.3f}", refresh=False)
-        bar.update(round(time.monotonic() - start) - bar.n)
-        if time.monotonic() - last_eval >= s.eval_minutes * 60:
-            evaluate_and_checkpoint()
-            last_eval = time.monotonic()
-    bar.close()
-    if state["evals"][-1]["step"] != state["step"]:
-        evaluate_and_checkpoint()
-    return state
+    checkpoints = Checkpoints(evaluate, save, every_seconds=s.eval_minutes * 60, at_start=True)
+    return TrainingLoop(optimizer, lambda: next_loss(rng), lr_schedule(s), Budget(s.max_steps, s.minutes * 60.0),
+                        checkpoints=checkpoints, label=name).run(state)
 
 
 @torch.enable_grad()  # callers (e.g. the test suite) may have turned autograd off
@@ -296,12 +271,12 @@ def train_model(name: str, model, tokenizer, train_stream: np.ndarray, heldout_s
         "model": name,
         "params": sum(p.numel() for p in model.parameters()),
         "config": {k: getattr(model.config, k) for k in (*MODEL_SHAPES["code-tiny"], "vocab_size")},
-        "steps": state["step"],
-        "tokens_seen": state["step"] * s.batch_size * s.seq_len,
-        "minutes": round(state["elapsed_s"] / 60, 2),
-        "final_train_loss": float(np.mean(state["train_losses"][-50:])) if state["train_losses"] else None,
+        "steps": state.step,
+        "tokens_seen": state.step * s.batch_size * s.seq_len,
+        "minutes": round(state.elapsed_s / 60, 2),
+        "final_train_loss": state.recent_metrics().get("loss"),
         "uniform_loss": math.log(model.config.vocab_size),
-        "heldout": state["evals"],
+        "heldout": state.evals,
         "heldout_tokens_per_eval": n_eval * (s.seq_len - 1),
         "corpus": {"python": platform.python_version(), "train_tokens": len(train_stream),
                    "heldout_tokens": len(heldout_stream)},

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hasten.core.schedule import adamw
+from hasten.core.schedule import adamw, decay_groups
 from hasten.core.settings import Settings, add_flags, from_args, option
 from hasten.machine import machine_info
 from hasten.zoo import scenes
@@ -261,12 +261,9 @@ def train(model, processor, out_dir: Path, ckpt_dir: Path, s: VlmSettings, evalu
     with a training.json, and return that report. ``evaluation``: keyword arguments of
     :func:`evaluate` (run after training and saving, outside the budget), or None to skip it."""
     n_image = model.config.image_seq_length
+    language = [p for n, p in model.named_parameters() if n.startswith("model.language_model.")]
     vision = [p for n, p in model.named_parameters() if not n.startswith("model.language_model.")]
-    matrices = [p for n, p in model.named_parameters() if n.startswith("model.language_model.") and p.dim() >= 2]
-    vectors = [p for n, p in model.named_parameters() if n.startswith("model.language_model.") and p.dim() < 2]
-    groups = [{"params": matrices, "weight_decay": s.weight_decay, "lr": s.lr},
-              {"params": vectors, "weight_decay": 0.0, "lr": s.lr},  # no decay on norm gains
-              {"params": vision, "weight_decay": 0.0, "lr": s.vision_lr}]
+    groups = decay_groups(language, s.lr, s.weight_decay) + [{"params": vision, "weight_decay": 0.0, "lr": s.vision_lr}]
     optimizer = adamw(groups, betas=(0.9, 0.95))
     rng = np.random.default_rng(s.seed)
     eval_batches = heldout_batches(processor, s, n_image)
@@ -287,11 +284,11 @@ def train(model, processor, out_dir: Path, ckpt_dir: Path, s: VlmSettings, evalu
                    "text": {k: getattr(text, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
                                                           "num_key_value_heads", "intermediate_size", "vocab_size")},
                    "image_tokens": n_image},
-        "steps": state["step"],
-        "scenes_seen": state["step"] * s.batch_size,
-        "minutes": round(state["elapsed_s"] / 60, 2),
-        "final_train_loss": float(np.mean(state["train_losses"][-50:])) if state["train_losses"] else None,
-        "heldout": state["evals"],
+        "steps": state.step,
+        "scenes_seen": state.step * s.batch_size,
+        "minutes": round(state.elapsed_s / 60, 2),
+        "final_train_loss": state.recent_metrics().get("loss"),
+        "heldout": state.evals,
         "heldout_scenes": f"seeds {HELDOUT_SEEDS} .. {HELDOUT_SEEDS + s.eval_scenes - 1}",
         "settings": asdict(s),
         "machine": machine_info(),
