@@ -35,11 +35,11 @@ def check_method(method: str, has_draft: bool) -> None:
     needs one; cheap, so callers check it before loading any model."""
     if method != AUTOREGRESSIVE and method not in REGISTRY:
         raise ValueError(f"unknown method {method!r}; known: {', '.join([AUTOREGRESSIVE, *sorted(REGISTRY)])}")
-    needs = method != AUTOREGRESSIVE and getattr(REGISTRY[method], "needs_draft_model", False)
+    needs = method != AUTOREGRESSIVE and REGISTRY[method].needs_draft_model
     if needs and not has_draft:
         raise ValueError(f"method {method!r} needs a draft model: pass draft=PATH (--draft PATH)")
     if has_draft and not needs:
-        takers = ", ".join(name for name, cls in sorted(REGISTRY.items()) if getattr(cls, "needs_draft_model", False))
+        takers = ", ".join(name for name, cls in sorted(REGISTRY.items()) if cls.needs_draft_model)
         raise ValueError(f"method {method!r} takes no draft model (draft= / --draft is for: {takers or 'none'})")
 
 

@@ -33,7 +33,6 @@ forward, so an architecture that computes something else is refused, not approxi
 from __future__ import annotations
 
 import copy
-import inspect
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,7 +43,7 @@ from transformers.cache_utils import Cache
 from ..core.settings import option
 from ..models import cache as kv
 from ..models.compat import cache_argument
-from ..models.layers import UnsupportedArchitecture, attention_mask, decoder_layers, model_name
+from ..models.layers import UnsupportedArchitecture, attention_mask, decoder_layers, llama_family_parts, model_name
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
 from .draft_model import DraftModel, DraftModelSettings, draft_chain
 
@@ -153,20 +152,12 @@ class LayerDriver:
     def __init__(self, model: PreTrainedModel, groups: Groups, devices: tuple[torch.device, ...],
                  concurrency: str, parallel_mlp: bool):
         self.model, self.groups, self.parallel_mlp = model, groups, parallel_mlp
-        self.layers = decoder_layers(model)
-        base = model.base_model
-        missing = [name for name in ("rotary_emb", "norm") if not hasattr(base, name)]
-        missing += [name for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
-                    if not all(hasattr(layer, name) for layer in self.layers)]
-        if missing or model.get_output_embeddings() is None:
-            raise UnsupportedArchitecture(
-                f"easyspec drives the draft's decoder layers by hand and needs a Llama-family model "
-                f"(pre-norm attention then MLP); {model_name(model)!r} lacks {missing or ['an output head']}")
+        try:
+            self.parts = llama_family_parts(model)
+        except UnsupportedArchitecture as err:
+            raise UnsupportedArchitecture(f"easyspec drives the draft's decoder layers by hand: {err}") from None
+        self.layers, self.sandwich, self.layer_types = self.parts.layers, self.parts.sandwich, self.parts.layer_types
         self.home = model.device
-        # Gemma-style "sandwich" layers also normalise each sublayer's output
-        self.sandwich = all(hasattr(layer, "pre_feedforward_layernorm") and hasattr(layer, "post_feedforward_layernorm")
-                            for layer in self.layers)
-        self.rotary_by_kind = "layer_type" in inspect.signature(base.rotary_emb.forward).parameters
         self._place_attention(devices)
         width = max(len(group) for group in groups)
         self.concurrency = concurrency
@@ -178,8 +169,6 @@ class LayerDriver:
             self.streams = [torch.cuda.Stream(device=devices[j % len(devices)] if devices else self.home)
                             for j in range(width)]
         self.pool = ThreadPoolExecutor(max_workers=width - 1) if concurrency == "threads" and width > 1 else None
-        layer_types = getattr(model.config.get_text_config(), "layer_types", None)
-        self.layer_types = layer_types or [None] * len(self.layers)
         self._check_against_model()
 
     def _place_attention(self, devices: tuple[torch.device, ...]) -> None:
@@ -215,8 +204,8 @@ class LayerDriver:
         ids = torch.tensor([tokens], dtype=torch.long, device=self.home)  # [1, Q]
         hidden = self.model.get_input_embeddings()(ids)  # [1, Q, hidden]
         positions = torch.arange(past, past + len(tokens), device=self.home)[None]  # [1, Q]
-        rotary_emb = self.model.base_model.rotary_emb
-        if self.rotary_by_kind:  # one (cos, sin) per layer kind, each [1, Q, head_dim]
+        rotary_emb = self.parts.rotary
+        if self.parts.rotary_by_kind:  # one (cos, sin) per layer kind, each [1, Q, head_dim]
             rotary = {kind: rotary_emb(hidden, positions, kind) for kind in set(self.layer_types)}
         else:
             rotary = rotary_emb(hidden, positions)
@@ -227,9 +216,9 @@ class LayerDriver:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[1, Q, hidden] after the last layer -> the last position's logits [vocab] (float32)."""
-        last = self.model.base_model.norm(hidden[:, -1:])  # [1, 1, hidden]
+        last = self.parts.final_norm(hidden[:, -1:])  # [1, 1, hidden]
         logits = self.model.get_output_embeddings()(last)[0, -1].float()  # [vocab]
-        cap = getattr(self.model.config.get_text_config(), "final_logit_softcapping", None)
+        cap = self.parts.logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _group(self, group: tuple[int, ...], hidden: torch.Tensor, inputs: "PassInputs") -> torch.Tensor:

@@ -44,6 +44,8 @@ from ..core.runtime import Capability
 from ..core.settings import Settings, option
 from ..models.adapter import model_name
 from ..models.compat import cache_argument
+from ..models.hf import max_positions
+from ..models.layers import attention_layout, layer_types
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
 from .candidates import GrowingTree, LevelVisibility, dynamic_tree
 from .nn import KV, RMSNorm, heads_for, rotary, rotate
@@ -67,23 +69,14 @@ class TargetRotary:
                              f"{len(found)} and it cannot tell which one its last layer uses")
         self.module = found[0]
         # models with local and global layers (Gemma 3) pick the angles by layer type
-        layer_types = getattr(model.config.get_text_config(), "layer_types", None)
+        kinds = layer_types(model)
         takes_type = "layer_type" in inspect.signature(self.module.forward).parameters
-        self.layer_type = layer_types[-1] if takes_type and layer_types else None
+        self.layer_type = kinds[-1] if takes_type and kinds else None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.layer_type is None:
             return self.module(x, positions)
         return self.module(x, positions, self.layer_type)
-
-
-def target_layout(model: PreTrainedModel) -> tuple[int, int, int]:
-    """(query heads, KV heads, head size) of the target's attention."""
-    config = model.config.get_text_config()
-    heads = int(config.num_attention_heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
-    return heads, kv_heads, head_dim
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -137,7 +130,7 @@ class LongSpecLayer(TrainedModule):
     def for_target(cls, target: PreTrainedModel, window: int = 64, mlp_ratio: int = 2) -> "LongSpecLayer":
         sizes = cls.target_sizes(target)
         hidden = sizes["hidden_size"]
-        heads, kv_heads, head_dim = target_layout(target)
+        heads, kv_heads, head_dim = attention_layout(target)
         TargetRotary(target)  # refuse targets without a usable rotary embedding here already
         embed = int(target.get_input_embeddings().weight.shape[1])
         return cls(LongSpecConfig(**sizes, embed_size=embed, heads=heads_for(hidden), mlp_size=mlp_ratio * hidden,
@@ -147,9 +140,9 @@ class LongSpecLayer(TrainedModule):
     def check_fits(self, model: PreTrainedModel) -> None:
         super().check_fits(model)
         c = self.config
-        if target_layout(model) != (c.target_heads, c.target_kv_heads, c.target_head_dim):
+        if attention_layout(model) != (c.target_heads, c.target_kv_heads, c.target_head_dim):
             raise ValueError(f"longspec weights for {c.target!r} expect {c.target_heads} query / {c.target_kv_heads} "
-                             f"KV heads of {c.target_head_dim}; {model_name(model)!r} has {target_layout(model)}")
+                             f"KV heads of {c.target_head_dim}; {model_name(model)!r} has {attention_layout(model)}")
         TargetRotary(model)
 
     def own_kv(self, embeds: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, KV]:
@@ -226,7 +219,7 @@ class LongSpecTraining(TrainedTraining):
         """[batch, length] anchor-offset positions: the first ``a`` indices as they are, the
         rest shifted by one random offset (a and the offset drawn per batch)."""
         positions = torch.arange(length, device=device)
-        limit = getattr(self.target.config.get_text_config(), "max_position_embeddings", None) or self.options.max_offset
+        limit = max_positions(self.target) or self.options.max_offset
         offset = int(torch.randint(max(0, min(self.options.max_offset, limit - length)) + 1, ()))
         anchored = int(torch.randint(self.options.anchors + 1, ()))
         positions[anchored:] += offset

@@ -44,7 +44,7 @@ from ..core.stats import cache_bytes, holder_kv_bytes
 from ..core.tree import TokenTree
 from ..models.adapter import ModelAdapter, model_name
 from ..models.compat import cache_argument
-from ..models.layers import last_queries
+from ..models.layers import has_sliding_layers, last_queries
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
 from .draft_model import check_same_vocabulary, draft_chain
 
@@ -179,9 +179,7 @@ class TriForce(Drafter):
     def check_target(self, target) -> None:
         super().check_target(target)
         check_same_vocabulary(self.model, target)
-        config = target.modules.config.get_text_config()
-        kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
-        if getattr(config, "sliding_window", None) is not None and "sliding_attention" in kinds:
+        if has_sliding_layers(target.modules):
             raise ValueError(f"triforce needs a full-attention target; {model_name(target.modules)!r} has "
                              "sliding-window layers, whose masks cannot follow a per-head retrieval cache")
 

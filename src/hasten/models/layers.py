@@ -20,7 +20,9 @@ Face forward with ``output_hidden_states=True`` (0: the embeddings).
 """
 from __future__ import annotations
 
+import inspect
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
@@ -44,9 +46,7 @@ def attention_mask(model: PreTrainedModel, allowed: torch.Tensor, query_pos: tor
     mask(s) Hugging Face models take. Sliding-window layers also hide keys a window or more
     behind the query, measured in positions (tree depth), not block indices; models mixing
     layer kinds get one mask per kind."""
-    config = model.config.get_text_config()
-    window = getattr(config, "sliding_window", None)
-    kinds = set(getattr(config, "layer_types", None) or ["sliding_attention"])
+    window, kinds = sliding_window(model), set(layer_types(model)) - {None} or {"sliding_attention"}
 
     def additive(mask: torch.Tensor) -> torch.Tensor:  # [B, 1, Q, K]
         low = torch.finfo(model.dtype).min
@@ -80,6 +80,67 @@ def decoder_layers(model: PreTrainedModel) -> nn.ModuleList:
 
 def num_layers(model: PreTrainedModel) -> int:
     return len(decoder_layers(model))
+
+
+def layer_types(model: PreTrainedModel) -> tuple[str | None, ...]:
+    """Each layer's kind ("full_attention", "sliding_attention"); () where the config names none."""
+    return tuple(getattr(model.config.get_text_config(), "layer_types", None) or ())
+
+
+def sliding_window(model: PreTrainedModel) -> int | None:
+    """The window of the model's sliding-window layers; None where it has none."""
+    return getattr(model.config.get_text_config(), "sliding_window", None)
+
+
+def has_sliding_layers(model: PreTrainedModel) -> bool:
+    """Whether some layer attends within a window only (a config with a window and no layer
+    kinds slides everywhere)."""
+    return sliding_window(model) is not None and "sliding_attention" in (layer_types(model) or ("sliding_attention",))
+
+
+def attention_layout(model: PreTrainedModel) -> tuple[int, int, int]:
+    """(query heads, KV heads, head size) of the model's attention."""
+    config = model.config.get_text_config()
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return heads, kv_heads, head_dim
+
+
+@dataclass(frozen=True)
+class LlamaFamilyParts:
+    """What running a Llama-family causal LM layer by layer needs, read from the model once
+    (pre-norm attention then MLP; Gemma's "sandwich" layers also normalise each sublayer's output)."""
+
+    layers: nn.ModuleList
+    rotary: nn.Module  # rotary_emb(hidden, positions[, layer_type]) -> (cos, sin)
+    final_norm: nn.Module
+    sandwich: bool  # layers carry pre_/post_feedforward_layernorm
+    rotary_by_kind: bool  # rotary_emb takes a layer type (one table per kind of layer)
+    layer_types: tuple[str | None, ...]  # per layer: "full_attention", "sliding_attention", or None
+    logit_softcap: float | None  # final logits = tanh(logits / cap) * cap
+
+
+LAYER_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+SANDWICH_PARTS = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+
+
+def llama_family_parts(model: PreTrainedModel) -> LlamaFamilyParts:
+    """The parts of ``model`` a hand-driven forward calls; UnsupportedArchitecture naming what
+    is missing when it is not a Llama-family causal LM."""
+    layers, base, config = decoder_layers(model), model.base_model, model.config.get_text_config()
+    missing = [name for name in ("rotary_emb", "norm") if not hasattr(base, name)]
+    missing += [name for name in LAYER_PARTS if not all(hasattr(layer, name) for layer in layers)]
+    if missing or model.get_output_embeddings() is None:
+        raise UnsupportedArchitecture(
+            f"{model_name(model)!r} is not a Llama-family model (pre-norm attention then MLP): "
+            f"it lacks {missing or ['an output head']}")
+    kinds = layer_types(model) or (None,) * len(layers)
+    return LlamaFamilyParts(
+        layers, base.rotary_emb, base.norm,
+        sandwich=all(hasattr(layer, name) for layer in layers for name in SANDWICH_PARTS),
+        rotary_by_kind="layer_type" in inspect.signature(base.rotary_emb.forward).parameters,
+        layer_types=kinds, logit_softcap=getattr(config, "final_logit_softcapping", None))
 
 
 @contextmanager
