@@ -136,7 +136,7 @@ def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu (default), cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the weights (default float32)")
     # On a shared 2-core CPU torch's default of 2 threads made generation 4-10x slower than
-    # 1 whenever anything else ran (issue 10), so the default is the count that never was the slow case.
+    # 1 whenever anything else ran (issue 10, 2026), so the default is the count that never was the slow case.
     parser.add_argument("--threads", type=int, default=1, metavar="N",
                         help="CPU threads for torch (default 1, never the slow case on a busy machine; 0 = all cores)")
 

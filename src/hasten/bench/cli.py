@@ -89,7 +89,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens every method generates (default 128)")
     # One thread by default: small models gain nothing from more, and on a CPU shared with other
     # work, extra threads thrash (zoo:code-tiny, 2 cores, other jobs running: 128 tokens took
-    # 1.1-3.4 s on 1 thread and 5.6-69 s on 2). Give 0 for all cores on a large model.
+    # 1.1-3.4 s on 1 thread and 5.6-69 s on 2, in 2026). Give 0 for all cores on a large model.
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads, and llama.cpp's with --backend llama.cpp (default 1; 0 = all cores)")
 

@@ -25,7 +25,8 @@ uncertain estimate is sometimes tried as if better); on a steep curve (llama.cpp
 the probes remain. A class of evidence graded above every class drafted so far is tried at
 once (the start of a copy stretch is worth a probe). Replayed on recorded SmolLM2 outputs
 (tokens per unit of forward cost; tables in ``docs/benchmarks.md``), this took prompt lookup's auto sizing from
-0.96x to 1.06x of its fixed size on PyTorch and from 1.06x to 1.08x of plain decoding on llama.cpp.
+0.96x to 1.06x of its fixed size on PyTorch and from 1.06x to 1.08x of plain decoding on llama.cpp
+(replays of November 2026; ``hasten replay`` measures it again).
 
 A rule is chosen once per generation (like the acceptance rule); its per-generation
 state comes from ``begin`` and lives with the loop.

@@ -51,7 +51,7 @@ DEFAULT_CONTEXT = 4096  # positions per generation: prompt, new tokens and one d
 IDLE_CONTEXTS = 4  # finished generations' contexts a model keeps for the next ones
 # Block sizes that cost-aware draft sizing times (hasten.engine.sizing): every size up to 16,
 # since llama.cpp's repacked Q4_0 kernels take rows four at a time and a block of 3 can cost
-# more than one of 4 (SmolLM2 Q4_0, 1 thread: 3.2x and 3.0x a single token); then coarser,
+# more than one of 4 (SmolLM2 Q4_0, 1 thread, llama.cpp 0.3.36 in 2026: 3.2x and 3.0x a single token); then coarser,
 # for the wider blocks of a server's batches (past 64 the sizing extrapolates linearly).
 CALIBRATION_SIZES = (*range(1, 17), 24, 32, 64)
 
@@ -98,8 +98,9 @@ class LlamaCppModel(Runtime):
         self.max_positions = int(lib.llama_model_n_ctx_train(self._model))
         self.context_length = min(self.max_positions, context)
         self.label, self.source = path.name, str(path)
-        # Creating a context costs about 0.1 s for SmolLM2 at 4096 positions (5% of a 96-token
-        # generation), so finished generations hand theirs back for the next to reuse.
+        # Creating a context took about 0.1 s for SmolLM2 at 4096 positions (5% of a 96-token
+        # generation, llama.cpp 0.3.36 on the 2-core development VM), so finished generations hand
+        # theirs back for the next to reuse.
         self._idle: list[LlamaCppContext] = []
 
     def eos_token_ids(self) -> frozenset[int]:
