@@ -1,5 +1,10 @@
-"""Tiny randomly initialised models of several architectures, and scripted drafters."""
+"""Tiny randomly initialised models of several architectures, and scripted drafters.
+
+``HASTEN_TEST_DEVICE`` (default cpu) puts the tiny models and prompts on another device:
+scripts/gpu-check runs the greedy-equality and sampling-law suites with it set to cuda."""
 from __future__ import annotations
+
+import os
 
 import torch
 import transformers as tf
@@ -7,6 +12,7 @@ import transformers as tf
 from hasten.drafters.base import Draft, DraftContext, Drafter
 
 VOCAB = 96
+DEVICE = torch.device(os.environ.get("HASTEN_TEST_DEVICE", "cpu"))
 
 _COMMON = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0)
 
@@ -36,14 +42,14 @@ def tiny_model(arch: str, seed: int = 0, **overrides) -> tf.PreTrainedModel:
     for key, value in overrides.items():
         setattr(config, key, value)
     model = auto.from_config(config)
-    return model.eval()
+    return model.to(DEVICE).eval()
 
 
 def repetitive_prompt(length: int = 24, seed: int = 0) -> torch.Tensor:
     """A prompt that repeats itself, so that input-guided drafters find matches."""
     g = torch.Generator().manual_seed(seed)
     half = torch.randint(3, VOCAB, (length // 2,), generator=g)
-    return torch.cat([half, half])[None]  # [1, length]
+    return torch.cat([half, half])[None].to(DEVICE)  # [1, length]
 
 
 def hf_greedy(model, input_ids, max_new_tokens, **kwargs) -> torch.Tensor:
@@ -75,11 +81,12 @@ def assert_scripted_stats(stats, mode, draft_len: int) -> None:
         assert 0 < stats.mean_accepted <= mode + 1
 
 
-def generate_exactly(model, prompt, reference, drafter, max_new_tokens):
-    """Greedy generation with ``drafter`` must reproduce ``reference`` token for token; returns its stats."""
+def generate_exactly(model, prompt, reference, drafter, max_new_tokens, draft_size="fixed"):
+    """Greedy generation with ``drafter`` must reproduce ``reference`` token for token; returns its
+    stats. Fixed sizing by default: the callers count steps against the drafter's own depth."""
     import hasten
 
-    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=max_new_tokens)
+    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=max_new_tokens, draft_size=draft_size)
     assert out.sequences.tolist() == reference.tolist()
     return out.stats
 

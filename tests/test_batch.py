@@ -74,7 +74,7 @@ def assert_rows_equal(out, references):
 @pytest.mark.parametrize("mode", ["oracle", "adversarial", *range(DRAFT_LEN)])
 def test_scripted_rows_equal_hf_greedy(arch_setup, mode):
     model, rows, references = arch_setup
-    out = hasten.generate(model, rows, drafter=RowScripted(references, mode), max_new_tokens=NEW)
+    out = hasten.generate(model, rows, drafter=RowScripted(references, mode), max_new_tokens=NEW, draft_size="fixed")
     assert_rows_equal(out, references)
     if mode == "oracle":  # every row commits draft + bonus per step
         assert all(row.stats.steps == -(-row.stats.new_tokens // (DRAFT_LEN + 1)) for row in out.rows)

@@ -150,7 +150,7 @@ def test_record_and_replay_on_llama_cpp_take_the_real_run_s_steps(cli, tiny_gguf
     model = llamacpp.load(str(tiny_gguf), 1, 256)
     for entry in recording.entries:
         real = generate(model, torch.tensor([entry.prompt]), drafter=PromptLookup(), max_new_tokens=NEW,
-                        eos_token_id=[])
+                        eos_token_id=[], draft_size="fixed")
         replayed = replay(recording, entry, PromptLookup(), FixedSize())
         assert replayed.tokens == real.sequences[0, len(entry.prompt):].tolist() == entry.output
         assert (replayed.stats.steps, replayed.stats.accepted_at_depth) == (real.stats.steps,

@@ -70,7 +70,7 @@ def test_group_size_1_drafts_exactly_what_draft_model_drafts():
     proposals = []
     for drafter in (DraftModel(DRAFT, num_tokens=3), EasySpec(DRAFT, num_tokens=3, group_size=1)):
         recorder = Recorder(drafter)
-        hasten.generate(TARGET, PROMPT, drafter=recorder, max_new_tokens=20)
+        hasten.generate(TARGET, PROMPT, drafter=recorder, max_new_tokens=20, draft_size="fixed")  # the same depths
         proposals.append(recorder.proposals)
     assert len(proposals[0]) > 3 and proposals[0] == proposals[1]
 
@@ -187,6 +187,21 @@ def test_spreading_over_devices_keeps_the_output():
     reference = hasten.generate(TARGET, PROMPT, max_new_tokens=12).sequences
     drafter = EasySpec(DRAFT, group_size=2, devices=("cpu", "cpu"))
     assert hasten.generate(TARGET, PROMPT, drafter=drafter, max_new_tokens=12).sequences.tolist() == reference.tolist()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: CUDA streams run only on a GPU "
+                    "(scripts/gpu-check)")
+def test_streams_on_cuda_keep_the_output():
+    target, draft = TARGET.to("cuda"), tiny_model("llama", seed=1, num_hidden_layers=4).to("cuda")
+    prompt = PROMPT.to("cuda")
+    try:
+        reference = hasten.generate(target, prompt, max_new_tokens=12).sequences
+        for group_size in (2, 4):
+            drafter = EasySpec(draft, group_size=group_size, concurrency="streams")
+            out = hasten.generate(target, prompt, drafter=drafter, max_new_tokens=12)
+            assert out.sequences.tolist() == reference.tolist() and out.stats.drafted_tokens > 0
+    finally:
+        TARGET.to("cpu")  # the module's other tests use it on the CPU
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without CUDA")

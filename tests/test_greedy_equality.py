@@ -5,7 +5,8 @@ import torch
 import hasten
 from hasten.drafters import DraftModel, Lookahead, PromptLookup
 from helpers import (
-    CAUSAL_CONFIGS, SEQ2SEQ_CONFIGS, ScriptedDrafter, TreeScriptedDrafter, hf_greedy, repetitive_prompt, tiny_model,
+    CAUSAL_CONFIGS, DEVICE, SEQ2SEQ_CONFIGS, ScriptedDrafter, TreeScriptedDrafter, hf_greedy, repetitive_prompt,
+    tiny_model,
 )
 
 ARCHS = sorted(CAUSAL_CONFIGS) + sorted(SEQ2SEQ_CONFIGS)
@@ -23,7 +24,8 @@ def setup(request):
 
 
 def check(model, prompt, reference, drafter, **kwargs):
-    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW, **kwargs)
+    """Fixed sizing unless told otherwise: the scripted cases count steps against their own depth."""
+    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW, **{"draft_size": "fixed", **kwargs})
     assert out.sequences.tolist() == reference.tolist()
     new = reference.shape[1] - (1 if model.config.is_encoder_decoder else prompt.shape[1])
     assert out.stats.new_tokens == new
@@ -128,5 +130,5 @@ def test_drafter_reused_across_generations_and_prompts():
 
 def test_single_token_prompt():
     model = tiny_model("gpt2")
-    prompt = torch.tensor([[5]])
+    prompt = torch.tensor([[5]], device=DEVICE)
     assert hasten.generate(model, prompt, drafter=PromptLookup(), max_new_tokens=12).sequences.tolist() == hf_greedy(model, prompt, 12).tolist()

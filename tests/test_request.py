@@ -4,6 +4,7 @@ a row of a larger batch, the scheduler the server uses, and the command line."""
 import json
 
 import pytest
+import torch
 
 import hasten
 from hasten.engine.batch import Request, Scheduler
@@ -78,3 +79,31 @@ def test_refusals_carry_their_field_and_code(engine):
         assert (refusal.value.field, refusal.value.code) == (field, code)
         assert field in str(refusal.value) or field == "input_ids"  # the library's own name for it
         assert "max_tokens" in refusal.value.render("max_tokens") or field != "max_new_tokens"
+
+
+def test_every_door_resolves_an_unset_draft_size_by_the_same_rule(engine, monkeypatch):
+    """hasten.generate, the Scheduler, the bench's runner and Engine.generate all leave
+    draft_size unset by default, and all resolve it through SizingChoice: auto for greedy
+    decoding, fixed for seeded sampling."""
+    from hasten.bench.runner import hasten_method
+
+    chosen = []
+    resolve = SizingChoice.for_request
+
+    def spy(self, sampled, seeded):
+        rule = resolve(self, sampled, seeded)
+        chosen.append(type(rule).__name__)
+        return rule
+
+    monkeypatch.setattr(SizingChoice, "for_request", spy)
+    ids = engine.encode(PROMPT)
+    hasten.generate(engine.model, ids, drafter=engine.drafter, max_new_tokens=4)
+    scheduler = Scheduler(engine.runtime, engine.drafter, max_batch=1)
+    scheduler.submit(Request(ids[0].tolist(), 4, Sampling()))
+    scheduler.run()
+    hasten_method("prompt_lookup", engine.model).run(ids, 4)
+    engine.generate(PROMPT, max_new_tokens=4)
+    assert chosen == ["CostAwareSize"] * 4
+    hasten.generate(engine.model, ids, drafter=engine.drafter, max_new_tokens=4, temperature=0.9,
+                    generator=torch.Generator().manual_seed(5))
+    assert chosen[-1] == "FixedSize"

@@ -94,7 +94,7 @@ def stop_server(server, thread) -> None:
 @pytest.fixture(scope="module")
 def base(engine):
     def make():
-        return PacedScheduler(engine.model, engine.drafter, max_batch=MAX_BATCH)
+        return PacedScheduler(engine.model, engine.drafter, max_batch=MAX_BATCH, draft_size=engine.draft_size)
 
     app = create_app(engine, make, ServeOptions(NAME, KEY, BODY_LIMIT))
     server, thread, url = start_server(app)

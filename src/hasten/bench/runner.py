@@ -21,7 +21,7 @@ from ..drafters.base import REGISTRY
 from ..engine.inputs import check_positions
 from ..engine.loop import generate
 from ..engine.calibration import load_or_calibrate
-from ..engine.sizing import sizing_rule
+from ..engine.sizing import default_size, sizing_rule
 from ..models.hf import runtime_of
 from ..core.stats import DecodeStats
 from .tasks import Task
@@ -61,15 +61,17 @@ class Method:
     close: Callable[[], None] | None = None  # frees what the method holds (a worker process)
 
 
-def hasten_method(name: str, model, draft=None, draft_size: str = "fixed", label: str | None = None,
+def hasten_method(name: str, model, draft=None, draft_size: str | None = None, label: str | None = None,
                   **settings) -> Method:
-    """A registered drafter (or "autoregressive"), a fresh drafter per run, EOS ignored.
+    """A registered drafter (or "autoregressive"), a fresh drafter per run, greedy, EOS ignored.
     ``draft`` goes only to methods that declare they need a draft model. ``draft_size``:
-    "fixed" or "auto" (see hasten.engine.sizing); ``label`` names the method in the results
-    (default ``name``), so one drafter can be timed with both sizings side by side."""
+    "fixed" or "auto" (see hasten.engine.sizing), unset meaning what it means everywhere
+    (auto, for greedy decoding); ``label`` names the method in the results (default
+    ``name``), so one drafter can be timed with both sizings side by side."""
     if name not in REGISTRY or not REGISTRY[name].needs_draft_model:
         draft = None
     make_drafter(name, draft, **settings)  # fail now, not in the middle of the benchmark
+    draft_size = default_size(draft_size, sampled=False, seeded=False)
     sizing_rule(draft_size)
     if draft_size == "auto" and name != AUTOREGRESSIVE:
         load_or_calibrate(model)  # the machine's cost curve, measured (or read) before anything is timed

@@ -94,14 +94,32 @@ class Runtime:
         raise NotImplementedError
 
     def cost_key(self) -> dict:
-        """What one forward's cost depends on, besides the machine (which sizing adds)."""
-        raise NotImplementedError
+        """What one forward's cost depends on, besides the machine (which sizing adds). This
+        default names the runtime, the model and torch's threads; a runtime whose cost depends
+        on more (a dtype, a quantization, a device) names that too."""
+        return {"runtime": self.name, "model": self.label, "source": self.source, "vocab": self.vocab_size,
+                "threads": torch.get_num_threads(), "torch": torch.__version__}
+
+    def synchronize(self) -> None:
+        """Wait for the forwards queued on the device (a timed forward must have finished)."""
 
     @contextlib.contextmanager
     def timing_blocks(self, tokens: list[int], context: int,
                       sizes: tuple[int, ...]) -> Iterator[tuple[tuple[int, ...], Callable[[int], None], Callable[[], None]]]:
-        """For timing one forward per block size: ``tokens[:context]`` cached, then yields
+        """For timing one forward per block size: about ``context`` tokens cached, then yields
         ``(sizes, run, undo)``: the sizes that fit, ``run(size)`` runs the next ``size``
-        tokens, ``undo()`` forgets them. The timing loop is the sizing module's."""
-        raise NotImplementedError
-        yield  # pragma: no cover
+        tokens, ``undo()`` forgets them. The timing loop is the sizing module's. This default
+        runs them through a :meth:`session`, so every runtime can be sized ``"auto"``."""
+        if self.context_length:  # leave room for the largest block
+            context = max(1, min(context, self.context_length - 2 - max(sizes)))
+            sizes = tuple(s for s in sizes if context + 2 + s <= self.context_length) or (1,)
+        session = self.session()
+        session.start(torch.tensor([tokens[: context + 2]], device=self.device))  # caches all but the root
+        base = session.cache_length
+        self.synchronize()
+
+        def run(size: int) -> None:
+            session.forward_rows([session], [tokens[base : base + size]], [None], False)
+            self.synchronize()
+
+        yield sizes, run, lambda: session.crop(base)

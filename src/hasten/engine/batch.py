@@ -84,7 +84,7 @@ class _Running:
 
 class Scheduler:
     def __init__(self, model: PreTrainedModel, drafter: Drafter | None = None, *, max_batch: int = 8,
-                 max_tokens_in_flight: int | None = None, draft_size: str | SizingRule = "fixed",
+                 max_tokens_in_flight: int | None = None, draft_size: str | SizingRule | None = None,
                  lossy_acceptance: Acceptance | None = None, max_prefill_tokens: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")

@@ -22,7 +22,7 @@ from ..models.attention import MaskedTree, attention_path
 from .batch import Request, Scheduler
 from .inputs import check_inputs, eos_ids
 from .sequence import Sequence, step
-from .sizing import SizingRule, sizing_rule
+from .sizing import SizingChoice, SizingRule
 from .stops import StopStrings
 from .verify import Acceptance, acceptance_rule
 
@@ -101,7 +101,7 @@ def generate(
     eos_token_id: int | list[int] | None = None,
     generator: torch.Generator | None = None,
     lossy_acceptance: Acceptance | None = None,
-    draft_size: str | SizingRule = "fixed",
+    draft_size: str | SizingRule | None = None,
     stop_strings: str | list[str] | None = None,
     tokenizer=None,
     kv_compression=None,
@@ -113,8 +113,9 @@ def generate(
     Greedy (temperature 0) output is token-identical to the plain model's; sampled output
     is distributed exactly as the plain model samples with the same temperature, top-k and
     top-p, whichever drafter is used. ``draft_size`` is ``"fixed"`` (each drafter's own
-    depth) or ``"auto"`` (each step's depth chosen from the target's measured forward cost
-    and the drafter's measured acceptance; see :mod:`hasten.engine.sizing`). ``lossy_acceptance`` (e.g.
+    depth), ``"auto"`` (each step's depth chosen from the target's measured forward cost
+    and the drafter's measured acceptance; see :mod:`hasten.engine.sizing`) or unset, as at
+    every entry point: auto, except fixed for seeded sampling (:func:`~hasten.engine.sizing.default_size`). ``lossy_acceptance`` (e.g.
     ``hasten.approx.TypicalAcceptance()``) replaces the exact rule and gives that up.
     ``kv_compression`` (e.g. ``hasten.approx.SpecKV(draft)``) decodes from a compressed cache
     of the prompt: lossy, so the output is exact only relative to that compressed target;
@@ -154,7 +155,7 @@ def generate(
     stats = DecodeStats()
     eos = eos_ids(runtime, eos_token_id)
     acceptance = acceptance_rule(sampling, lossy_acceptance)
-    sizing = sizing_rule(draft_size)
+    sizing = SizingChoice(draft_size).for_request(not sampling.greedy, seeded=generator is not None)
     new: list[int] = []
     pieces = decode(runtime, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance, sizing,
                     stop, kv_compression, attention, **model_inputs)

@@ -7,7 +7,6 @@ place that turns what a caller passes (a ``PreTrainedModel`` or any runtime) int
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 
 import torch
@@ -93,27 +92,9 @@ class HuggingFaceRuntime(Runtime):
             "torch": torch.__version__,
         }
 
-    @contextlib.contextmanager
-    def timing_blocks(self, tokens: list[int], context: int, sizes: tuple[int, ...]):
-        if self.context_length:  # leave room for the largest block
-            context = max(1, min(context, self.context_length - 2 - max(sizes)))
-            sizes = tuple(s for s in sizes if context + 2 + s <= self.context_length) or (1,)
-        adapter = ModelAdapter(self.model)
-        adapter.start(torch.tensor([tokens[:2]]))
-        adapter.forward(tokens[2 : context + 2], tree=None)
-        base = adapter.cache_length
-        _sync(self.device)
-
-        def run(size: int) -> None:
-            adapter.forward(tokens[base : base + size], tree=None)
-            _sync(self.device)
-
-        yield sizes, run, lambda: adapter.crop(base)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
 
 def runtime_of(model) -> Runtime:
