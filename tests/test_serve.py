@@ -223,6 +223,51 @@ def test_eight_concurrent_streams_each_equal_their_single_output(engine, base):
     assert batched(after) > batched(before)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_several_prompts_get_one_choice_each_equal_to_single_requests(engine, client, stream):
+    """A list of prompts (strings or token ids) is answered in order, each choice the text a
+    single request gets; usage adds every prompt's tokens and every choice's."""
+    prompts = [PROMPTS[0], PROMPTS[1], engine.encode(PROMPTS[2])[0].tolist()]
+    singles = [client.completions.create(model=NAME, prompt=p, max_tokens=NEW, temperature=0) for p in prompts]
+    answer = client.completions.create(model=NAME, prompt=prompts, max_tokens=NEW, temperature=0, stream=stream,
+                                       stream_options={"include_usage": True} if stream else None)
+    if stream:
+        texts, reasons, usage = ["", "", ""], [None] * 3, None
+        for chunk in answer:
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+                reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+            usage = chunk.usage or usage
+    else:
+        assert [c.index for c in answer.choices] == [0, 1, 2]
+        texts, reasons, usage = [c.text for c in answer.choices], [c.finish_reason for c in answer.choices], answer.usage
+    assert texts == [single.choices[0].text for single in singles]
+    assert reasons == [single.choices[0].finish_reason for single in singles]
+    assert usage.prompt_tokens == sum(single.usage.prompt_tokens for single in singles)
+    assert usage.completion_tokens == sum(single.usage.completion_tokens for single in singles)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_of_a_seeded_request_sample_with_seed_plus_their_index(client, stream):
+    """Choice j of a seeded request with n choices is the single request seeded with seed + j."""
+    options = dict(model=NAME, max_tokens=NEW, temperature=1.0)
+    singles = [client.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[1]}], seed=11 + j,
+                                              **options).choices[0].message.content for j in range(3)]
+    answer = client.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[1]}], seed=11, n=3,
+                                            stream=stream, **options)
+    if stream:
+        texts, roles = ["", "", ""], set()
+        for chunk in answer:
+            for choice in chunk.choices:
+                roles |= {choice.index} if choice.delta.role == "assistant" else set()
+                texts[choice.index] += choice.delta.content or ""
+        assert roles == {0, 1, 2}  # every choice opens with the assistant's role
+    else:
+        texts = [choice.message.content for choice in answer.choices]
+    assert texts == singles
+    assert len(set(singles)) > 1  # the choices are different samples
+
+
 def test_a_seed_makes_sampling_reproducible(client):
     texts = {client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=12, temperature=1.0, top_p=0.9,
                                        seed=7).choices[0].text for _ in range(2)}
@@ -296,14 +341,19 @@ BAD_BODIES = [
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
     ({"prompt": "x", "top_p": 0}, "top_p"),
     ({"prompt": "x", "top_p": 1.5}, "top_p"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 17}, "n"),  # more than MAX_CHOICES
+    ({"prompt": "x", "n": 1.5}, "n"),
+    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),  # ranking samples needs log-probabilities
+    ({"prompt": ["a", ""]}, "prompt"),  # each of several prompts is checked
+    ({"prompt": ["a"] * 65}, "prompt"),  # more than MAX_PROMPTS
+    ({"prompt": ["a", [10**6]]}, "prompt"),
     ({"prompt": "x", "stop": 3}, "stop"),
     ({"prompt": "x", "seed": "s"}, "seed"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "logprobs": 3}, "logprobs"),
     ({"prompt": ""}, "prompt"),
-    ({"prompt": ["a", "b"]}, "prompt"),
     ({"prompt": [5] * 600}, "prompt"),  # longer than the model's 512 positions
     ({"prompt": [5] * 500, "max_tokens": 20}, "max_tokens"),  # fits, but not with 20 more
     ({"prompt": [10**6]}, "prompt"),

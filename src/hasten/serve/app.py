@@ -29,7 +29,7 @@ from ..core.errors import FieldError
 from ..core.sampling import Sampling
 from ..engine.stops import TextStream
 from .metrics import CONTENT_TYPE, Metrics
-from .schema import APIError, Params, invalid, parse_body, parse_messages, parse_params, parse_prompt
+from .schema import MAX_SEED, APIError, Params, invalid, parse_body, parse_messages, parse_params, parse_prompts
 from .worker import RowError, Sink, Worker
 
 OPEN_PATHS = ("/health",)  # answered without an API key, for load balancers' probes
@@ -112,13 +112,12 @@ class Service:
         body = await self._read_json(request)
         params = parse_params(body)
         self._check_model(params.model)
-        prompt = parse_prompt(body)
-        if isinstance(prompt, str):
-            input_ids = await self.encode.text(prompt)
-        else:
-            input_ids = self._checked_ids(prompt)
-        max_tokens = self._budget(len(input_ids), params.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
-        return await self._answer(request, "completion", input_ids, max_tokens, params)
+        prompts = []  # (input ids, max tokens) of each prompt, every one checked before any row starts
+        for prompt in parse_prompts(body):
+            input_ids = await self.encode.text(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
+            budget = self._budget(len(input_ids), params.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
+            prompts.append((input_ids, budget))
+        return await self._answer(request, "completion", prompts, params)
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
         body = await self._read_json(request)
@@ -131,7 +130,7 @@ class Service:
             raise invalid("messages", str(err)) from None
         asked_as = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = self._budget(len(input_ids), params.max_tokens, None, "messages", asked_as)
-        return await self._answer(request, "chat", input_ids, max_tokens, params)
+        return await self._answer(request, "chat", [(input_ids, max_tokens)], params)
 
     # ---- checks ------------------------------------------------------------------------------------
     async def _read_json(self, request: HTTPRequest) -> dict:
@@ -182,7 +181,22 @@ class Service:
         return asked
 
     # ---- decoding ----------------------------------------------------------------------------------
-    def _submit(self, input_ids: list[int], max_tokens: int, params: Params) -> Generation:
+    def _submit_all(self, prompts: list[tuple[list[int], int]], params: Params) -> list[Generation]:
+        """One row per choice: ``params.n`` per prompt, in the order of the response's choices
+        (choice j of a prompt samples with ``seed + j``, so choice 0 is the single request's)."""
+        gens: list[Generation] = []
+        try:
+            for input_ids, max_tokens in prompts:
+                for j in range(params.n):
+                    seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
+                    gens.append(self._submit(input_ids, max_tokens, params, seed))
+        except BaseException:
+            for gen in gens:  # a refused row refuses the request: the rows already started stop
+                self.worker.cancel(gen.row_id)
+            raise
+        return gens
+
+    def _submit(self, input_ids: list[int], max_tokens: int, params: Params, seed: int | None) -> Generation:
         from ..engine.batch import Request  # the scheduler's request type, beside the scheduler
 
         stop = None
@@ -192,8 +206,7 @@ class Service:
             stop = StopStrings(self.engine.tokenizer, list(params.stop))
         # Greedy decoding ignores top_k and top_p (OpenAI accepts them with temperature 0).
         sampling = Sampling(params.temperature, params.top_k, params.top_p) if params.temperature > 0 else Sampling()
-        request = Request(input_ids=input_ids, max_new_tokens=max_tokens, sampling=sampling, seed=params.seed,
-                          stop=stop)
+        request = Request(input_ids=input_ids, max_new_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop)
         queue: asyncio.Queue = asyncio.Queue()
         try:
             row_id = self.worker.submit(request, Sink(asyncio.get_running_loop(), queue))
@@ -258,67 +271,116 @@ class Service:
             except asyncio.TimeoutError:
                 continue
 
-    async def _answer(self, request: HTTPRequest, kind: str, input_ids: list[int], max_tokens: int,
+    async def _answer(self, request: HTTPRequest, kind: str, prompts: list[tuple[list[int], int]],
                       params: Params) -> Response:
-        gen = self._submit(input_ids, max_tokens, params)
+        gens = self._submit_all(prompts, params)
         ids = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ids, "created": int(time.time()), "model": self.options.model_name}
         if params.stream:
-            return EventStream(self._stream(gen, kind, head, params.include_usage), media_type="text/event-stream",
+            return EventStream(self._stream(gens, kind, head, params), media_type="text/event-stream",
                                headers={"Cache-Control": "no-cache"})
-        text, last, reason = "", None, None
+        texts, lasts, reasons = [""] * len(gens), [None] * len(gens), [None] * len(gens)
         try:
-            async with aclosing(self._events(gen, request.is_disconnected)) as events:
-                async for piece, last, reason in events:
-                    text += piece
+            async with aclosing(self._merged(gens, request.is_disconnected)) as updates:
+                async for index, piece, last, reason in updates:
+                    texts[index] += piece
+                    lasts[index], reasons[index] = last, reason
         except ConnectionAbortedError:
-            return Response(status_code=499)  # nobody reads it; the row is already cancelled
+            return Response(status_code=499)  # nobody reads it; the rows are already cancelled
         if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                      "logprobs": None}
-            body = {**head, "object": "chat.completion", "choices": [choice]}
+            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
+                        "logprobs": None} for i, (text, reason) in enumerate(zip(texts, reasons))]
+            body = {**head, "object": "chat.completion", "choices": choices}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
-            body = {**head, "object": "text_completion", "choices": [choice]}
-        return JSONResponse({**body, "usage": self._usage(gen), "hasten": self._stats(last)})
+            choices = [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
+                       for i, (text, reason) in enumerate(zip(texts, reasons))]
+            body = {**head, "object": "text_completion", "choices": choices}
+        return JSONResponse({**body, "usage": self._usage(gens, params.n), "hasten": self._all_stats(lasts)})
 
-    async def _stream(self, gen: Generation, kind: str, head: dict, include_usage: bool) -> AsyncIterator[str]:
+    async def _merged(self, gens: list[Generation],
+                      disconnected: Callable | None = None) -> AsyncIterator[tuple[int, str, object, str | None]]:
+        """(choice index, text piece, update, finish reason or None) of every row, as they come.
+        Leaving early (a client gone, an error in any row) cancels every row still running."""
+        if len(gens) == 1:
+            async with aclosing(self._events(gens[0], disconnected)) as events:
+                async for piece, update, reason in events:
+                    yield 0, piece, update, reason
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        ended = object()
+
+        async def pump(index: int, gen: Generation) -> None:
+            try:
+                async with aclosing(self._events(gen, disconnected)) as events:
+                    async for item in events:
+                        queue.put_nowait((index, *item))
+            except (APIError, ConnectionAbortedError) as err:
+                queue.put_nowait(err)
+            finally:
+                queue.put_nowait(ended)
+
+        tasks = [asyncio.create_task(pump(i, gen)) for i, gen in enumerate(gens)]
+        try:
+            running = len(tasks)
+            while running:
+                item = await queue.get()
+                if item is ended:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for task in tasks:  # a cancelled pump closes its row's events, which cancels the row
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _stream(self, gens: list[Generation], kind: str, head: dict, params: Params) -> AsyncIterator[str]:
         chat = kind == "chat"
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        extra = {"usage": None} if include_usage else {}
+        extra = {"usage": None} if params.include_usage else {}
 
-        def chunk(piece: str | None, reason: str | None, **more) -> str:
+        def chunk(index: int, piece: str | None, reason: str | None, **more) -> str:
             if chat:
                 delta = {} if piece is None else {"content": piece}
-                choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+                choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
             else:
-                choice = {"index": 0, "text": piece or "", "finish_reason": reason, "logprobs": None}
+                choice = {"index": index, "text": piece or "", "finish_reason": reason, "logprobs": None}
             return sse({**head, "choices": [choice], **extra, **more})
 
-        if chat:  # OpenAI opens a chat stream with the assistant's role
-            yield sse({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                            "finish_reason": None, "logprobs": None}], **extra})
-        last = None
+        if chat:  # OpenAI opens a chat stream with the assistant's role, once per choice
+            for index in range(len(gens)):
+                yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                                "finish_reason": None, "logprobs": None}], **extra})
+        lasts = [None] * len(gens)
         try:
-            # aclosing: when the client leaves, the row's generator closes (and cancels) at once
-            async with aclosing(self._events(gen)) as events:
-                async for piece, last, reason in events:
+            # aclosing: when the client leaves, the rows' generators close (and cancel) at once
+            async with aclosing(self._merged(gens)) as updates:
+                async for index, piece, lasts[index], reason in updates:
                     if piece:
-                        yield chunk(piece, None)
+                        yield chunk(index, piece, None)
                     if reason is not None:
-                        yield chunk(None if chat else "", reason, hasten=self._stats(last))
+                        yield chunk(index, None if chat else "", reason, hasten=self._stats(lasts[index]))
         except APIError as err:
             yield sse(err.body())
             yield "data: [DONE]\n\n"
             return
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": self._usage(gen), "hasten": self._stats(last)})
+        if params.include_usage:
+            yield sse({**head, "choices": [], "usage": self._usage(gens, params.n), "hasten": self._all_stats(lasts)})
         yield "data: [DONE]\n\n"
 
-    def _usage(self, gen: Generation) -> dict:
-        completion = len(gen.text.token_ids)
-        return {"prompt_tokens": gen.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": gen.prompt_tokens + completion}
+    @staticmethod
+    def _usage(gens: list[Generation], n: int) -> dict:
+        """Each prompt's tokens once (its ``n`` choices read the same prompt); every choice's tokens."""
+        prompt = sum(gen.prompt_tokens for gen in gens[::n])
+        completion = sum(len(gen.text.token_ids) for gen in gens)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def _all_stats(self, updates: list) -> dict:
+        """hasten's numbers: one choice's as they are, several choices' one entry each."""
+        if len(updates) == 1:
+            return self._stats(updates[0])
+        return {"method": self.engine.method, "choices": [self._stats(update) for update in updates]}
 
     def _stats(self, update) -> dict:
         """hasten's own numbers for this request, under the extra field ``hasten``."""

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_SEED = 2**63 - 1
+MAX_CHOICES = 16  # n: choices per prompt
+MAX_PROMPTS = 64  # prompts in one /v1/completions request
 TEMPERATURE_RANGE = (0.0, 2.0)  # as OpenAI; hasten itself would take any temperature >= 0
 
 
@@ -44,6 +46,7 @@ class Params:
     seed: int | None
     stream: bool
     include_usage: bool
+    n: int = 1  # choices per prompt; choice j of a seeded request samples with seed + j
 
 
 def parse_body(raw: bytes) -> dict:
@@ -109,9 +112,23 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
         raise invalid("seed", f"'seed' must be in [0, 2^63 - 1], got {seed}")
     stream = optional(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     include_usage = parse_stream_options(body, stream)
+    n = parse_choices(body)
     check_unsupported(body)
     return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
-                  parse_stop(body), seed, stream, include_usage)
+                  parse_stop(body), seed, stream, include_usage, n)
+
+
+def parse_choices(body: dict) -> int:
+    """``n`` (choices per prompt, 1 to MAX_CHOICES), and ``best_of``, which may only equal it:
+    picking the best of more samples needs their log-probabilities."""
+    n = optional(body, "n", is_int, "an integer", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise invalid("n", f"'n' must be in [1, {MAX_CHOICES}], got {n}")
+    best_of = optional(body, "best_of", is_int, "an integer")
+    if best_of is not None and best_of != n:
+        raise invalid("best_of", f"'best_of' {best_of} > 'n' {n} ranks samples by log-probability, which hasten "
+                      "serve does not report yet; leave it out or set it to 'n'", "unsupported_parameter")
+    return n
 
 
 def parse_stop(body: dict) -> tuple[str, ...]:
@@ -167,7 +184,7 @@ def _empty(v) -> bool:
 
 UNSUPPORTED = {
     # OpenAI's
-    "logprobs": _off, "top_logprobs": _absent, "echo": _off, "suffix": _empty, "best_of": _number(1),
+    "logprobs": _off, "top_logprobs": _absent, "echo": _off, "suffix": _empty,
     "presence_penalty": _number(0), "frequency_penalty": _number(0), "logit_bias": _empty,
     "tools": _empty, "functions": _empty, "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
@@ -181,30 +198,32 @@ UNSUPPORTED = {
 
 
 def check_unsupported(body: dict) -> None:
-    n = body.get("n")
-    if n is not None and (not is_int(n) or n != 1):
-        raise invalid("n", f"'n' must be 1 (hasten returns one choice per request), got {json.dumps(n)[:40]}")
     for name, harmless in UNSUPPORTED.items():
         if name in body and not harmless(body[name]):
             raise invalid(name, f"'{name}' is not supported by hasten serve", "unsupported_parameter")
 
 
-def parse_prompt(body: dict) -> str | list[int]:
-    """A completion's prompt: a string or a list of token ids (or a list holding one of them)."""
+def parse_prompts(body: dict) -> list[str | list[int]]:
+    """A completion's prompts, in order: a string, a list of token ids, or a list of several of
+    either (each one prompt, answered by its own choices)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
+    if prompt is None:
+        raise invalid("prompt", "'prompt' is required", "missing_required_parameter")
+    several = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    prompts = prompt if several else [prompt]
+    if len(prompts) > MAX_PROMPTS:
+        raise invalid("prompt", f"'prompt' holds {len(prompts)} prompts; at most {MAX_PROMPTS} per request")
+    return [_one_prompt(p, f"prompt[{i}]" if several else "prompt") for i, p in enumerate(prompts)]
+
+
+def _one_prompt(prompt, name: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid("prompt", "'prompt' is empty")
+            raise invalid("prompt", f"'{name}' is empty")
         return unicode_text(prompt, "prompt")
     if isinstance(prompt, list) and prompt and all(is_int(t) for t in prompt):
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise invalid("prompt", "one prompt per request: send a batch of prompts as separate requests")
-    if prompt is None:
-        raise invalid("prompt", "'prompt' is required", "missing_required_parameter")
-    raise invalid("prompt", "'prompt' must be a non-empty string or a list of token ids", "invalid_type")
+    raise invalid("prompt", f"'{name}' must be a non-empty string or a list of token ids", "invalid_type")
 
 
 def parse_messages(body: dict) -> list[dict[str, str]]:
