@@ -12,6 +12,7 @@ from hasten.diffusion import bench, recipes, sim
 from hasten.diffusion.cli import COMMANDS
 from hasten.diffusion.models import dit as dit_model
 from hasten.diffusion.models import policy as policy_model
+from hasten.zoo.packing import has_tensors
 
 TINY_DIT = dict(num_layers=2, num_attention_heads=2, attention_head_dim=8, patch_size=8)
 TINY_POLICY = policy_model.PolicyConfig(dim=16, layers=2, heads=2)
@@ -103,7 +104,7 @@ def test_shipped_models_load_and_never_reuse_is_bit_identical():
     from hasten.diffusion import cached
 
     # shipped weights are part of the package: a missing file is a packaging bug, so it fails here
-    assert (dit_model.WEIGHTS / "model.safetensors").is_file(), f"shipped DiT weights missing in {dit_model.WEIGHTS}"
+    assert has_tensors(dit_model.WEIGHTS / "model.safetensors"), f"shipped DiT weights missing in {dit_model.WEIGHTS}"
     model = dit_model.load_dit()
     labels = torch.tensor([0, 4])
     reference = dit_model.generate(model, labels, seed=1, steps=3)

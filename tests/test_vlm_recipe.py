@@ -124,7 +124,7 @@ def test_the_model_sees_256_image_tokens_and_starts_from_code_tiny(tokenizer):
     with torch.no_grad():
         features = model.get_image_features(pixel_values=inputs["pixel_values"], return_dict=True).pooler_output
     assert sum(f.reshape(-1, f.shape[-1]).shape[0] for f in features) >= 256
-    code_tiny = tf.AutoModelForCausalLM.from_pretrained(vlm_recipe.TEXT_SOURCE, dtype=torch.float32)
+    code_tiny = tf.AutoModelForCausalLM.from_pretrained(hasten.zoo.resolve("code-tiny"), dtype=torch.float32)
     embed = model.model.language_model.embed_tokens.weight
     assert torch.equal(embed[:-1], code_tiny.model.embed_tokens.weight)
     assert torch.equal(model.model.language_model.layers[3].mlp.down_proj.weight,

@@ -18,6 +18,7 @@ from transformers import (
 from . import zoo
 from .core.errors import HastenWarning
 from .models import gguf
+from .zoo.packing import unpacked
 
 
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")  # "gpt2" or "org/name"; never a filesystem path
@@ -33,6 +34,8 @@ def resolve_path(name_or_path: str | os.PathLike) -> str:
     path = os.fspath(name_or_path)
     if zoo.is_zoo_name(path):
         path = str(zoo.resolve(path, cache_dir=gguf.cache_root()))
+    if os.path.isdir(path):
+        path = str(unpacked(path))  # a packed directory (the zoo's shipped form): its unpacked copy
     if os.path.exists(path):
         source = gguf.find_gguf(path)
         return str(gguf.cached_checkpoint(source)) if source is not None else path

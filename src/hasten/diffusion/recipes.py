@@ -8,7 +8,7 @@
   demonstrations of the reaching task (sim.py), then a short rollout check of its success rate.
 
 Both use AdamW with warm-up and cosine decay and keep an exponential moving average of the weights,
-which is what gets saved (fp16 safetensors + config.json + training.json) under --out-root.
+which is what gets saved (packed weights: hasten.zoo.packing; config.json; training.json) under --out-root.
 """
 from __future__ import annotations
 

@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 from ..zoo import WEIGHTS_DIR, corpus
+from ..zoo.packing import unpacked
 from .policies import DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, describe
 from .sampler import generate
 from .sparse import SparseD
@@ -81,6 +82,7 @@ def long_context_settings() -> list[Setting]:
 def load_models(weights: Path = DLM_WEIGHTS, judge: Path = JUDGE_WEIGHTS):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    weights, judge = unpacked(weights), unpacked(judge)  # the zoo ships them packed
     model = AutoModelForCausalLM.from_pretrained(weights, dtype=torch.float32, attn_implementation="sdpa").eval()
     judge_model = AutoModelForCausalLM.from_pretrained(judge, dtype=torch.float32, attn_implementation="sdpa").eval()
     return model, AutoTokenizer.from_pretrained(weights), judge_model

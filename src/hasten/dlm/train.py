@@ -26,6 +26,7 @@ from hasten.core.schedule import adamw, decay_groups
 from hasten.core.training_loop import Budget, Checkpoints, Schedule, TrainingLoop
 from hasten.machine import machine_info
 from hasten.zoo import WEIGHTS_DIR, corpus
+from hasten.zoo.packing import pack, unpacked
 from hasten.zoo.recipe import sample_batch, token_stream
 
 MASK_TOKEN = "<|mask|>"
@@ -42,6 +43,7 @@ def load_source(source: Path = SOURCE):
     """code-tiny in float32 with one more token, ``<|mask|>``, whose embedding starts at the mean one."""
     from transformers import AutoTokenizer, LlamaForCausalLM
 
+    source = unpacked(source)  # the zoo ships code-tiny packed
     tokenizer = AutoTokenizer.from_pretrained(source)
     tokenizer.add_special_tokens({"mask_token": MASK_TOKEN})
     model = LlamaForCausalLM.from_pretrained(source, dtype=torch.float32, attn_implementation="sdpa")
@@ -144,6 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["RAYON_NUM_THREADS"] = str(args.threads)
     torch.set_num_threads(args.threads)
     train(args.out, args.minutes, args.seq_len, args.batch_size, args.lr, args.seed, args.eval_windows, args.work_dir)
+    pack(args.out)  # the zoo's shipped form (hasten.zoo.packing)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import real
+from .packing import unpacked
 
 ZOO_PREFIX = "zoo:"
 WEIGHTS_DIR = Path(__file__).parent / "weights"
@@ -38,8 +39,9 @@ def is_zoo_name(s: str) -> bool:
 
 
 def resolve(name: str, cache_dir: Path | None = None) -> Path:
-    """Directory holding the Hugging Face files of zoo model `name` ("zoo:code-tiny" or "code-tiny"),
-    or the .gguf file of a packaged one (``cache_dir`` is where chunked files get assembled)."""
+    """Directory holding the Hugging Face files of zoo model `name` ("zoo:code-tiny" or "code-tiny"):
+    its float16 copy unpacked into the cache (``hasten.zoo.packing``: the zoo ships int8), or the
+    .gguf file of a packaged one (``cache_dir`` is where unpacked and chunked files go)."""
     short = name[len(ZOO_PREFIX):] if is_zoo_name(name) else name
     if short in PACKAGED:
         return real.resolve(short, cache_dir)
@@ -49,4 +51,4 @@ def resolve(name: str, cache_dir: Path | None = None) -> Path:
     if not (path / "config.json").is_file():
         recipe = RECIPES.get(short, "python -m hasten.zoo.recipe all --out-root {root}").format(root=WEIGHTS_DIR)
         raise FileNotFoundError(f"zoo model {short!r} has no weights at {path}; train them with `{recipe}`")
-    return path
+    return unpacked(path, cache_dir)

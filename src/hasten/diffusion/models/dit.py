@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from ...zoo.packing import has_tensors, read_tensors, write_packed
 from ..sampling import ddim_sample
 
 CLASSES = ("circle", "square", "triangle", "cross", "ring", "diamond")
@@ -73,26 +74,22 @@ def build_dit(**overrides):
 
 
 def save_dit(model, path: str | Path, extra: dict | None = None) -> None:
-    """fp16 safetensors + config.json (the constructor arguments that differ from diffusers' defaults)."""
-    from safetensors.torch import save_file
-
+    """Packed weights (hasten.zoo.packing) + config.json (the constructor arguments that differ from diffusers' defaults)."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().half().contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors")
+    write_packed(model.state_dict(), path / "model.safetensors")
     config = {k: model.config[k] for k in CONFIG}
     (path / "config.json").write_text(json.dumps(config, indent=1))
 
 
 def load_dit(path: str | Path = WEIGHTS):
     """The shipped (or a freshly trained) DiT in float32, eval mode."""
-    from safetensors.torch import load_file
-
     path = Path(path)
-    if not (path / "model.safetensors").is_file():
+    if not has_tensors(path / "model.safetensors"):
         raise FileNotFoundError(f"no DiT weights at {path}; train them with: python -m hasten.diffusion.recipes dit")
     config = json.loads((path / "config.json").read_text())
     model = build_dit(**config)
-    model.load_state_dict({k: v.float() for k, v in load_file(path / "model.safetensors").items()})
+    model.load_state_dict({k: v.float() for k, v in read_tensors(path / "model.safetensors").items()})
     return model.eval()
 
 

@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...zoo.packing import has_tensors, read_tensors, write_packed
+
 WEIGHTS = Path(__file__).resolve().parent.parent / "weights" / "policy-reach"
 
 
@@ -105,25 +107,21 @@ class TransformerForDiffusion(nn.Module):
 
 
 def save_policy(model: TransformerForDiffusion, path: str | Path, extra: dict | None = None) -> None:
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.detach().half().contiguous() for k, v in model.state_dict().items()}, path / "model.safetensors")
+    write_packed(model.state_dict(), path / "model.safetensors")
     (path / "config.json").write_text(json.dumps({**asdict(model.config), **(extra or {})}, indent=1))
 
 
 def load_policy(path: str | Path = WEIGHTS) -> tuple[TransformerForDiffusion, dict]:
     """(model in float32 eval mode, config dict including the normalisation the recipe saved)."""
-    from safetensors.torch import load_file
-
     path = Path(path)
-    if not (path / "model.safetensors").is_file():
+    if not has_tensors(path / "model.safetensors"):
         raise FileNotFoundError(f"no policy weights at {path}; train them with: python -m hasten.diffusion.recipes policy")
     record = json.loads((path / "config.json").read_text())
     fields = PolicyConfig.__dataclass_fields__
     model = TransformerForDiffusion(PolicyConfig(**{k: v for k, v in record.items() if k in fields}))
-    model.load_state_dict({k: v.float() for k, v in load_file(path / "model.safetensors").items()})
+    model.load_state_dict({k: v.float() for k, v in read_tensors(path / "model.safetensors").items()})
     return model.eval(), record
 
 
