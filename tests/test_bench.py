@@ -6,6 +6,7 @@ import json
 import warnings
 
 import pytest
+import torch
 
 from hasten.api import AUTOREGRESSIVE
 from hasten.bench.report import write_report
@@ -315,6 +316,27 @@ def test_cli_bench_fails_loudly_on_a_mismatch(tmp_path, checkpoints, capsys, mon
     assert main(args) == 1
     assert "LOSSLESSNESS FAILURE: corrupt differs" in capsys.readouterr().err
     assert not (tmp_path / "results.json").exists()
+
+
+def test_cli_bench_counts_differences_when_asked_and_records_device_and_dtype(tmp_path, checkpoints, monkeypatch):
+    """--count-differences (for a GPU in bfloat16): a differing output is counted, not fatal."""
+    import hasten.bench.cli as bench_cli
+
+    real = bench_cli.hf_method
+    monkeypatch.setattr(bench_cli, "hf_method", lambda name, model, draft=None: corrupted(real(name, model, draft), 2))
+    args = bench_args(checkpoints, tmp_path, "--tasks", "complete", "--methods", "autoregressive",
+                      "--baselines", "hf_generate", "--count-differences", "--dtype", "bfloat16")
+    assert main(args) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = {row["method"]: row for row in results["by_category"][OVERALL]}
+    assert rows["corrupt"]["identical"] == "0/1" and rows[AUTOREGRESSIVE]["identical"] == "1/1"
+    assert (results["settings"]["device"], results["settings"]["dtype"]) == ("cpu", "bfloat16")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without CUDA")
+def test_cli_bench_refuses_cuda_where_there_is_none(tmp_path, checkpoints, capsys):
+    assert main(bench_args(checkpoints, tmp_path, "--device", "cuda")) == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
 
 
 # ---- chat tasks ----------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from hasten.core.tree import TokenTree
 from hasten.drafters import DraftModel, Lookahead, PromptLookup
 from hasten.engine import verify
 from hasten.engine.verify import SpeculativeSampling, Verdict
-from helpers import ScriptedDrafter, tiny_model
+from helpers import DEVICE, ScriptedDrafter, tiny_model
 from test_verify_law import bound, p_instead_of_the_residual_at_depth_2
 
 VOCAB = 8
@@ -36,13 +36,14 @@ def peaky_model(seed):
     return model
 
 
-PROMPT = torch.tensor([[1, 3, 5, 1, 3]])
+PROMPT = torch.tensor([[1, 3, 5, 1, 3]], device=DEVICE)
 TARGET = peaky_model(0)
 
 
 @torch.no_grad()
 def next_probs(model, sampling: Sampling, continuation: tuple[int, ...]) -> torch.Tensor:
-    ids = torch.cat([PROMPT, torch.tensor([continuation], dtype=torch.long)], 1) if continuation else PROMPT
+    ids = PROMPT if not continuation else torch.cat(
+        [PROMPT, torch.tensor([continuation], dtype=torch.long, device=DEVICE)], 1)
     return sampling.probs(model(ids).logits[0, -1])
 
 
@@ -58,7 +59,7 @@ def exact_law(model, sampling: Sampling, length: int = 2) -> dict[tuple[int, ...
 
 def sampled_law_tv(model, drafter, sampling: Sampling, length: int, max_new_tokens: int, samples: int) -> float:
     law = exact_law(model, sampling, length)
-    g = torch.Generator().manual_seed(1234)
+    g = torch.Generator(device=DEVICE).manual_seed(1234)
     counts = dict.fromkeys(law, 0)
     for _ in range(samples):
         out = hasten.generate(
@@ -177,6 +178,6 @@ def test_plain_and_input_guided_sampling_follow_the_target(case):
 def test_same_seed_same_sample():
     run = lambda: hasten.generate(  # noqa: E731
         TARGET, PROMPT, drafter=PromptLookup(), max_new_tokens=10, temperature=1.0,
-        generator=torch.Generator().manual_seed(9),
+        generator=torch.Generator(device=DEVICE).manual_seed(9),
     ).sequences
     assert torch.equal(run(), run())

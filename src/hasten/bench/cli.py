@@ -13,7 +13,8 @@ import torch
 from ..api import AUTOREGRESSIVE
 from ..loading import gguf_tokenizer
 from ..arguments import (
-    DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, at_least, method_settings, writable_directory,
+    DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, at_least, checked_device, method_settings,
+    writable_directory,
 )
 from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
@@ -31,6 +32,7 @@ LLAMA_CPP = "llama.cpp"
 # --tasks presets: "auto" is chat for a model whose tokenizer has a chat template, else code.
 TASK_PRESETS = {"code": CATEGORIES, "chat": CHAT_CATEGORIES}
 SPEC_BENCH = "spec-bench"  # Spec-Bench's 480 questions, six categories (spec_bench.py)
+BENCH_DTYPES = ("float32", "bfloat16", "float16")
 SECOND_TURN_ROOM = 512  # positions a llama.cpp context keeps for an MT-bench second question and its template
 
 
@@ -64,6 +66,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="bench-out", metavar="DIR",
                         help="output directory, checked writable before the run (default bench-out)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--device", default="cpu", metavar="DEVICE",
+                        help="where the models run with --backend torch: cpu (default), cuda or cuda:N")
+    parser.add_argument("--dtype", default="float32", choices=BENCH_DTYPES,
+                        help="dtype of the models' weights with --backend torch (default float32)")
+    parser.add_argument("--count-differences", action="store_true",
+                        help="count outputs that differ from autoregressive's (the identical column) instead of "
+                        "stopping at the first: for a GPU in bfloat16, whose kernels may round a near-tie "
+                        "differently in a block than token by token")
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
@@ -233,6 +243,9 @@ def _build_methods(args, names, settings, baselines, model, draft, input_ids) ->
             if args.baselines != AUTO:
                 raise
             skipped[name] = str(err)
+    if args.count_differences:
+        for method in methods:
+            method.exact = False
     return methods, skipped
 
 
@@ -268,11 +281,14 @@ def load_tasks_and_models(args: argparse.Namespace) -> tuple[list, list[torch.Te
         except (ValueError, ImportError) as err:  # no GGUF file; llama-cpp-python missing (with the install hint)
             raise UserError(str(err)) from None
     else:
-        model = load_model(args.model)
-        draft = load_model(draft_name) if draft_name else None
+        device, dtype = getattr(args, "device", "cpu"), getattr(args, "dtype", "float32")  # `hasten record` has neither
+        model = load_model(args.model, dtype, device)
+        draft = load_model(draft_name, dtype, device) if draft_name else None
+        input_ids = [ids.to(model.device) for ids in input_ids]
     if follow_up:
         more = second_turns(tokenizer, tasks, first_answer(model, tokenizer, tasks, input_ids, args.max_new_tokens))
-        tasks, input_ids = tasks + more, input_ids + [task_input_ids(tokenizer, t) for t in more]
+        more_ids = [task_input_ids(tokenizer, t) for t in more]
+        tasks, input_ids = tasks + more, input_ids + [ids.to(input_ids[0].device) for ids in more_ids]
     check_lengths(model, tasks, input_ids, args.max_new_tokens)
     return tasks, input_ids, model, draft
 
@@ -301,6 +317,9 @@ def run(args: argparse.Namespace) -> int:
     draft_sizes(args.draft_size)  # checked before any model loads
     settings = {name: _settings_for(name, args.method_arg) for name in names}
     writable_directory(args.out)  # now, not after the whole run
+    if args.device != "cpu" and args.backend == LLAMA_CPP:
+        raise UserError(f"--device {args.device}: the llama.cpp backend runs on the CPU here; leave --device out")
+    checked_device(args.device)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
     tasks, input_ids, model, draft = load_tasks_and_models(args)
     methods, skipped = _build_methods(args, names, settings, baselines, model, draft, input_ids)
@@ -325,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine,
         "settings": {
-            "model": args.model, "draft": args.draft, "backend": args.backend, "max_new_tokens": args.max_new_tokens,
+            "model": args.model, "draft": args.draft, "backend": args.backend, "device": args.device,
+            "dtype": args.dtype, "count_differences": args.count_differences, "max_new_tokens": args.max_new_tokens,
             "repeats": args.repeats, "per_task": args.per_task, "prompts": args.prompts,
             "tasks": None if args.prompts else args.tasks, "chat_template": any(t.messages for t in tasks),
         },
