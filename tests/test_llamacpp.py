@@ -65,7 +65,7 @@ def hasten_decode(model: LlamaCppModel, prompt: list[int], drafter, new: int,
     EOS, as llama.cpp's own generate stops at none."""
     out = hasten.generate(model, torch.tensor([prompt]), drafter=drafter, max_new_tokens=new,
                           temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                          eos_token_id=[], generator=generator)
+                          eos_token_id=[], generator=generator, draft_size="fixed")  # counts at the drafter's depth
     return out.sequences[0, len(prompt):].tolist(), out.stats
 
 
