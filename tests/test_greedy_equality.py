@@ -94,7 +94,7 @@ def test_eos_inside_accepted_draft():
     reference = hf_greedy(model, prompt, NEW, eos_token_id=eos)
     assert reference.shape[1] <= prompt.shape[1] + 6
     out = hasten.generate(
-        model, prompt, drafter=ScriptedDrafter(free, 8, "oracle"), max_new_tokens=NEW, eos_token_id=eos
+        model, prompt, drafter=ScriptedDrafter(free, 8, "oracle"), max_new_tokens=NEW, eos_token_id=eos, draft_size="fixed"
     )
     assert out.sequences.tolist() == reference.tolist()
     assert out.stats.steps == 1  # the stop token sat inside the first accepted draft

@@ -375,6 +375,7 @@ def test_sampled_continuations_follow_the_target(sampling_drafter, sampling):
     assert tv_of_counts(counts, law) < bound_for(law)
 
 
+@pytest.mark.heavy  # 10 s; test_sampling_distribution.py catches a draft-trusting sampler in 4 s
 def test_the_bound_catches_a_sampler_that_trusts_its_drafts(sampling_drafter):
     law = exact_law(TARGET, PEAKED)
     counts, _ = sampled_counts(sampling_drafter, PEAKED, acceptance=TrustTheDraft())

@@ -152,6 +152,7 @@ def test_bound_catches_a_sampler_that_trusts_its_drafts(monkeypatch):
     assert tv > limit, f"TV {tv:.3f} <= bound {limit:.3f}"
 
 
+@pytest.mark.heavy  # 22 s; test_verify_law.py catches the same bug at the verifier in 3 s
 def test_bound_catches_p_instead_of_the_residual_at_depth_2(monkeypatch):
     monkeypatch.setattr(verify, "_end_distribution", p_instead_of_the_residual_at_depth_2(verify._end_distribution))
     tv, limit = deep_tv(draft_model_3_deep(), DEEP_LAW_SAMPLING)

@@ -105,7 +105,8 @@ def test_scripted_trees_through_the_hybrid_path_equal_hf(mode, right_sibling):
     error_at = None if mode == "oracle" else (0 if mode == "adversarial" else mode + 1)
     drafter = TreeScriptedDrafter(reference[0].tolist(), depth=4, width=3, right_sibling=right_sibling,
                                   error_at=error_at)
-    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=20, tree_attention="hybrid")
+    out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=20, tree_attention="hybrid",
+                          draft_size="fixed")  # steps counted at the script's depth
     assert out.sequences.tolist() == reference.tolist()
     if mode == "adversarial":
         assert out.stats.accepted_tokens == 0
