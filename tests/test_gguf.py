@@ -17,6 +17,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 import hasten
 from hasten import loading, zoo
 from hasten.models import gguf
+from hasten.core import paths
 from hasten.zoo import real
 
 gguf_writer = pytest.importorskip(  # `make test` installs it through the test extra
@@ -195,9 +196,9 @@ def test_a_directory_with_two_gguf_files_asks_which(tmp_path):
 
 def test_the_zoo_and_the_models_agree_on_the_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("HASTEN_CACHE", str(tmp_path / "c"))
-    assert gguf.cache_root() == real.default_cache_dir() == tmp_path / "c"
+    assert gguf.cache_root() == paths.cache_root() == tmp_path / "c"
     monkeypatch.delenv("HASTEN_CACHE")
-    assert gguf.cache_root() == real.default_cache_dir() == Path.home() / ".cache" / "hasten"
+    assert gguf.cache_root() == paths.cache_root() == Path.home() / ".cache" / "hasten"
 
 
 # ---------------------------------------------------------------- models passed as objects

@@ -17,16 +17,12 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from ..core.paths import cache_root
+
 SUFFIX = ".gguf"
 NEEDED = ("gguf", "accelerate")  # transformers reads GGUF with both
 INSTALL_HINT = "pip install 'hasten[gguf]'  (that is: pip install gguf accelerate)"
 DONE_FILE = "hasten-gguf.json"  # written last: a directory without it is an interrupted conversion
-
-
-def cache_root() -> Path:
-    """Where hasten keeps what it builds from other files: $HASTEN_CACHE, else ~/.cache/hasten."""
-    configured = os.environ.get("HASTEN_CACHE")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "hasten"
 
 
 def find_gguf(path: str | os.PathLike) -> Path | None:

@@ -356,7 +356,8 @@ class Service:
         try:
             # aclosing: when the client leaves, the rows' generators close (and cancel) at once
             async with aclosing(self._merged(gens)) as updates:
-                async for index, piece, lasts[index], reason in updates:
+                async for index, piece, last, reason in updates:
+                    lasts[index] = last
                     if piece:
                         yield chunk(index, piece, None)
                     if reason is not None:

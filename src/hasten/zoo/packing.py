@@ -26,6 +26,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load, load_file, save
 
+from ..core import paths
+
 PACKED_TENSORS = ".q8.safetensors.xz"  # replaces ".safetensors"
 PACKED_TEXT = ".xz"
 TEXT_FILES = ("tokenizer.json",)  # compressed losslessly
@@ -106,11 +108,15 @@ def read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
 def write_packed(tensors: dict[str, torch.Tensor], path: str | os.PathLike) -> Path:
     """Write ``tensors`` (rounded to float16 first, as the zoo's files always were) packed, where a
     weights file ``path`` (``X.safetensors``) would go; returns the file written."""
-    target = packed_name(Path(path))
     half = {name: t.detach().cpu().half().contiguous() if t.is_floating_point() else t.detach().cpu().contiguous()
             for name, t in tensors.items()}
+    return write_atomically(packed_name(Path(path)), packed_bytes(half))
+
+
+def write_atomically(target: Path, data: bytes) -> Path:
+    """``data`` into ``target`` through a temporary file, so no reader sees half a file."""
     temporary = target.with_name(target.name + ".tmp")
-    temporary.write_bytes(packed_bytes(half))
+    temporary.write_bytes(data)
     os.replace(temporary, target)
     return target
 
@@ -135,12 +141,8 @@ def pack(directory: str | os.PathLike) -> list[Path]:
             data = packed_bytes(load_file(path))
         else:
             data = lzma.compress(path.read_bytes(), preset=LZMA_PRESET)
-        target = packed_name(path)
-        temporary = target.with_name(target.name + ".tmp")
-        temporary.write_bytes(data)
-        os.replace(temporary, target)
+        written.append(write_atomically(packed_name(path), data))
         path.unlink()
-        written.append(target)
     return written
 
 
@@ -201,19 +203,13 @@ def content_key(directory: Path) -> str:
     return _keys[signature]
 
 
-def default_cache_root() -> Path:
-    """$HASTEN_CACHE, else ~/.cache/hasten (hasten.models.gguf.cache_root's rule)."""
-    configured = os.environ.get("HASTEN_CACHE")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "hasten"
-
-
 def unpacked(directory: str | os.PathLike, cache_root: str | os.PathLike | None = None) -> Path:
     """A directory of plain Hugging Face files for ``directory``: itself when nothing in it is
     packed, else its unpacked copy in the cache (written on first use; same directory name)."""
     directory = Path(directory)
     if not is_packed(directory):
         return directory
-    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    root = Path(cache_root) if cache_root is not None else paths.cache_root()
     entry = root / CACHE_DIR / content_key(directory)
     target = entry / directory.name
     if (target / DONE_FILE).is_file():

