@@ -154,6 +154,21 @@ def test_runner_catches_a_planted_mismatch(models):
         run_bench(methods, tasks, ids, max_new_tokens=8, repeats=1, progress=False)
 
 
+def test_runner_prints_one_line_per_run_for_logs(models, capsys):
+    """--progress lines: every run (warm-ups included) is one flushed stderr line, so a bench killed at
+    a time limit still shows which runs finished and how long each took."""
+    model, _ = models
+    tasks, ids = small_tasks()
+    methods = [hasten_method(AUTOREGRESSIVE, model), hasten_method("prompt_lookup", model)]
+    run_bench(methods, tasks, ids, max_new_tokens=4, repeats=1, progress="lines")
+    lines = capsys.readouterr().err.splitlines()
+    total = len(methods) * (1 + len(tasks))
+    assert len(lines) == total
+    assert lines[0].startswith(f"bench [1/{total}] warm-up autoregressive: 4 tokens in ")
+    assert lines[-1].startswith(f"bench [{total}/{total}] {tasks[-1].name} ")
+    assert all(" tokens in " in line and line.endswith("tok/s)") for line in lines)
+
+
 def test_runner_needs_the_reference(models):
     tasks, ids = small_tasks()
     with pytest.raises(ValueError, match="autoregressive"):
@@ -330,6 +345,7 @@ def test_cli_bench_counts_differences_when_asked_and_records_device_and_dtype(tm
     results = json.loads((tmp_path / "results.json").read_text())
     rows = {row["method"]: row for row in results["by_category"][OVERALL]}
     assert rows["corrupt"]["identical"] == "0/1" and rows[AUTOREGRESSIVE]["identical"] == "1/1"
+    assert [task.get("first_difference") for task in results["by_task"]] == [{"corrupt": 2}]  # planted at 2
     assert (results["settings"]["device"], results["settings"]["dtype"]) == ("cpu", "bfloat16")
 
 

@@ -115,7 +115,7 @@ def test_zero_new_tokens_returns_prompt():
     model = tiny_model("llama")
     prompt = repetitive_prompt(8)
     out = hasten.generate(model, prompt, drafter=PromptLookup(), max_new_tokens=0)
-    assert torch.equal(out.sequences, prompt) and out.stats.steps == 0
+    assert out.sequences.tolist() == prompt.tolist() and out.stats.steps == 0  # the model may sit on another device
 
 
 def test_drafter_reused_across_generations_and_prompts():

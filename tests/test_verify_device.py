@@ -166,5 +166,6 @@ def test_one_synchronisation_per_step_on_cuda():
                 SpeculativeSampling().verify(tree, tokens, logits, q, sampling, g)
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        # torch also warns once that the debug mode "is a prototype feature": a notice, not a synchronisation
+        syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
         assert len(syncs) <= 1, syncs

@@ -35,7 +35,10 @@ def bench_findings(directory: Path) -> dict:
     return {"settings": results["settings"], "machine": results.get("machine", {}), "skipped": results.get("skipped", {}),
             "overall": [{key: row.get(key) for key in BENCH_COLUMNS} for row in overall],
             "by_category": {category: [{key: row.get(key) for key in BENCH_COLUMNS} for row in rows]
-                            for category, rows in results["by_category"].items() if category != "overall"}}
+                            for category, rows in results["by_category"].items() if category != "overall"},
+            # {task: {method: the first new token where it left plain decoding's output}}
+            "first_difference": {t["task"]: t["first_difference"]
+                                 for t in results["by_task"] if "first_difference" in t}}
 
 
 def training_findings(directory: Path) -> dict:
@@ -110,6 +113,8 @@ def markdown(report: dict) -> str:
             lines += [f"{settings.get('model')} on {settings.get('device')} ({settings.get('dtype')}), "
                       f"{settings.get('max_new_tokens')} new tokens; overall:", "",
                       *table(found["overall"], BENCH_COLUMNS)]
+            lines += [f"- {task}: {method} first differs from plain decoding at new token {at}"
+                      for task, methods in found.get("first_difference", {}).items() for method, at in methods.items()]
         elif found and "tests" in found:
             lines.append(f"{found['passed']} passed, {found['failures']} failed, {found['errors']} errors, "
                          f"{found['skipped']} skipped of {found['tests']}")

@@ -65,7 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--out", default="bench-out", metavar="DIR",
                         help="output directory, checked writable before the run (default bench-out)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--progress", choices=("bar", "lines", "none"), default="bar",
+                        help="a progress bar (default), one plain line per run on stderr (for logs), or nothing")
+    parser.add_argument("--no-progress", action="store_const", const="none", dest="progress",
+                        help="the same as --progress none")
     parser.add_argument("--device", default="cpu", metavar="DEVICE",
                         help="where the models run with --backend torch: cpu (default), cuda or cuda:N")
     parser.add_argument("--dtype", default="float32", choices=BENCH_DTYPES,
@@ -331,7 +334,7 @@ def run(args: argparse.Namespace) -> int:
     )
     machine = machine_info()  # before the run, so the load average shows only other work
     try:
-        measured = run_bench(methods, tasks, input_ids, args.max_new_tokens, args.repeats, not args.no_progress)
+        measured = run_bench(methods, tasks, input_ids, args.max_new_tokens, args.repeats, args.progress)
     except LosslessnessError as err:
         print(f"hasten bench: LOSSLESSNESS FAILURE: {err}", file=sys.stderr)
         return 1

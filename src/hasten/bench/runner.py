@@ -9,6 +9,7 @@ hasten's plain autoregressive tokens, or the benchmark stops with a Losslessness
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -238,9 +239,12 @@ def run_bench(
     input_ids: list[torch.Tensor],
     max_new_tokens: int,
     repeats: int = 3,
-    progress: bool = True,
+    progress: bool | str = True,
 ) -> dict:
-    """Time every method on every task; returns per-task, per-category and overall rows."""
+    """Time every method on every task; returns per-task, per-category and overall rows.
+
+    ``progress``: True (or "bar") a progress bar, "lines" one plain line per run on stderr (for logs:
+    a run killed at a time limit still shows where its time went), False (or "none") nothing."""
     names = [m.name for m in methods]
     if AUTOREGRESSIVE not in names:
         raise ValueError(f"the methods must include {AUTOREGRESSIVE!r}: it is the reference output")
@@ -248,10 +252,13 @@ def run_bench(
         raise ValueError(f"a method is listed twice: {names}")
     if repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {repeats}")
-    bar = tqdm(total=len(methods) * (1 + repeats * len(tasks)), desc="bench", unit="run", disable=not progress)
+    total = len(methods) * (1 + repeats * len(tasks))
+    bar = tqdm(total=total, desc="bench", unit="run", disable=progress not in (True, "bar"))
+    say = _run_lines(total) if progress == "lines" else (lambda *_: None)
     for method in methods:  # warm-up: first calls pay for allocation and lazy initialisation
         bar.set_postfix_str(f"warm-up {method.name}")
-        method.run(input_ids[0], max_new_tokens)
+        tokens, _, seconds = method.run(input_ids[0], max_new_tokens)
+        say("warm-up", method.name, len(tokens), seconds)
         bar.update()
 
     cells: dict[str, dict[str, Cell]] = {t.name: {} for t in tasks}
@@ -262,6 +269,7 @@ def run_bench(
             for method in methods[shift:] + methods[:shift]:
                 bar.set_postfix_str(f"{task.name} {method.name}")
                 tokens, stats, seconds = method.run(ids, max_new_tokens)
+                say(task.name, method.name, len(tokens), seconds)
                 cell = cells[task.name].setdefault(method.name, Cell())
                 cell.seconds.append(seconds)
                 cell.runs.append(stats)
@@ -278,6 +286,10 @@ def run_bench(
     by_task = []
     for t in tasks:
         entry = {"task": t.name, "category": t.category, "rows": compare({m: [c] for m, c in cells[t.name].items()})}
+        reference = outputs[t.name][AUTOREGRESSIVE]
+        differences = {m: _first_difference(out, reference) for m, out in outputs[t.name].items() if out != reference}
+        if differences:  # where a method counted as not identical first left the reference (new-token index)
+            entry["first_difference"] = differences
         hit = needle_hit(t, outputs[t.name][AUTOREGRESSIVE])  # every method's output is that one
         if hit is not None:
             entry["needle_hit"] = hit
@@ -295,6 +307,20 @@ def run_bench(
         "by_task": by_task,
         "by_category": by_category,
     }
+
+
+def _run_lines(total: int) -> Callable[[str, str, int, float], None]:
+    """Prints ``[done/total] task method: N tokens in S s (T tok/s)`` on stderr, one line per run."""
+    done = 0
+
+    def say(task: str, method: str, tokens: int, seconds: float) -> None:
+        nonlocal done
+        done += 1
+        rate = f" ({tokens / seconds:.1f} tok/s)" if seconds > 0 else ""
+        print(f"bench [{done}/{total}] {task} {method}: {tokens} tokens in {seconds:.2f} s{rate}",
+              file=sys.stderr, flush=True)
+
+    return say
 
 
 def hasten_method_names() -> list[str]:
