@@ -352,7 +352,8 @@ BAD_BODIES = [
     ({"prompt": "x", "seed": "s"}, "seed"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),  # above the 20 alternatives a token may list
+    ({"prompt": "x", "logprobs": True}, "logprobs"),  # a completion's logprobs is a count
     ({"prompt": ""}, "prompt"),
     ({"prompt": [5] * 600}, "prompt"),  # longer than the model's 512 positions
     ({"prompt": [5] * 500, "max_tokens": 20}, "max_tokens"),  # fits, but not with 20 more
@@ -362,7 +363,6 @@ BAD_BODIES = [
     ({"prompt": "x", "model": 123}, "model"),
     ({"prompt": "a\ud800b"}, "prompt"),  # a lone surrogate: no tokenizer can read it
     # fields that would change the answer are refused, never silently ignored
-    ({"prompt": "x", "logprobs": 0}, "logprobs"),
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "x", "functions": [{"name": "f"}]}, "functions"),
     ({"prompt": "x", "stop_token_ids": [5]}, "stop_token_ids"),
@@ -371,7 +371,8 @@ BAD_BODIES = [
     ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
     ({"prompt": "x", "min_p": 0.1}, "min_p"),
     ({"prompt": "x", "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
-    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # not streamed, as vLLM
     ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
      "stream_options.continuous_usage_stats"),
 ]

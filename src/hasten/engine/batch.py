@@ -31,6 +31,7 @@ from ..drafters.base import Drafter, TargetView
 from ..models.batch import BatchRow
 from ..models.hf import runtime_of
 from .inputs import check_positions, eos_ids
+from .logprobs import TokenLogprob, token_logprobs
 from .sequence import Sequence, step
 from .sizing import SizingChoice, SizingRule
 from .stops import StopStrings
@@ -46,6 +47,8 @@ class Request:
     eos_token_ids: frozenset[int] | None = None  # None: the model's generation config
     stop: StopStrings | None = None  # ends the row after the token that completes a stop string
     generator: torch.Generator | None = None  # a generator shared with other rows (hasten.generate's)
+    logprobs: int | None = None  # score every generated token, with this many alternatives each (None: no scoring)
+    prompt_logprobs: int | None = None  # score the prompt's tokens from the prefill, with this many alternatives
 
 
 @dataclass
@@ -56,6 +59,8 @@ class RowUpdate:
     finish_reason: str | None  # "stop" (EOS or a stop string), "length", "cancelled"
     stats: DecodeStats  # the row's statistics so far
     queued_seconds: float  # from submit to admission
+    logprobs: list[TokenLogprob] | None = None  # one per token of ``tokens``, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1 .. T - 1, on the row's first update, when asked
 
 
 @dataclass
@@ -80,6 +85,11 @@ class _Running:
     row: BatchRow
     queued_seconds: float
     reserved: int  # prompt + budget: what it counts against max_tokens_in_flight
+    prompt_scored: list[TokenLogprob] | None = None  # the prompt's log-probabilities, until its first update carries them
+
+    def take_prompt_scored(self) -> list[TokenLogprob] | None:
+        scored, self.prompt_scored = self.prompt_scored, None
+        return scored
 
 
 class Scheduler:
@@ -170,6 +180,13 @@ class Scheduler:
             raise TypeError(f"sampling must be a hasten Sampling, got {type(request.sampling).__name__}")
         if request.seed is not None and (isinstance(request.seed, bool) or not isinstance(request.seed, int)):
             raise FieldError("seed", "invalid_value", f"{{field}} must be an integer or None, got {request.seed!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(request, name)
+            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
+                raise FieldError(name, "invalid_value", f"{{field}} must be an integer >= 0 or None, got {count!r}")
+        if request.prompt_logprobs is not None and not getattr(self.target, "prompt_logits_ok", False):
+            raise FieldError("prompt_logprobs", "unsupported_parameter",
+                             "{field} needs the prefill's logits, which this model's runtime does not keep")
         if self.max_tokens_in_flight is not None and len(ids) + budget > self.max_tokens_in_flight:
             raise FieldError("max_new_tokens", "over_capacity",
                              f"the prompt ({len(ids)} tokens) and {{field}} ({budget}) exceed "
@@ -191,8 +208,9 @@ class Scheduler:
             verify_seconds = time.perf_counter() - sequences[-1].draft_ended
             for (row_id, entry), new in zip(running, news):
                 sequence = entry.sequence
+                scored = None if sequence.logprobs is None else sequence.scored
                 updates.append(RowUpdate(row_id, new, sequence.finished, sequence.finish_reason, sequence.stats,
-                                         entry.queued_seconds))
+                                         entry.queued_seconds, scored, entry.take_prompt_scored()))
                 if sequence.finished:
                     self._finish(row_id)
         self.last_step = StepInfo(len(running), admitted, time.perf_counter() - began, draft_seconds, verify_seconds)
@@ -232,7 +250,8 @@ class Scheduler:
             prefilled += len(request.input_ids)
             if entry.sequence.finished:  # nothing to generate (max_new_tokens=0)
                 updates.append(RowUpdate(row_id, [], True, entry.sequence.finish_reason, entry.sequence.stats,
-                                         entry.queued_seconds))
+                                         entry.queued_seconds, None if request.logprobs is None else [],
+                                         entry.take_prompt_scored()))
                 self.target.remove(entry.row)
             else:
                 self._running[row_id] = entry
@@ -242,7 +261,13 @@ class Scheduler:
         clock = time.perf_counter()
         stats = DecodeStats()
         want_features = self.drafter is not None and self.drafter.reads_features()
-        row, prefilled = self.target.add(request.input_ids, hidden=want_features)
+        prompt_scored = None
+        if request.prompt_logprobs is None:
+            row, prefilled = self.target.add(request.input_ids, hidden=want_features)
+        else:  # the prefill keeps its logits, scored here and dropped
+            row, prefilled = self.target.add(request.input_ids, hidden=want_features, logits=True)
+            prompt_scored = token_logprobs(row.prompt_logits, request.input_ids[1:], request.prompt_logprobs)
+            row.prompt_logits = None
         generator = request.generator
         if generator is None and request.seed is not None:
             generator = torch.Generator(self.target.device).manual_seed(request.seed)
@@ -251,10 +276,10 @@ class Scheduler:
         sequence = Sequence(
             row, list(request.input_ids), prefilled, self.drafter, request.sampling, generator,
             acceptance_rule(request.sampling, self.lossy_acceptance), eos, request.max_new_tokens, stats,
-            sizing, stop=request.stop, model_source=self.runtime.source,
+            sizing, stop=request.stop, model_source=self.runtime.source, logprobs=request.logprobs,
         )
         stats.prefill_seconds += time.perf_counter() - clock
-        return _Running(sequence, row, queued_seconds, reserved)
+        return _Running(sequence, row, queued_seconds, reserved, prompt_scored)
 
     def _finish(self, row_id: int) -> None:
         entry = self._running.pop(row_id)

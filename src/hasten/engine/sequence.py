@@ -21,6 +21,7 @@ from ..core.stats import DecodeStats, holder_kv_bytes
 from ..core.tree import TokenTree
 from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult, TargetView
 from ..models.adapter import ForwardOutput, Riders
+from .logprobs import TokenLogprob, token_logprobs
 from .sizing import FixedSize, SizingRule
 from .stops import StopStrings
 from .verify import Acceptance
@@ -77,6 +78,7 @@ class Sequence:
         source: list[int] | None = None,
         stop: StopStrings | None = None,
         model_source: str = "",  # where the target was loaded from (a drafter's corpus may need its tokenizer)
+        logprobs: int | None = None,  # score each committed token, with this many alternatives (None: no scoring)
     ):
         self.cache = cache
         self.drafter = drafter
@@ -86,6 +88,8 @@ class Sequence:
         self.stats = stats
         self.stop = stop if stop else None
         self.generated: list[int] = []
+        self.logprobs = logprobs
+        self.scored: list[TokenLogprob] = []  # the last settle's committed tokens, scored (when logprobs is set)
         self.finish_reason: str | None = "length" if max_new_tokens == 0 else None
         self.want_features = drafter is not None and drafter.reads_features()
         features = None
@@ -155,6 +159,8 @@ class Sequence:
 
         new = [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]
         new = self._apply_stop_rules(new)
+        if self.logprobs is not None:  # each committed token was scored at its block index (kept_blocks)
+            self.scored = token_logprobs(out.logits[kept_blocks[: len(new)]], new, self.logprobs)
         self.tokens.extend(new)
         if cache.cache_length > len(self.tokens) - 1:  # a stop rule cut inside the accepted path
             cache.crop(len(self.tokens) - 1)

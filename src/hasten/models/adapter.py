@@ -88,16 +88,19 @@ class ModelAdapter:
         # projected visual features at image placeholders): set by an image prefill with hidden
         # states asked for, for drafters whose inputs there are the target's (eagle_vlm)
         self.prompt_embeds: torch.Tensor | None = None
+        self.prompt_logits: torch.Tensor | None = None  # [T - 1, vocab] the prefill's logits, when start was asked
         self._encoder_kwargs: dict = {}
         self._checked = False
 
     # ---- lifecycle ---------------------------------------------------------------------
     @torch.no_grad()
-    def start(self, input_ids: torch.Tensor, hidden: bool = False,
+    def start(self, input_ids: torch.Tensor, hidden: bool = False, logits: bool = False,
               **model_inputs: torch.Tensor) -> tuple[list[int], torch.Tensor | None]:
         """Encode / prefill the prompt ([1, T]). Returns the committed tokens the decoder
         side starts from (the prompt for a causal LM, the start token for seq2seq) and,
         if asked, the last-layer hidden states of the prefilled tokens ([T - 1, hidden]).
+        ``logits``: keep the prefill's logits in ``prompt_logits`` ([T - 1, vocab]: row i
+        scores prompt token i + 1; a causal LM's text prompt only), for prompt log-probabilities.
         ``model_inputs``: a vision-language model's images (``pixel_values`` and the
         processor's other tensors), read by the prefill only (see :mod:`hasten.models.vlm`)."""
         input_ids = input_ids.to(self.device)
@@ -110,8 +113,13 @@ class ModelAdapter:
             return [decoder_start_token(self.model)], None
         tokens = input_ids[0].tolist()
         states = None
+        if logits:
+            self.prompt_logits = torch.zeros(0, self.vocab_size, device=self.device)  # [0, vocab] a one-token prompt
         if len(tokens) > 1:
-            states = self.forward(tokens[:-1], tree=None, hidden=hidden, logits_to_keep=1).hidden
+            out = self.forward(tokens[:-1], tree=None, hidden=hidden, logits_to_keep=0 if logits else 1)
+            states = out.hidden
+            if logits:
+                self.prompt_logits = out.logits  # [T - 1, vocab]
         return tokens, states
 
     def _start_with_images(self, input_ids: torch.Tensor, hidden: bool,

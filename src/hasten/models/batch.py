@@ -40,6 +40,7 @@ class BatchRow:
     trees_ok = True
     encoder_decoder = False
     prompt_embeds = None  # batches take no images
+    prompt_logits: torch.Tensor | None = None  # [T - 1, vocab] the prefill's logits, when add was asked for them
     kv_readable = False  # the rows share one padded cache: no row's entries can be read alone
 
     def __init__(self, batch: "BatchAdapter", slot: int, length: int):
@@ -81,6 +82,7 @@ class BatchAdapter:
     trees_ok = True
     encoder_decoder = False
     kv_readable = False  # the rows share one padded cache: no row's entries can be read alone
+    prompt_logits_ok = True  # add(..., logits=True) keeps the prefill's logits (prompt log-probabilities)
 
     def __init__(self, model: PreTrainedModel):
         # the single-sequence adapter checks the model once (type, rollback-able cache)
@@ -108,12 +110,15 @@ class BatchAdapter:
 
     # ---- rows joining and leaving ------------------------------------------------------
     @torch.no_grad()
-    def add(self, tokens: list[int], hidden: bool = False) -> tuple[BatchRow, torch.Tensor | None]:
+    def add(self, tokens: list[int], hidden: bool = False,
+            logits: bool = False) -> tuple[BatchRow, torch.Tensor | None]:
         """Prefill a new sequence (alone, exactly as a single generation does) and give it a
-        row. Returns the row and, if asked, the prefilled tokens' features [T - 1, hidden]."""
+        row. Returns the row and, if asked, the prefilled tokens' features [T - 1, hidden].
+        ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab]
+        (row i scores token i + 1) until its reader drops them."""
         self.flush()
         single = ModelAdapter(self.model)
-        _, prefilled = single.start(torch.tensor([tokens], dtype=torch.long), hidden=hidden)
+        _, prefilled = single.start(torch.tensor([tokens], dtype=torch.long), hidden=hidden, logits=logits)
         length = len(tokens) - 1
         width = max(self.columns, length)
         self._widen(width)
@@ -139,6 +144,7 @@ class BatchAdapter:
         self.valid = torch.cat([self.valid, valid])
         self.key_pos = torch.cat([self.key_pos, key_pos])
         row = BatchRow(self, rows, length)
+        row.prompt_logits = single.prompt_logits
         self.rows.append(row)
         return row, prefilled
 

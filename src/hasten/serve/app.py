@@ -28,6 +28,7 @@ from starlette.routing import Route
 from ..core.errors import FieldError
 from ..core.sampling import Sampling
 from ..engine.stops import TextStream
+from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .metrics import CONTENT_TYPE, Metrics
 from .schema import MAX_SEED, APIError, Params, invalid, parse_body, parse_messages, parse_params, parse_prompts
 from .worker import RowError, Sink, Worker
@@ -51,11 +52,25 @@ class Generation:
     """One request's row as it decodes."""
 
     row_id: int
-    prompt_tokens: int
+    prompt_ids: list[int]
     text: TextStream
     queue: asyncio.Queue
+    echo: str = ""  # the prompt's text, when the answer starts with it
+    scored: list = field(default_factory=list)  # [TokenLogprob] of every generated token, when asked
+    prompt_scored: list | None = None  # [TokenLogprob] of prompt tokens 1 .. T - 1, when asked
     submitted: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # when its latest tokens arrived
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    def record(self, update) -> None:
+        """Keep an update's log-probabilities."""
+        if update.logprobs:
+            self.scored.extend(update.logprobs)
+        if update.prompt_logprobs is not None:
+            self.prompt_scored = update.prompt_logprobs
 
 
 class Encoder:
@@ -91,6 +106,7 @@ class Service:
         self.context = engine.runtime.context_length
         self.vocab = engine.runtime.vocab_size
         self.created = int(time.time())
+        self.token_text = TokenText(engine.tokenizer)
 
     # ---- routes ----------------------------------------------------------------------------------
     async def health(self, request: HTTPRequest) -> Response:
@@ -112,16 +128,19 @@ class Service:
         body = await self._read_json(request)
         params = parse_params(body)
         self._check_model(params.model)
-        prompts = []  # (input ids, max tokens) of each prompt, every one checked before any row starts
+        prompts = []  # (input ids, max tokens, echoed text) of each prompt, every one checked before any row starts
         for prompt in parse_prompts(body):
             input_ids = await self.encode.text(prompt) if isinstance(prompt, str) else self._checked_ids(prompt)
             budget = self._budget(len(input_ids), params.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt", "max_tokens")
-            prompts.append((input_ids, budget))
+            echo = ""  # the text the answer starts with
+            if params.echo:
+                echo = prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)
+            prompts.append((input_ids, budget, echo))
         return await self._answer(request, "completion", prompts, params)
 
     async def chat_completions(self, request: HTTPRequest) -> Response:
         body = await self._read_json(request)
-        params = parse_params(body, ("max_tokens", "max_completion_tokens"))
+        params = parse_params(body, ("max_tokens", "max_completion_tokens"), chat=True)
         self._check_model(params.model)
         messages = parse_messages(body)
         try:
@@ -130,7 +149,7 @@ class Service:
             raise invalid("messages", str(err)) from None
         asked_as = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         max_tokens = self._budget(len(input_ids), params.max_tokens, None, "messages", asked_as)
-        return await self._answer(request, "chat", [(input_ids, max_tokens)], params)
+        return await self._answer(request, "chat", [(input_ids, max_tokens, "")], params)
 
     # ---- checks ------------------------------------------------------------------------------------
     async def _read_json(self, request: HTTPRequest) -> dict:
@@ -168,7 +187,7 @@ class Service:
             room = self.context - 1
         else:
             room = self.context - prompt_tokens
-        if room < 1:
+        if room < 1 and not (asked == 0 and room == 0):  # max_tokens 0 scores a prompt that fills the context
             raise invalid(prompt_param, f"the prompt has {prompt_tokens} tokens, and the model's context of "
                                         f"{self.context} positions leaves no room for a new one",
                           "context_length_exceeded")
@@ -181,22 +200,23 @@ class Service:
         return asked
 
     # ---- decoding ----------------------------------------------------------------------------------
-    def _submit_all(self, prompts: list[tuple[list[int], int]], params: Params) -> list[Generation]:
+    def _submit_all(self, prompts: list[tuple[list[int], int, str]], params: Params) -> list[Generation]:
         """One row per choice: ``params.n`` per prompt, in the order of the response's choices
         (choice j of a prompt samples with ``seed + j``, so choice 0 is the single request's)."""
         gens: list[Generation] = []
         try:
-            for input_ids, max_tokens in prompts:
+            for input_ids, max_tokens, echo in prompts:
                 for j in range(params.n):
                     seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
-                    gens.append(self._submit(input_ids, max_tokens, params, seed))
+                    gens.append(self._submit(input_ids, max_tokens, params, seed, echo))
         except BaseException:
             for gen in gens:  # a refused row refuses the request: the rows already started stop
                 self.worker.cancel(gen.row_id)
             raise
         return gens
 
-    def _submit(self, input_ids: list[int], max_tokens: int, params: Params, seed: int | None) -> Generation:
+    def _submit(self, input_ids: list[int], max_tokens: int, params: Params, seed: int | None,
+                echo: str = "") -> Generation:
         from ..engine.batch import Request  # the scheduler's request type, beside the scheduler
 
         stop = None
@@ -206,7 +226,8 @@ class Service:
             stop = StopStrings(self.engine.tokenizer, list(params.stop))
         # Greedy decoding ignores top_k and top_p (OpenAI accepts them with temperature 0).
         sampling = Sampling(params.temperature, params.top_k, params.top_p) if params.temperature > 0 else Sampling()
-        request = Request(input_ids=input_ids, max_new_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop)
+        request = Request(input_ids=input_ids, max_new_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop,
+                          logprobs=params.logprobs, prompt_logprobs=self._prompt_scoring(params))
         queue: asyncio.Queue = asyncio.Queue()
         try:
             row_id = self.worker.submit(request, Sink(asyncio.get_running_loop(), queue))
@@ -216,7 +237,15 @@ class Service:
         except ValueError as err:
             raise invalid(None, str(err)) from None
         self.metrics.prompt_tokens.inc(len(input_ids))
-        return Generation(row_id, len(input_ids), TextStream(self.engine.tokenizer, params.stop), queue)
+        return Generation(row_id, input_ids, TextStream(self.engine.tokenizer, params.stop), queue, echo)
+
+    @staticmethod
+    def _prompt_scoring(params: Params) -> int | None:
+        """Alternatives to score each prompt token with: ``prompt_logprobs``, and ``logprobs``
+        for an echoed prompt (None: the prefill keeps no logits)."""
+        wanted = [params.prompt_logprobs, params.logprobs if params.echo else None]
+        wanted = [count for count in wanted if count is not None]
+        return max(wanted) if wanted else None
 
     async def _events(self, gen: Generation, disconnected: Callable | None = None) -> AsyncIterator[tuple]:
         """(text piece, update, finish_reason or None) as the row decodes; the last one has its
@@ -240,7 +269,7 @@ class Service:
                 if gen.text.stopped:  # a stop string in text the scheduler's token rule did not end
                     yield piece, item, "stop"
                     return
-                if piece:
+                if piece or item.logprobs or item.prompt_logprobs is not None:
                     yield piece, item, None
         finally:
             if not done:
@@ -271,7 +300,7 @@ class Service:
             except asyncio.TimeoutError:
                 continue
 
-    async def _answer(self, request: HTTPRequest, kind: str, prompts: list[tuple[list[int], int]],
+    async def _answer(self, request: HTTPRequest, kind: str, prompts: list[tuple[list[int], int, str]],
                       params: Params) -> Response:
         gens = self._submit_all(prompts, params)
         ids = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
@@ -285,17 +314,42 @@ class Service:
                 async for index, piece, last, reason in updates:
                     texts[index] += piece
                     lasts[index], reasons[index] = last, reason
+                    gens[index].record(last)
         except ConnectionAbortedError:
             return Response(status_code=499)  # nobody reads it; the rows are already cancelled
         if kind == "chat":
             choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                        "logprobs": None} for i, (text, reason) in enumerate(zip(texts, reasons))]
+                        "logprobs": self._logprobs(gen, params, chat=True)}
+                       for i, (gen, text, reason) in enumerate(zip(gens, texts, reasons))]
             body = {**head, "object": "chat.completion", "choices": choices}
+            if params.prompt_logprobs is not None:  # vLLM's: the request's, beside the choices
+                body["prompt_logprobs"] = self._prompt_logprobs(gens[0], params)
         else:
-            choices = [{"index": i, "text": text, "finish_reason": reason, "logprobs": None}
-                       for i, (text, reason) in enumerate(zip(texts, reasons))]
+            choices = [{"index": i, "text": gen.echo + text, "finish_reason": reason,
+                        "logprobs": self._logprobs(gen, params, echo=True)}
+                       for i, (gen, text, reason) in enumerate(zip(gens, texts, reasons))]
+            if params.prompt_logprobs is not None:  # vLLM's: each choice's prompt
+                for choice, gen in zip(choices, gens):
+                    choice["prompt_logprobs"] = self._prompt_logprobs(gen, params)
             body = {**head, "object": "text_completion", "choices": choices}
         return JSONResponse({**body, "usage": self._usage(gens, params.n), "hasten": self._all_stats(lasts)})
+
+    # ---- log-probabilities, as each route shows them (computed by the scheduler: engine.logprobs) --------
+    def _logprobs(self, gen: Generation, params: Params, chat: bool = False, echo: bool = False) -> dict | None:
+        """A choice's ``logprobs`` over every token its row generated, None when not asked.
+        Completions: the legacy object, with ``echo`` the prompt's tokens first (the first has
+        no log-probability); chat: ``{"content": [...]}``."""
+        if params.logprobs is None:
+            return None
+        if chat:
+            return {"content": chat_logprobs(gen.scored, self.token_text)}
+        tokens, entries = [entry.token for entry in gen.scored], list(gen.scored)
+        if echo and params.echo:
+            tokens, entries = gen.prompt_ids + tokens, [None, *(gen.prompt_scored or [])] + entries
+        return completion_logprobs(tokens, entries, params.logprobs, self.token_text)[0]
+
+    def _prompt_logprobs(self, gen: Generation, params: Params) -> list:
+        return prompt_logprobs(gen.prompt_scored or [], params.prompt_logprobs, self.token_text)
 
     async def _merged(self, gens: list[Generation],
                       disconnected: Callable | None = None) -> AsyncIterator[tuple[int, str, object, str | None]]:
@@ -340,13 +394,29 @@ class Service:
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
         extra = {"usage": None} if params.include_usage else {}
 
-        def chunk(index: int, piece: str | None, reason: str | None, **more) -> str:
+        def chunk(index: int, piece: str | None, reason: str | None, logprobs: dict | None = None, **more) -> str:
             if chat:
                 delta = {} if piece is None else {"content": piece}
-                choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": None}
+                choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
-                choice = {"index": index, "text": piece or "", "finish_reason": reason, "logprobs": None}
+                choice = {"index": index, "text": piece or "", "finish_reason": reason, "logprobs": logprobs}
             return sse({**head, "choices": [choice], **extra, **more})
+
+        offsets = [0] * len(gens)  # each completion choice's text_offset so far
+
+        def scored_chunk(index: int, piece: str, scored: list, prompt: bool = False) -> str | None:
+            """The chunk carrying ``piece`` and the log-probabilities of the tokens it came with
+            (with ``prompt``, the echoed prompt's); None when it would carry nothing."""
+            logprobs = None
+            if params.logprobs is not None and (scored or prompt):
+                if chat:
+                    logprobs = {"content": chat_logprobs(scored, self.token_text)}
+                else:
+                    tokens = gens[index].prompt_ids if prompt else [entry.token for entry in scored]
+                    entries = [None, *scored] if prompt else scored
+                    logprobs, offsets[index] = completion_logprobs(tokens, entries, params.logprobs, self.token_text,
+                                                                   offsets[index])
+            return chunk(index, piece, None, logprobs) if piece or logprobs is not None else None
 
         if chat:  # OpenAI opens a chat stream with the assistant's role, once per choice
             for index in range(len(gens)):
@@ -357,9 +427,12 @@ class Service:
             # aclosing: when the client leaves, the rows' generators close (and cancel) at once
             async with aclosing(self._merged(gens)) as updates:
                 async for index, piece, last, reason in updates:
+                    if lasts[index] is None and params.echo:  # a completion's first event: the prompt first
+                        yield scored_chunk(index, gens[index].echo, last.prompt_logprobs or [], prompt=True)
                     lasts[index] = last
-                    if piece:
-                        yield chunk(index, piece, None)
+                    event = scored_chunk(index, piece, last.logprobs or [])
+                    if event is not None:
+                        yield event
                     if reason is not None:
                         yield chunk(index, None if chat else "", reason, hasten=self._stats(lasts[index]))
         except APIError as err:

@@ -11,6 +11,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from ..engine.logprobs import MAX_TOP_LOGPROBS
+
 MAX_STOP_STRINGS = 4  # as OpenAI
 MAX_SEED = 2**63 - 1
 MAX_CHOICES = 16  # n: choices per prompt
@@ -47,6 +49,9 @@ class Params:
     stream: bool
     include_usage: bool
     n: int = 1  # choices per prompt; choice j of a seeded request samples with seed + j
+    logprobs: int | None = None  # each generated token's log-probability, with this many alternatives (None: off)
+    prompt_logprobs: int | None = None  # each prompt token's, with this many alternatives (vLLM's field; None: off)
+    echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' log-probabilities) first
 
 
 def parse_body(raw: bytes) -> dict:
@@ -83,7 +88,7 @@ def optional(body: dict, name: str, check, expected: str, default=None):
     return value
 
 
-def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)) -> Params:
+def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",), chat: bool = False) -> Params:
     model = body.get("model")
     if model is None or model == "":
         raise invalid("model", "'model' is required: the name GET /v1/models lists", "missing_required_parameter")
@@ -94,8 +99,8 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
     for name in max_tokens_names:  # chat also takes OpenAI's newer name, max_completion_tokens
         value = optional(body, name, is_int, "an integer")
         if value is not None:
-            if value < 1:
-                raise invalid(name, f"'{name}' must be at least 1, got {value}")
+            if value < 0:
+                raise invalid(name, f"'{name}' must be at least 1 (or 0 with 'echo': true), got {value}")
             max_tokens = value
     temperature = optional(body, "temperature", is_number, "a number", 1.0)
     low, high = TEMPERATURE_RANGE
@@ -113,9 +118,49 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
     stream = optional(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     include_usage = parse_stream_options(body, stream)
     n = parse_choices(body)
+    logprobs, prompt_logprobs, echo = parse_logprobs(body, chat, stream)
+    if max_tokens == 0 and not echo:
+        name = next(name for name in max_tokens_names if body.get(name) == 0)
+        raise invalid(name, f"'{name}' must be at least 1; 0 only asks a completion to score its prompt, with "
+                      "'echo': true")
     check_unsupported(body)
     return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
-                  parse_stop(body), seed, stream, include_usage, n)
+                  parse_stop(body), seed, stream, include_usage, n, logprobs, prompt_logprobs, echo)
+
+
+def _count(body: dict, name: str) -> int | None:
+    """A number of log-probability alternatives, 0 to MAX_TOP_LOGPROBS (None when absent)."""
+    count = optional(body, name, is_int, "an integer")
+    if count is not None and not 0 <= count <= MAX_TOP_LOGPROBS:
+        raise invalid(name, f"'{name}' must be in [0, {MAX_TOP_LOGPROBS}], got {count}")
+    return count
+
+
+def parse_logprobs(body: dict, chat: bool, stream: bool) -> tuple[int | None, int | None, bool]:
+    """(alternatives per generated token or None, per prompt token or None, echo).
+
+    Completions: ``logprobs`` is the count (OpenAI's legacy field; false or null: off) and
+    ``echo`` prepends the prompt. Chat: ``logprobs`` is true or false and ``top_logprobs`` the
+    count, which needs ``logprobs: true`` (as OpenAI). ``prompt_logprobs`` (vLLM's) either way,
+    not streamed (as vLLM)."""
+    if chat:
+        on = optional(body, "logprobs", lambda v: isinstance(v, bool), "true or false", False)
+        top = _count(body, "top_logprobs")
+        if top is not None and not on:
+            raise invalid("top_logprobs", "'top_logprobs' needs 'logprobs': true")
+        logprobs = (top or 0) if on else None
+        if optional(body, "echo", lambda v: isinstance(v, bool), "true or false", False):
+            raise invalid("echo", "'echo' is a completions field; hasten serve's chat route does not echo",
+                          "unsupported_parameter")
+        echo = False
+    else:
+        logprobs = None if body.get("logprobs") is False else _count(body, "logprobs")
+        echo = optional(body, "echo", lambda v: isinstance(v, bool), "true or false", False)
+    prompt_logprobs = _count(body, "prompt_logprobs")
+    if prompt_logprobs is not None and stream:
+        raise invalid("prompt_logprobs", "'prompt_logprobs' is not available with 'stream': true (as in vLLM); "
+                      "a streamed completion with 'echo' and 'logprobs' scores its prompt")
+    return logprobs, prompt_logprobs, echo
 
 
 def parse_choices(body: dict) -> int:
@@ -127,7 +172,7 @@ def parse_choices(body: dict) -> int:
     best_of = optional(body, "best_of", is_int, "an integer")
     if best_of is not None and best_of != n:
         raise invalid("best_of", f"'best_of' {best_of} > 'n' {n} ranks samples by log-probability, which hasten "
-                      "serve does not report yet; leave it out or set it to 'n'", "unsupported_parameter")
+                      "serve does not do; leave it out or set it to 'n'", "unsupported_parameter")
     return n
 
 
@@ -170,7 +215,7 @@ def _absent(v) -> bool:
     return v is None
 
 
-def _off(v) -> bool:  # false, never 0 (a completion's logprobs: 0 asks for the sampled token's log-prob)
+def _off(v) -> bool:
     return v is None or v is False
 
 
@@ -184,14 +229,14 @@ def _empty(v) -> bool:
 
 UNSUPPORTED = {
     # OpenAI's
-    "logprobs": _off, "top_logprobs": _absent, "echo": _off, "suffix": _empty,
+    "suffix": _empty,
     "presence_penalty": _number(0), "frequency_penalty": _number(0), "logit_bias": _empty,
     "tools": _empty, "functions": _empty, "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
     "response_format": lambda v: v is None or v == {"type": "text"},
     # vLLM's extras, which clients written for vLLM send
     "stop_token_ids": _empty, "min_tokens": _number(0), "ignore_eos": _off, "repetition_penalty": _number(1),
-    "min_p": _number(0), "allowed_token_ids": _absent, "prompt_logprobs": _absent, "bad_words": _empty,
+    "min_p": _number(0), "allowed_token_ids": _absent, "bad_words": _empty,
     "include_stop_str_in_output": _off, "guided_json": _absent, "guided_regex": _absent, "guided_choice": _absent,
     "guided_grammar": _absent,
 }

@@ -178,7 +178,8 @@ class Worker:
         request = row.request
         generator = old.row_generator(row.scheduler_id) or request.generator
         return dataclasses.replace(request, input_ids=list(request.input_ids) + row.sent,
-                                   max_new_tokens=request.max_new_tokens - len(row.sent), generator=generator)
+                                   max_new_tokens=request.max_new_tokens - len(row.sent), generator=generator,
+                                   prompt_logprobs=request.prompt_logprobs if not row.sent else None)
 
     def _fails_alone(self, request) -> Exception | None:
         """Whether the request's next step raises on a scheduler of its own (a copy of its
