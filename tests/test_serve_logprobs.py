@@ -293,3 +293,102 @@ def test_a_tree_drafts_accepted_path_is_scored_where_the_verifier_read_it(engine
     assert [entry.token for entry in prompt_scored] == prompt[1:]
     assert [entry.logprob for entry in prompt_scored] == pytest.approx(
         logp[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])].tolist(), abs=TOL)
+
+
+# ---- vLLM's own cases (tests/entrypoints/openai/completion/test_completion.py, chat_completion/test_chat.py) ----
+PROMPT_IDS = [5, 6, 7, 8, 9]
+
+
+def test_vllm_zero_and_some_logprobs(client):
+    """test_no_logprobs, test_zero_logprobs, test_some_logprobs and their chat versions."""
+    def completion(**extra):
+        return client.completions.create(model=NAME, prompt=PROMPT_IDS, max_tokens=5, temperature=0, **extra).choices[0]
+
+    assert completion(logprobs=None).logprobs is None
+    assert len(completion(logprobs=0).logprobs.top_logprobs[0]) == 1
+    assert 5 <= len(completion(logprobs=5).logprobs.top_logprobs[0]) <= 6
+    messages = [{"role": "system", "content": "you are a helpful assistant"}, {"role": "user", "content": "1+1?"}]
+
+    def chat(**extra):
+        return client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=5, temperature=0,
+                                              **extra).choices[0]
+
+    assert chat(logprobs=False).logprobs is None
+    assert len(chat(logprobs=True, top_logprobs=0).logprobs.content[0].top_logprobs) == 0
+    assert len(chat(logprobs=True, top_logprobs=5).logprobs.content[0].top_logprobs) == 5
+
+
+def test_vllm_too_many_logprobs_and_the_server_goes_on(client):
+    """test_too_many_completion_logprobs, test_too_many_chat_logprobs."""
+    messages = [{"role": "user", "content": "1+1?"}]
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=NAME, prompt=PROMPT_IDS, max_tokens=5, logprobs=30, stream=stream)
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=NAME, messages=messages, max_completion_tokens=10, logprobs=True,
+                                           top_logprobs=21, stream=stream)
+    assert client.completions.create(model=NAME, prompt=PROMPT_IDS, max_tokens=5, temperature=0).choices[0].text
+
+
+@pytest.mark.parametrize("count", [-1, 0, 1, None])
+def test_vllm_prompt_logprobs_completion_and_chat(client, count):
+    """test_prompt_logprobs_completion (two prompts, a choice each), test_prompt_logprobs_chat."""
+    extra = {} if count is None else {"extra_body": {"prompt_logprobs": count}}
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "Who won the world series in 2020?"}]
+    if count is not None and count < 0:
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(model=NAME, prompt=["def add(a, b):", "for i in"], max_tokens=2, **extra)
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, **extra)
+        return
+    completion = client.completions.create(model=NAME, prompt=["def add(a, b):", "for i in"], max_tokens=2, **extra)
+    chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2, **extra)
+    for got in (completion.choices[0].prompt_logprobs, completion.choices[1].prompt_logprobs, chat.prompt_logprobs):
+        assert got is None if count is None else len(got) > 0
+
+
+def test_vllm_more_than_one_prompt_logprobs_chat(engine, client):
+    """test_more_than_one_prompt_logprobs_chat: k alternatives, plus the prompt token when it is not among them."""
+    messages = [{"role": "user", "content": PROMPTS[1]}]
+    ids = engine.encode_chat(messages)[0].tolist()
+    reference = plain(engine, ids)
+    for k in (1, 2):
+        got = client.chat.completions.create(model=NAME, messages=messages, max_tokens=2,
+                                             extra_body={"prompt_logprobs": k}).prompt_logprobs
+        for position in range(1, len(ids)):
+            in_top = ids[position] in reference[position - 1].topk(k).indices.tolist()
+            assert len(got[position]) == (k if in_top else k + 1)
+
+
+@pytest.mark.parametrize("k", [1, 0])
+@pytest.mark.parametrize("prompt", ["def add(a, b):", PROMPT_IDS], ids=["text", "ids"])
+def test_vllm_echo_logprob_completion(engine, client, k, prompt):
+    """test_echo_logprob_completion."""
+    completion = client.completions.create(model=NAME, prompt=prompt, max_tokens=5, temperature=0, echo=True,
+                                           logprobs=k)
+    prompt_text = engine.tokenizer.decode(prompt) if isinstance(prompt, list) else prompt
+    assert completion.choices[0].text.startswith(prompt_text)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.text_offset) > 5 and len(logprobs.tokens) > 5
+    assert len(logprobs.token_logprobs) > 5 and logprobs.token_logprobs[0] is None
+    assert len(logprobs.top_logprobs) > 5 and logprobs.top_logprobs[0] is None
+    assert all(max(k, 1) <= len(top) <= k + 1 for top in logprobs.top_logprobs[1:])
+
+
+def test_streamed_text_offsets_equal_the_whole_answers_with_a_stop_string(base):
+    """vLLM's test_stream_text_offset_matches_non_stream_with_stop_holdback: a stream holds
+    back text that may become a stop string, but every token's log-probability and offset
+    still arrive, the same as in the whole answer."""
+    body = {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 20, "temperature": 0, "logprobs": 2,
+            "stop": ["&:$o 3"]}  # the output begins "$o&:$o&:$o 3": "&:$o" is held back twice, then stops it
+    status, whole = call(base, "/v1/completions", body)
+    assert status == 200 and whole["choices"][0]["text"] == "$o&:$o" and whole["choices"][0]["finish_reason"] == "stop"
+    status, text = call(base, "/v1/completions", {**body, "stream": True})
+    events = [json.loads(line[6:]) for line in text.split("\n\n") if line.startswith("data: {")]
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for event in events:
+        for key in streamed:
+            streamed[key] += (event["choices"][0]["logprobs"] or {}).get(key, [])
+    assert streamed == whole["choices"][0]["logprobs"]
+    assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]

@@ -321,16 +321,14 @@ class Service:
             choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                         "logprobs": self._logprobs(gen, params, chat=True)}
                        for i, (gen, text, reason) in enumerate(zip(gens, texts, reasons))]
-            body = {**head, "object": "chat.completion", "choices": choices}
-            if params.prompt_logprobs is not None:  # vLLM's: the request's, beside the choices
-                body["prompt_logprobs"] = self._prompt_logprobs(gens[0], params)
+            # vLLM's prompt_logprobs: the request's, beside the choices (null when not asked, as vLLM)
+            body = {**head, "object": "chat.completion", "choices": choices,
+                    "prompt_logprobs": self._prompt_logprobs(gens[0], params)}
         else:
             choices = [{"index": i, "text": gen.echo + text, "finish_reason": reason,
-                        "logprobs": self._logprobs(gen, params, echo=True)}
+                        "logprobs": self._logprobs(gen, params, echo=True),
+                        "prompt_logprobs": self._prompt_logprobs(gen, params)}  # vLLM's: each choice's prompt
                        for i, (gen, text, reason) in enumerate(zip(gens, texts, reasons))]
-            if params.prompt_logprobs is not None:  # vLLM's: each choice's prompt
-                for choice, gen in zip(choices, gens):
-                    choice["prompt_logprobs"] = self._prompt_logprobs(gen, params)
             body = {**head, "object": "text_completion", "choices": choices}
         return JSONResponse({**body, "usage": self._usage(gens, params.n), "hasten": self._all_stats(lasts)})
 
@@ -348,7 +346,9 @@ class Service:
             tokens, entries = gen.prompt_ids + tokens, [None, *(gen.prompt_scored or [])] + entries
         return completion_logprobs(tokens, entries, params.logprobs, self.token_text)[0]
 
-    def _prompt_logprobs(self, gen: Generation, params: Params) -> list:
+    def _prompt_logprobs(self, gen: Generation, params: Params) -> list | None:
+        if params.prompt_logprobs is None:
+            return None
         return prompt_logprobs(gen.prompt_scored or [], params.prompt_logprobs, self.token_text)
 
     async def _merged(self, gens: list[Generation],
