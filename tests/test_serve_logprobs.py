@@ -392,3 +392,17 @@ def test_streamed_text_offsets_equal_the_whole_answers_with_a_stop_string(base):
             streamed[key] += (event["choices"][0]["logprobs"] or {}).get(key, [])
     assert streamed == whole["choices"][0]["logprobs"]
     assert "".join(e["choices"][0]["text"] for e in events) == whole["choices"][0]["text"]
+
+
+def test_rows_are_scored_alike_in_slices(monkeypatch):
+    """A long prompt is scored ROWS_AT_ONCE rows at a time: the same entries as all at once."""
+    from hasten.engine import logprobs
+
+    logits = torch.randn(7, 50, generator=torch.Generator().manual_seed(0))  # [rows, vocab]
+    tokens = [3, 14, 15, 9, 2, 6, 5]
+    whole = logprobs.token_logprobs(logits, tokens, 4)
+    monkeypatch.setattr(logprobs, "ROWS_AT_ONCE", 3)
+    assert logprobs.token_logprobs(logits, tokens, 4) == whole
+    expected = logits.log_softmax(-1)
+    assert [entry.logprob for entry in whole] == pytest.approx(expected[torch.arange(7), tokens].tolist(), abs=1e-6)
+    assert [entry.rank for entry in whole] == [int((row > row[t]).sum()) + 1 for row, t in zip(expected, tokens)]

@@ -17,6 +17,9 @@ from dataclasses import dataclass
 import torch
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token may list: vLLM's default max_logprobs, OpenAI's top_logprobs
+# rows scored at once: a long prompt's float32 log-softmax is made a slice at a time (256 rows of a
+# 152k vocabulary: 156 MB) rather than beside its whole [T - 1, vocab] logits
+ROWS_AT_ONCE = 256
 
 
 @dataclass(frozen=True)
@@ -30,9 +33,12 @@ class TokenLogprob:
 def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
     """``logits`` [m, vocab] (row i: the target's scores for the token after position i),
     ``tokens`` the m tokens that came there, ``k`` >= 0 alternatives each -> one entry per
-    token, with one device-to-host transfer."""
-    if not tokens:
-        return []
+    token, with one device-to-host transfer per ROWS_AT_ONCE rows (a decode step's block is one)."""
+    return [entry for start in range(0, len(tokens), ROWS_AT_ONCE)
+            for entry in _scored(logits[start:start + ROWS_AT_ONCE], tokens[start:start + ROWS_AT_ONCE], k)]
+
+
+def _scored(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
     logp = logits.float().log_softmax(dim=-1)  # [m, vocab]
     ids = torch.tensor(tokens, dtype=torch.long, device=logp.device)  # [m]
     chosen = logp.gather(-1, ids[:, None])  # [m, 1]
