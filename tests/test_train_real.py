@@ -107,7 +107,7 @@ def test_a_packaged_models_cached_copy_finds_the_modules_shipped_in_the_zoo(tmp_
     assert real.packaged_name(checkpoint) == "smollm2-135m"
     assert real.shipped_drafter(checkpoint, "medusa") == shipped_root / "smollm2-135m" / "medusa"
     assert real.shipped_drafter(checkpoint, "eagle") is None  # none shipped in this layout
-    found = Medusa()._find(target)
+    found = Medusa().find_module(target)
     assert found.levels == 2
     for name, tensor in heads.state_dict().items():
         assert torch.equal(found.state_dict()[name], tensor.half().float())
@@ -126,7 +126,7 @@ def test_another_gguf_gets_no_shipped_module(tmp_path, monkeypatch, name, size):
     assert real.packaged_name(checkpoint) is None
     target = AutoModelForCausalLM.from_pretrained(checkpoint)
     with pytest.warns(HastenWarning, match="no medusa weights"):
-        Medusa()._find(target)
+        Medusa().find_module(target)
 
 
 def test_a_plain_checkpoint_is_no_packaged_model(tmp_path):

@@ -8,6 +8,7 @@ style: skipped unless its environment exists).
 """
 import json
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -40,13 +41,18 @@ class _Out:
 
 class LLM:
     def __init__(self, **kw):
-        self.accepted = 0
+        self.accepted = self.drafts = 0
         self.speculative = kw.get("speculative_config")
+        exported = sorted(os.listdir(self.speculative["model"])) if (self.speculative or {}).get("method") == "medusa" else None
         with open(LOG, "a") as f:
-            f.write(json.dumps({"llm": kw, "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_"))}}) + "\\n")
+            f.write(json.dumps({"llm": kw, "exported": exported,
+                                "env": {k: v for k, v in os.environ.items() if k.startswith(("VLLM_", "OMP_"))}}) + "\\n")
 
     def get_metrics(self):
-        return [Metric("vllm:spec_decode_num_accepted_tokens", self.accepted)]
+        per_position = Metric("vllm:spec_decode_num_accepted_tokens_per_pos", None)
+        per_position.values = [self.accepted, 0]  # every accepted draft token at position 1
+        return [Metric("vllm:spec_decode_num_accepted_tokens", self.accepted),
+                Metric("vllm:spec_decode_num_drafts", self.drafts), per_position]
 
     def generate(self, prompts, params, use_tqdm=False):
         prompt = prompts[0]["prompt_token_ids"]
@@ -55,6 +61,7 @@ class LLM:
         print("vLLM chatter on stdout, which the protocol must skip")
         tokens = ANSWERS.get(str(prompt[-1]), [7] * params.kw["max_tokens"])[: params.kw["max_tokens"]]
         self.accepted += 2 if self.speculative else 0
+        self.drafts += 4 if self.speculative else 0
         return [_Out(tokens)]
 '''
 
@@ -190,6 +197,35 @@ def test_real_vllm_float32_greedy_equals_hasten_on_a_tiny_model(tmp_path):
     assert tokens == reference_tokens(model, ids, 8)
 
 
+def test_vllm_medusa_runs_hastens_heads_exported_and_reports_acceptance_per_position(stand_in, tmp_path):
+    """vllm_medusa: the model's trained heads (beside it) exported into a folder vLLM is given,
+    removed afterwards; vLLM's per-position counters become the row's acceptance; not in auto."""
+    from hasten.drafters.medusa import MedusaHeads
+    from hasten.loading import load_model
+
+    model_dir = Path(save_checkpoint(tmp_path / "tiny"))
+    MedusaHeads.for_target(load_model(str(model_dir)), 2).save(model_dir / "medusa")
+    code = main(["bench", "--model", str(model_dir), "--methods", AUTOREGRESSIVE, "--baselines", "vllm_medusa",
+                 "--tasks", "complete", "--per-task", "1", "--max-new-tokens", "4", "--repeats", "1",
+                 "--no-progress", "--out", str(tmp_path / "out")])
+    assert code == 0
+    engine = next(r for r in stand_in() if "llm" in r)
+    speculative = engine["llm"]["speculative_config"]
+    assert (speculative["method"], speculative["num_speculative_tokens"]) == ("medusa", 2)
+    assert engine["exported"] == ["config.json", "model.safetensors"]
+    assert not Path(speculative["model"]).exists()  # the temporary export is gone after the run
+    rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["by_category"][OVERALL]}
+    assert rows["vllm_medusa"]["acceptance_by_position"] == [0.5, 0.0]  # 2 of 4 drafts accepted at position 1
+
+
+def test_vllm_medusa_is_asked_for_by_name_only(stand_in, checkpoint, tmp_path):
+    assert main(["bench", "--model", checkpoint, "--methods", AUTOREGRESSIVE, "--baselines", "auto",
+                 "--tasks", "complete", "--per-task", "1", "--max-new-tokens", "2", "--repeats", "1",
+                 "--no-progress", "--out", str(tmp_path / "out")]) == 0
+    names = {m["name"] for m in json.loads((tmp_path / "out" / "results.json").read_text())["methods"]}
+    assert "vllm" in names and "vllm_medusa" not in names
+
+
 # ---- hasten.vllm: hasten's prompt lookup as a vLLM proposer -------------------------------------
 def vllm_config(depth: int, max_model_len: int = 64):
     from types import SimpleNamespace
@@ -265,3 +301,39 @@ def test_real_vllm_with_hastens_proposer_decodes_as_vllm_alone(tmp_path):
             method.close()
     assert outputs["vllm_prompt_lookup"][0] == outputs["vllm"][0] == reference_tokens(model, ids, 24)
     assert outputs["vllm_prompt_lookup"][1].steps < 24  # some drafts were accepted
+
+
+@pytest.mark.vllm
+def test_real_vllm_runs_hastens_exported_medusa_as_hasten_does(tmp_path):
+    """The round trip of issue 28: vLLM loads hasten's Medusa export, its greedy output is its plain
+    decoding's, and it accepts at each draft position what hasten's own top-1 chain accepts
+    (a layout or offset mistake shows as acceptance near zero)."""
+    if vllm_cpu.vllm_python() is None:
+        pytest.skip("vLLM's environment is not installed: make vllm")
+    from hasten.api import make_drafter
+    from hasten.drafters.medusa import MedusaHeads
+    from hasten.engine.loop import generate
+    from hasten.loading import load_model
+
+    from helpers import tiny_tokenizer
+
+    path = tmp_path / "heads64"
+    tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64).save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    model = load_model(str(path))
+    MedusaHeads.for_target(model, 3).save(path / "medusa")  # untrained: each head repeats the target's guess
+    ids = repetitive_prompt(24)
+    ours = generate(model, ids, drafter=make_drafter("medusa", None, top_k=1, tree_size=3), max_new_tokens=32,
+                    eos_token_id=[], draft_size="fixed").stats
+    outputs = {}
+    for name in ("vllm", "vllm_medusa"):
+        method = vllm_cpu.baseline_method(name, model, max_model_len=256, threads=1)
+        try:
+            outputs[name] = method.run(ids, 32)
+        finally:
+            method.close()
+    assert outputs["vllm_medusa"][0] == outputs["vllm"][0] == reference_tokens(model, ids, 32)
+    theirs = outputs["vllm_medusa"][1]
+    assert ours.accepted_tokens > 0  # the chain is accepted somewhere, so a broken export would show
+    assert theirs.accepted_at_depth == ours.accepted_at_depth[:3] + [0] * (3 - len(ours.accepted_at_depth))
+    assert abs(theirs.drafted_at_depth[0] - ours.drafted_at_depth[0]) <= 1  # vLLM may skip the last step's draft

@@ -27,6 +27,7 @@ from .core.sampling import Sampling
 from .core.stats import DecodeStats
 from .diffusion import cli as diffusion_cli
 from .dlm import cli as dlm_cli
+from .export import cli as export_cli
 from .drafters.base import REGISTRY
 from .engine.sizing import default_size
 from .serve import cli as serve_cli
@@ -164,6 +165,7 @@ COMMANDS: list[Command] = [
     *dlm_cli.COMMANDS,
     *vlm_bench.COMMANDS,
     *serve_cli.COMMANDS,
+    *export_cli.COMMANDS,
 ]
 
 

@@ -159,7 +159,8 @@ def _chosen(args) -> tuple[list[str], list[str]]:
         names.insert(0, AUTOREGRESSIVE)
     _check_method_args(args.method_arg, names)
     known_baselines = llamacpp.BASELINES if on_llama_cpp else (*HF_BASELINES, *vllm_cpu.BASELINES)
-    automatic = [n for n in known_baselines if n not in vllm_cpu.BASELINES or vllm_cpu.vllm_python()]
+    automatic = [n for n in known_baselines if n not in vllm_cpu.ON_REQUEST
+                 and (n not in vllm_cpu.BASELINES or vllm_cpu.vllm_python())]
     presets = {AUTO: automatic, "none": []}
     baselines = presets[args.baselines] if args.baselines in presets else _csv(args.baselines)
     unknown = [n for n in baselines if n not in known_baselines]

@@ -13,6 +13,12 @@ at a time, interleaved with every other method as usual. The worker times
 * ``vllm_prompt_lookup``: vLLM with hasten's prompt lookup as its proposer
   (:class:`hasten.vllm.PromptLookup`), 5 speculative tokens: the same depth as ``vllm_ngram``,
   hasten's matching rule. vLLM verifies; only the drafts are hasten's.
+* ``vllm_medusa``: vLLM with hasten's trained Medusa heads for the model (found as hasten's
+  ``medusa`` method finds them), exported into vLLM's layout (:mod:`hasten.export`) in a
+  temporary folder; as many speculative tokens as heads. Asked for by name only (not in
+  ``--baselines auto``). Its per-position acceptance (vLLM's own counters) sits beside hasten's
+  in results.json: with ``--method-arg medusa.top_k=1 --method-arg medusa.tree_size=HEADS``
+  hasten drafts the same top-1 chain vLLM does.
 
 Both run in the model's own dtype. vLLM's default (``dtype="auto"``) would run a float32
 checkpoint in bfloat16 on a CPU (it downcasts float32 models to the platform's preferred
@@ -28,6 +34,7 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -38,7 +45,9 @@ from .runner import Method
 VLLM = "vllm"
 VLLM_NGRAM = "vllm_ngram"
 VLLM_PROMPT_LOOKUP = "vllm_prompt_lookup"
-BASELINES = (VLLM, VLLM_NGRAM, VLLM_PROMPT_LOOKUP)
+VLLM_MEDUSA = "vllm_medusa"
+BASELINES = (VLLM, VLLM_NGRAM, VLLM_PROMPT_LOOKUP, VLLM_MEDUSA)
+ON_REQUEST = (VLLM_MEDUSA,)  # not in --baselines auto: it needs trained heads and writes an export
 # each baseline's speculative_config (None: plain decoding)
 SPECULATIVE = {
     VLLM: None,
@@ -109,6 +118,19 @@ def model_directory(model) -> str:
     return str(Path(path).resolve())
 
 
+def exported_medusa(model) -> tuple[dict, Callable[[], None]]:
+    """hasten's trained Medusa heads for ``model`` in vLLM's layout, in a temporary folder: the
+    speculative_config that loads them, and what removes the folder."""
+    from ..drafters.medusa import Medusa
+    from ..export import medusa_for_vllm, write
+
+    heads = Medusa(require_weights=True).find_module(model)  # MissingWeights says how to train them
+    folder = tempfile.TemporaryDirectory(prefix="hasten-vllm-medusa-")
+    write(medusa_for_vllm(heads, model.get_output_embeddings().weight, model.dtype), folder.name)
+    config = {"method": "medusa", "model": folder.name, "num_speculative_tokens": heads.config.num_heads}
+    return config, folder.cleanup
+
+
 def baseline_method(name: str, model, max_model_len: int, threads: int) -> Method:
     """A vLLM baseline on the directory ``model`` was loaded from, in its dtype."""
     if name not in BASELINES:
@@ -117,19 +139,36 @@ def baseline_method(name: str, model, max_model_len: int, threads: int) -> Metho
     if python is None:
         raise UserError(f"the {name} baseline needs vLLM: {INSTALL}")
     dtype = str(model.dtype).removeprefix("torch.")
-    speculative = SPECULATIVE[name]
+    speculative, cleanup = exported_medusa(model) if name == VLLM_MEDUSA else (SPECULATIVE[name], None)
     settings = {"model": model_directory(model), "dtype": dtype, "max_model_len": max_model_len,
                 "speculative": speculative}
-    worker = Worker(python, settings, threads)
+    try:
+        worker = Worker(python, settings, threads)
+    except BaseException:
+        if cleanup:
+            cleanup()
+        raise
 
     def run(input_ids: torch.Tensor, max_new_tokens: int):
         answer = worker.ask({"prompt": input_ids[0].tolist(), "max_tokens": max_new_tokens})
         tokens = answer["tokens"]
         # each forward yields one token plus the drafts it accepted
         steps = max(1, len(tokens) - answer["accepted"])
-        return tokens, DecodeStats(steps=steps, new_tokens=len(tokens)), answer["seconds"]
+        per_position = answer.get("accepted_per_position") or []
+        drafts = answer.get("drafts", 0)
+        stats = DecodeStats(steps=steps, new_tokens=len(tokens), accepted_tokens=answer["accepted"],
+                            drafted_tokens=drafts * len(per_position),
+                            drafted_at_depth=[drafts] * len(per_position) if drafts else [],
+                            accepted_at_depth=per_position if drafts else [])
+        return tokens, stats, answer["seconds"]
+
+    def close() -> None:
+        worker.close()
+        if cleanup:
+            cleanup()
 
     recorded = {"vllm": worker.ready.get("vllm"), "dtype": dtype, "threads": threads or os.cpu_count(),
-                "enforce_eager": True, "prefix_caching": False, "speculative_config": speculative}
-    return Method(name, "vllm", run, recorded, exact=False, close=worker.close)
-
+                "enforce_eager": True, "prefix_caching": False,
+                "speculative_config": {**speculative, "model": "(hasten's medusa, exported)"}
+                if name == VLLM_MEDUSA else speculative}
+    return Method(name, "vllm", run, recorded, exact=False, close=close)

@@ -6,9 +6,11 @@ Protocol, one JSON object per line: the first line on stdin is the engine's sett
 ``{"model", "dtype", "max_model_len", "speculative": null | vLLM's speculative_config}``; the worker
 answers (each answer on one stdout line after ``@@hasten ``) ``{"ready": true, "vllm": version, "dtype": ...}`` once the engine is built. Then
 each line ``{"prompt": [ids], "max_tokens": n}`` gets ``{"tokens": [ids], "seconds": s,
-"accepted": k}``: greedy, EOS ignored, no prefix caching (every request prefills its
-prompt), timed around ``LLM.generate`` alone; ``accepted`` counts the draft tokens vLLM
-accepted (0 without speculation). An empty line or EOF ends it.
+"accepted": k, "drafts": d, "accepted_per_position": [a_1, ...]}``: greedy, EOS ignored, no
+prefix caching (every request prefills its prompt), timed around ``LLM.generate`` alone;
+``accepted`` counts the draft tokens vLLM accepted, ``drafts`` the steps that proposed a draft,
+and ``accepted_per_position[i]`` the drafts whose position i + 1 was accepted (all 0 without
+speculation). An empty line or EOF ends it.
 """
 import json
 import os
@@ -16,6 +18,8 @@ import sys
 import time
 
 SPEC_COUNTER = "vllm:spec_decode_num_accepted_tokens"
+DRAFTS_COUNTER = "vllm:spec_decode_num_drafts"
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"  # a vector: one count per draft position
 MARK = "@@hasten "  # begins every protocol line on stdout; vLLM and its engine process may print too
 
 
@@ -23,12 +27,27 @@ def say(message: dict) -> None:
     print(MARK + json.dumps(message), flush=True)
 
 
-def accepted_so_far(llm) -> int:
+def spec_counts(llm) -> dict:
+    """vLLM's speculation counters so far: accepted tokens, drafts, accepted per position."""
     try:
         metrics = llm.get_metrics()
     except Exception:  # metrics off in this vLLM: tau stays unknown (0 accepted)
-        return 0
-    return int(sum(getattr(m, "value", 0) for m in metrics if m.name == SPEC_COUNTER))
+        return {"accepted": 0, "drafts": 0, "accepted_per_position": []}
+    total = {SPEC_COUNTER: 0, DRAFTS_COUNTER: 0}
+    per_position: list[int] = []
+    for m in metrics:
+        if m.name in total:
+            total[m.name] += int(getattr(m, "value", 0))
+        elif m.name == PER_POSITION:
+            values = [int(v) for v in getattr(m, "values", [])]
+            per_position = [a + b for a, b in zip(per_position + [0] * len(values), values)]
+    return {"accepted": total[SPEC_COUNTER], "drafts": total[DRAFTS_COUNTER], "accepted_per_position": per_position}
+
+
+def since(before: dict, after: dict) -> dict:
+    early = before["accepted_per_position"] + [0] * len(after["accepted_per_position"])
+    return {"accepted": after["accepted"] - before["accepted"], "drafts": after["drafts"] - before["drafts"],
+            "accepted_per_position": [a - b for a, b in zip(after["accepted_per_position"], early)]}
 
 
 def main() -> None:
@@ -50,12 +69,11 @@ def main() -> None:
         request = json.loads(line)
         params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True,
                                 detokenize=False)
-        before = accepted_so_far(llm)
+        before = spec_counts(llm)
         clock = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": request["prompt"]}], params, use_tqdm=False)
         seconds = time.perf_counter() - clock
-        say({"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds,
-             "accepted": accepted_so_far(llm) - before})
+        say({"tokens": list(out[0].outputs[0].token_ids), "seconds": seconds, **since(before, spec_counts(llm))})
 
 
 if __name__ == "__main__":

@@ -176,14 +176,16 @@ class TrainedDrafter(Drafter):
 
     def _prepare(self, model: PreTrainedModel) -> None:
         if not self.settings.weights:  # weights live beside each target
-            self.module = self._find(model)
+            self.module = self.find_module(model)
         self.module.check_fits(model)
         self.lm_head, self.embed = model.get_output_embeddings(), model.get_input_embeddings()
         self.module.to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype).eval()
         self.setup(model)
         self._target = model
 
-    def _find(self, model: PreTrainedModel) -> TrainedModule:
+    def find_module(self, model: PreTrainedModel) -> TrainedModule:
+        """The trained module for ``model``: beside it, or shipped in the zoo for a packaged model;
+        without one, MissingWeights under ``require_weights``, else an untrained module and a warning."""
         source = model.config._name_or_path  # the directory the target was loaded from
         beside = Path(source) / self.name if source else None
         if beside is not None and not (beside / f"{self.name}.json").is_file():
