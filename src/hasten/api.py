@@ -88,7 +88,8 @@ class Engine:
 
     def generate_batch(self, prompts: list[str], *, max_new_tokens: int = 128, temperature: float = 0.0,
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                       stop: str | list[str] | None = None, max_batch: int | None = None) -> list[EngineOutput]:
+                       stop: str | list[str] | None = None, max_batch: int | None = None,
+                       **rules) -> list[EngineOutput]:
         """Several prompts decoded together (continuous batching, one target forward per step
         for all rows), each exactly as :meth:`generate` would alone; ``seed`` seeds row i with
         ``seed + i``. ``max_batch`` rows run at once (default: all)."""
@@ -96,7 +97,7 @@ class Engine:
 
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings")
-        sampling, stops = self._options(temperature, top_k, top_p, seed, stop)
+        sampling, stops = self._options(temperature, top_k, top_p, seed, stop, rules)
         scheduler = Scheduler(self.runtime, self.drafter, max_batch=max_batch or len(prompts),
                               draft_size=self.draft_size)
         rows = {}
@@ -200,11 +201,13 @@ class Engine:
     def _pieces(self, input_ids: torch.Tensor, kwargs: dict) -> Iterator[str]:
         return (piece for piece, _ in self.steps(input_ids, DecodeStats(), **kwargs))
 
-    def _options(self, temperature, top_k, top_p, seed, stop) -> tuple[Sampling, StopStrings]:
+    def _options(self, temperature, top_k, top_p, seed, stop, rules: dict) -> tuple[Sampling, StopStrings]:
         """The sampling settings and stop strings of one call, checked."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        return Sampling(temperature, top_k, top_p), StopStrings(self.tokenizer, stop or [])
+        sampling = Sampling(temperature, top_k, top_p, **rules)
+        sampling.check_vocab(self.runtime.vocab_size)
+        return sampling, StopStrings(self.tokenizer, stop or [])
 
     def steps(
         self,
@@ -218,6 +221,7 @@ class Engine:
         seed: int | None = None,
         stop: str | list[str] | None = None,
         images: list | None = None,
+        **rules,
     ) -> Iterator[tuple[str, list[int]]]:
         """Yield (text piece, token ids) per decode step; ``stats`` fills in as it runs.
         ``prompt`` is text (see :meth:`encode`), input ids [1, T] (e.g. :meth:`encode_chat`'s),
@@ -225,7 +229,10 @@ class Engine:
         :meth:`encode_chat_images` return them).
         ``stop``: stop strings; generation ends at the token that completes one, and the
         text ends before it (as OpenAI's ``stop``). ``images``: with a text prompt, for a
-        vision-language model (see :meth:`encode_images`)."""
+        vision-language model (see :meth:`encode_images`). ``rules``: the other fields of
+        :class:`~hasten.core.sampling.Sampling` (``min_p``, ``repetition_penalty``,
+        ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``allowed_token_ids``,
+        ``min_tokens``), which transform the target distribution as vLLM's."""
         model_inputs: dict = {}
         if images is not None:
             if not isinstance(prompt, str):
@@ -236,7 +243,7 @@ class Engine:
             input_ids, model_inputs = prompt
         else:
             input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
-        sampling, stops = self._options(temperature, top_k, top_p, seed, stop)
+        sampling, stops = self._options(temperature, top_k, top_p, seed, stop, rules)
         check_inputs(self.runtime, input_ids, self.drafter, max_new_tokens, None, model_inputs)
         device = self.runtime.device
         input_ids = input_ids.to(device)

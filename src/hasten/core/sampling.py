@@ -1,15 +1,28 @@
 """Sampling settings, the target distribution ``p`` they define, and drawing from it.
 
-The processing order (temperature, then top-k, then top-p) and the tie rules follow
-Hugging Face's logits warpers, so "distributed as the plain model samples" means the
-same thing here as in ``model.generate(do_sample=True)``:
+The target distribution is made in two stages, both applied to the target's logits in one
+place (:meth:`hasten.engine.sequence.Sequence.settle`), identically in plain decoding and at
+every verified position of a draft block or tree:
+
+1. :class:`LogitRules` (only when a request asks for one of them): ``allowed_token_ids``,
+   ``logit_bias``, ``min_tokens`` and the repetition, frequency and presence penalties, in
+   vLLM's order and with its semantics. They read the tokens before each position: at draft
+   position j those are the committed tokens and the draft tokens on the path to j, exactly
+   what plain decoding would have seen there. Greedy decoding takes the argmax of these logits.
+2. :meth:`Sampling.probs` (sampling only): temperature, then top-k, then top-p, then min-p.
+
+The warpers' order and tie rules follow Hugging Face's logits warpers, so "distributed as the
+plain model samples" means the same thing here as in ``model.generate(do_sample=True)``:
 
 * top-k keeps every token scoring at least the k-th best score (all ties at the k-th
   score stay);
 * top-p drops a token when the mass of the tokens ranked at or below it is at most
   ``1 - top_p``, and always keeps the best token. Hugging Face leaves the order of equal
   scores to ``torch.sort``'s unstable kernel; here the higher token id ranks higher, as a
-  stable ascending sort gives, so the set does not depend on the kernel.
+  stable ascending sort gives, so the set does not depend on the kernel;
+* min-p drops a token whose probability (after the warpers before it) is below ``min_p``
+  times the best token's (Hugging Face's order; vLLM applies it before top-k/top-p, which
+  differs only when top-p and min-p are both set).
 
 Neither sorts the whole vocabulary on the CPU: top-k is one ``torch.topk``, and the top-p
 nucleus is found among a few candidates (the best 64 by ``torch.topk``, or, for a wider
@@ -23,11 +36,14 @@ probabilities' device, from the caller's generator.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
+from .errors import FieldError
 from .settings import Settings
+from .tree import TokenTree
 
 _FIRST_CANDIDATES = 64  # top-p candidates tried first; nuclei of real models are mostly smaller
 _SMALLEST_DIVISOR = torch.finfo(torch.float32).tiny  # below it every score but the best is -inf anyway
@@ -38,6 +54,14 @@ class Sampling(Settings):
     temperature: float = 0.0  # 0 means greedy
     top_k: int | None = None
     top_p: float | None = None
+    min_p: float | None = None  # keep tokens with at least min_p times the best token's probability
+    # the logit rules (LogitRules), greedy and sampled alike:
+    presence_penalty: float = 0.0  # subtracted once from each token generated so far (OpenAI)
+    frequency_penalty: float = 0.0  # subtracted per occurrence among the generated tokens (OpenAI)
+    repetition_penalty: float = 1.0  # prompt and generated tokens: positive logits / r, others * r (HF, vLLM)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; a dict is taken too
+    allowed_token_ids: tuple[int, ...] | None = None  # every other token gets -inf
+    min_tokens: int = 0  # the stop tokens (EOS, stop ids) get -inf until this many tokens were generated
 
     def __post_init__(self) -> None:
         super().__post_init__()  # types: finite numbers, ints that are not bools
@@ -47,10 +71,45 @@ class Sampling(Settings):
             raise ValueError(f"top_k must be a positive integer or None, got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.min_p is not None and not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0 (1 is none), got {self.repetition_penalty!r}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        try:
+            bias = tuple(sorted((token, value) for token, value in bias))
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
+        if not all(_is_int(token) and _is_number(value) for token, value in bias):
+            raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
+        object.__setattr__(self, "logit_bias", bias)  # a dict becomes sorted pairs: hashable and equal alike
+        if self.allowed_token_ids is not None:
+            allowed = tuple(self.allowed_token_ids)
+            if not allowed or not all(_is_int(token) for token in allowed):
+                raise ValueError(f"allowed_token_ids must be a non-empty list of token ids, got "
+                                 f"{self.allowed_token_ids!r}")
+            object.__setattr__(self, "allowed_token_ids", allowed)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_logit_rules(self) -> bool:
+        """Whether any rule of :class:`LogitRules` is on (without one a step does no extra work)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.allowed_token_ids is not None or self.min_tokens)
+
+    def check_vocab(self, vocab: int) -> None:
+        """FieldError naming the field whose token id lies outside [0, vocab)."""
+        for name, ids in (("logit_bias", [token for token, _ in self.logit_bias]),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = next((token for token in ids if not 0 <= token < vocab), None)
+            if bad is not None:
+                raise FieldError(name, "invalid_value",
+                                 f"{{field}} holds token id {bad}, outside the model's vocabulary [0, {vocab})")
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """[..., vocab] logits -> [..., vocab] float32 probabilities after processing."""
@@ -68,7 +127,98 @@ class Sampling(Settings):
             rows = scores.reshape(-1, vocab)  # [rows, vocab]
             find = _nucleus_by_topk if rows.device.type == "cpu" else _nucleus_by_sort
             scores = torch.where(find(rows, self.top_p).view(scores.shape), scores, float("-inf"))
+        if self.min_p:
+            probs = scores.softmax(dim=-1)  # [..., vocab]
+            scores = scores.masked_fill(probs < self.min_p * probs.amax(dim=-1, keepdim=True), float("-inf"))
         return scores.softmax(dim=-1)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return (_is_int(value) or isinstance(value, float)) and math.isfinite(value)
+
+
+class LogitRules:
+    """The request's rules on the target's logits, for one sequence: it keeps the counts they
+    read (tokens generated so far, tokens seen in prompt and output) on the logits' device and
+    applies the rules to a verification block, each row with the tokens before it on its path.
+
+    In vLLM's order: ``allowed_token_ids`` (others -inf), ``logit_bias`` (added), ``min_tokens``
+    (the stop tokens -inf while fewer than that many tokens precede the position), then the
+    repetition penalty (a token in the prompt or the output: positive logit / r, others * r),
+    then the frequency and presence penalties (over the output: ``logit -= frequency * count
+    + presence * (count > 0)``). Built only for a request that has one (``has_logit_rules``).
+    """
+
+    def __init__(self, sampling: Sampling, vocab: int, device: torch.device, prompt: list[int],
+                 generated: list[int], stop_ids: frozenset[int]):
+        self.sampling = sampling
+        self.emitted = len(generated)
+        self.banned = None  # [vocab] bool: outside allowed_token_ids
+        if sampling.allowed_token_ids is not None:
+            self.banned = torch.ones(vocab, dtype=torch.bool, device=device)
+            self.banned[list(sampling.allowed_token_ids)] = False
+        self.bias = None  # [vocab] float32
+        if sampling.logit_bias:
+            tokens, values = zip(*sampling.logit_bias)
+            self.bias = torch.zeros(vocab, device=device).index_put_(
+                (torch.tensor(tokens, device=device),), torch.tensor(values, device=device), accumulate=True)
+        self.stop_ids = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)  # [stops]
+        self.counts = self.seen = None
+        if sampling.presence_penalty or sampling.frequency_penalty:
+            self.counts = torch.zeros(vocab, device=device)  # [vocab] occurrences in the output
+            self.counts.index_add_(0, torch.tensor(generated, dtype=torch.long, device=device),
+                                   torch.ones(len(generated), device=device))
+        if sampling.repetition_penalty != 1:
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [vocab] in prompt or output
+            self.seen[torch.tensor(prompt + generated, dtype=torch.long, device=device)] = True
+
+    def commit(self, tokens: list[int]) -> None:
+        """The sequence committed ``tokens``: they precede every later position."""
+        self.emitted += len(tokens)
+        if tokens and (self.counts is not None or self.seen is not None):
+            ids = torch.tensor(tokens, dtype=torch.long, device=(self.counts if self.seen is None else self.seen).device)
+            if self.counts is not None:
+                self.counts.index_add_(0, ids, torch.ones(len(tokens), device=ids.device))
+            if self.seen is not None:
+                self.seen[ids] = True
+
+    def apply(self, logits: torch.Tensor, tree: TokenTree, draft: tuple[int, ...]) -> torch.Tensor:
+        """logits [n + 1, vocab] at each block index of ``tree`` (0: after the committed tokens,
+        b: after draft node b - 1 and its ancestors) -> [n + 1, vocab] float32 under the rules."""
+        s = self.sampling
+        logits = logits.float()
+        if self.banned is not None:
+            logits = logits.masked_fill(self.banned, float("-inf"))
+        if self.bias is not None:
+            logits = logits + self.bias
+        if s.min_tokens and self.emitted < s.min_tokens and len(self.stop_ids):
+            depths = (0, *tree.depths)  # draft tokens before each block index
+            early = [b for b, depth in enumerate(depths) if self.emitted + depth < s.min_tokens]
+            rows = torch.tensor(early, dtype=torch.long, device=logits.device)
+            logits = logits.index_put((rows[:, None], self.stop_ids[None, :]),
+                                      torch.tensor(float("-inf"), device=logits.device))
+        if self.counts is None and self.seen is None:
+            return logits
+        drafted = None  # [n + 1, vocab] occurrences of each token among the draft tokens on each row's path
+        if draft:
+            # block_mask[b, c]: block c is b or one of its ancestors; column c >= 1 is node c - 1
+            on_path = tree.block_mask[:, 1:].nonzero().to(logits.device)  # [pairs, 2] (block, node)
+            tokens = torch.tensor(draft, dtype=torch.long, device=logits.device)  # [n]
+            drafted = torch.zeros_like(logits).index_put_(
+                (on_path[:, 0], tokens[on_path[:, 1]]), torch.ones(len(on_path), device=logits.device),
+                accumulate=True)
+        if self.seen is not None:
+            seen = self.seen.expand_as(logits) if drafted is None else self.seen | (drafted > 0)  # [n + 1, vocab]
+            r = s.repetition_penalty
+            logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        if self.counts is not None:
+            counts = self.counts if drafted is None else self.counts + drafted  # [vocab] or [n + 1, vocab]
+            logits = logits - s.frequency_penalty * counts - s.presence_penalty * (counts > 0).float()
+        return logits
 
 
 def _nucleus_by_sort(rows: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -49,6 +49,9 @@ class Request:
     generator: torch.Generator | None = None  # a generator shared with other rows (hasten.generate's)
     logprobs: int | None = None  # score every generated token, with this many alternatives each (None: no scoring)
     prompt_logprobs: int | None = None  # score the prompt's tokens from the prefill, with this many alternatives
+    stop_token_ids: frozenset[int] = frozenset()  # end the row after any of these, as after EOS (vLLM's)
+    ignore_eos: bool = False  # EOS does not end the row (it may still be generated; min_tokens holds it back)
+    resumed: int = 0  # the last ``resumed`` input ids were generated already (a continuation): penalties count them
 
 
 @dataclass
@@ -61,6 +64,7 @@ class RowUpdate:
     queued_seconds: float  # from submit to admission
     logprobs: list[TokenLogprob] | None = None  # one per token of ``tokens``, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1 .. T - 1, on the row's first update, when asked
+    stop_token: int | None = None  # on the last update: the EOS or stop id that ended the row (its last token)
 
 
 @dataclass
@@ -178,6 +182,16 @@ class Scheduler:
         check_positions(self.runtime, len(ids), budget)
         if not isinstance(request.sampling, Sampling):
             raise TypeError(f"sampling must be a hasten Sampling, got {type(request.sampling).__name__}")
+        request.sampling.check_vocab(vocab)
+        stop_ids = request.stop_token_ids
+        if not isinstance(stop_ids, (set, frozenset, list, tuple)) or not all(
+                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop_ids):
+            raise FieldError("stop_token_ids", "invalid_value",
+                             f"{{field}} must be token ids in the model's vocabulary [0, {vocab}), got {stop_ids!r}")
+        allowed = request.sampling.allowed_token_ids
+        if request.sampling.min_tokens and allowed is not None and set(allowed) <= self._suppressed(request):
+            raise FieldError("min_tokens", "invalid_value",
+                             "{field} holds back every token allowed_token_ids allows (they all end the row)")
         if request.seed is not None and (isinstance(request.seed, bool) or not isinstance(request.seed, int)):
             raise FieldError("seed", "invalid_value", f"{{field}} must be an integer or None, got {request.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -210,7 +224,8 @@ class Scheduler:
                 sequence = entry.sequence
                 scored = None if sequence.logprobs is None else sequence.scored
                 updates.append(RowUpdate(row_id, new, sequence.finished, sequence.finish_reason, sequence.stats,
-                                         entry.queued_seconds, scored, entry.take_prompt_scored()))
+                                         entry.queued_seconds, scored, entry.take_prompt_scored(),
+                                         sequence.stop_token))
                 if sequence.finished:
                     self._finish(row_id)
         self.last_step = StepInfo(len(running), admitted, time.perf_counter() - began, draft_seconds, verify_seconds)
@@ -272,14 +287,23 @@ class Scheduler:
         if generator is None and request.seed is not None:
             generator = torch.Generator(self.target.device).manual_seed(request.seed)
         sizing = self.sizing.for_request(not request.sampling.greedy, seeded=generator is not None)
-        eos = self._default_eos if request.eos_token_ids is None else frozenset(request.eos_token_ids)
+        eos = self._eos(request)
+        stops = (frozenset() if request.ignore_eos else eos) | frozenset(request.stop_token_ids)
         sequence = Sequence(
             row, list(request.input_ids), prefilled, self.drafter, request.sampling, generator,
-            acceptance_rule(request.sampling, self.lossy_acceptance), eos, request.max_new_tokens, stats,
+            acceptance_rule(request.sampling, self.lossy_acceptance), stops, request.max_new_tokens, stats,
             sizing, stop=request.stop, model_source=self.runtime.source, logprobs=request.logprobs,
+            suppressed_ids=self._suppressed(request), resumed=request.resumed,
         )
         stats.prefill_seconds += time.perf_counter() - clock
         return _Running(sequence, row, queued_seconds, reserved, prompt_scored)
+
+    def _eos(self, request: Request) -> frozenset[int]:
+        return self._default_eos if request.eos_token_ids is None else frozenset(request.eos_token_ids)
+
+    def _suppressed(self, request: Request) -> frozenset[int]:
+        """What min_tokens holds back: EOS (even with ignore_eos, as vLLM) and the stop ids."""
+        return self._eos(request) | frozenset(request.stop_token_ids)
 
     def _finish(self, row_id: int) -> None:
         entry = self._running.pop(row_id)

@@ -106,6 +106,13 @@ def generate(
     tokenizer=None,
     kv_compression=None,
     tree_attention: str = "mask",
+    min_p: float | None = None,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float = 1.0,
+    logit_bias: dict[int, float] | None = None,
+    allowed_token_ids: list[int] | None = None,
+    min_tokens: int = 0,
     **model_inputs: torch.Tensor,
 ) -> GenerationOutput | BatchGenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
@@ -126,6 +133,11 @@ def generate(
     ``stop_strings`` (with the ``tokenizer`` that reads the text) end generation after the
     token that completes one of them, as Hugging Face ``generate`` does.
 
+    ``min_p``, the penalties, ``logit_bias``, ``allowed_token_ids`` and ``min_tokens`` (EOS
+    held back until that many tokens) transform the target distribution as vLLM does (see
+    :class:`~hasten.core.sampling.Sampling`); greedy output is then the plain model's under the
+    same transform, token for token, and sampled output follows its law.
+
     A batch (a list of 1-D prompts of any lengths, or ``[B, T]`` with an ``attention_mask``
     marking each row's real tokens) is decoded together, one target forward per step for
     all rows, each row exactly as it would be alone; it returns a
@@ -136,7 +148,8 @@ def generate(
     ``image_sizes``, ...); the prefill reads them, decoding is text only (see
     :mod:`hasten.models.vlm`). One prompt at a time: batches take no images.
     """
-    sampling = Sampling(temperature, top_k, top_p)
+    sampling = Sampling(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
+                        logit_bias or (), allowed_token_ids, min_tokens)
     stop = StopStrings(tokenizer, stop_strings or [])
     attention = attention_path(tree_attention)
     attention_mask, model_inputs = _image_inputs(input_ids, attention_mask, model_inputs)
@@ -152,6 +165,7 @@ def generate(
         return _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
                                lossy_acceptance, draft_size, stop)
     check_inputs(runtime, input_ids, drafter, max_new_tokens, generator, model_inputs)
+    sampling.check_vocab(runtime.vocab_size)
     stats = DecodeStats()
     eos = eos_ids(runtime, eos_token_id)
     acceptance = acceptance_rule(sampling, lossy_acceptance)

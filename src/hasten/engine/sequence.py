@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from ..core.sampling import Sampling
+from ..core.sampling import LogitRules, Sampling
 from ..core.state import GrowingBuffer
 from ..core.stats import DecodeStats, holder_kv_bytes
 from ..core.tree import TokenTree
@@ -79,6 +79,8 @@ class Sequence:
         stop: StopStrings | None = None,
         model_source: str = "",  # where the target was loaded from (a drafter's corpus may need its tokenizer)
         logprobs: int | None = None,  # score each committed token, with this many alternatives (None: no scoring)
+        suppressed_ids: frozenset[int] | None = None,  # what min_tokens holds back (None: eos_token_ids)
+        resumed: int = 0,  # the last ``resumed`` of ``tokens`` were generated already (a continuation)
     ):
         self.cache = cache
         self.drafter = drafter
@@ -87,10 +89,17 @@ class Sequence:
         self.max_new_tokens = max_new_tokens
         self.stats = stats
         self.stop = stop if stop else None
+        if self.stop is not None and sampling.min_tokens > resumed:  # no stop string ends it before min_tokens
+            self.stop = StopStrings(stop.tokenizer, stop.strings, sampling.min_tokens - resumed)
         self.generated: list[int] = []
         self.logprobs = logprobs
         self.scored: list[TokenLogprob] = []  # the last settle's committed tokens, scored (when logprobs is set)
         self.finish_reason: str | None = "length" if max_new_tokens == 0 else None
+        self.stop_token: int | None = None  # the EOS or stop id that ended the sequence
+        self.suppressed_ids = eos_token_ids if suppressed_ids is None else suppressed_ids
+        self.resumed = resumed
+        self.ruled = sampling.has_logit_rules  # asked once: a request without rules does no extra work per step
+        self.rules: LogitRules | None = None  # the request's logit rules, from the first step
         self.want_features = drafter is not None and drafter.reads_features()
         features = None
         if self.want_features:
@@ -151,7 +160,14 @@ class Sequence:
         returns the newly committed tokens."""
         ctx, cache, stats = self.ctx, self.cache, self.stats
         start = self._start
-        verdict = self.acceptance.verify(draft.tree, draft.tokens, out.logits, draft.probs, ctx.sampling, ctx.generator)
+        logits = out.logits  # [n + 1, vocab] the target's, at each block index
+        if self.ruled:  # the same rules plain decoding applies, each row after its own path
+            if self.rules is None:
+                split = len(self.tokens) - self.resumed
+                self.rules = LogitRules(ctx.sampling, logits.shape[-1], logits.device, self.tokens[:split],
+                                        self.tokens[split:], self.suppressed_ids)
+            logits = self.rules.apply(logits, draft.tree, draft.tokens)
+        verdict = self.acceptance.verify(draft.tree, draft.tokens, logits, draft.probs, ctx.sampling, ctx.generator)
         cache.commit(start, draft.tree, verdict.accepted)
         kept_blocks = [0, *(node + 1 for node in verdict.accepted)]  # the root and the accepted path
         if ctx.feature_buffer is not None:
@@ -159,6 +175,8 @@ class Sequence:
 
         new = [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]
         new = self._apply_stop_rules(new)
+        if self.rules is not None:
+            self.rules.commit(new)
         if self.logprobs is not None:  # each committed token was scored at its block index (kept_blocks)
             self.scored = token_logprobs(out.logits[kept_blocks[: len(new)]], new, self.logprobs)
         self.tokens.extend(new)
@@ -188,11 +206,13 @@ class Sequence:
         eos = next((i for i, token in enumerate(new) if token in self.eos_token_ids), None)
         if eos is not None:
             new, reason = new[: eos + 1], "stop"
+            self.stop_token = new[-1]
         if self.stop is not None:
             checked = len(self.generated)
             at = self.stop.stop_index(self.generated + new, checked)
             if at is not None:
                 new, reason = new[: at + 1 - checked], "stop"
+                self.stop_token = None
         self.generated.extend(new)
         self.finish_reason = reason
         return new

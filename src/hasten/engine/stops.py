@@ -7,6 +7,10 @@ token whose text completes a stop string; that token is kept, as in Hugging Face
 ``generate``. Text side (:meth:`StopStrings.cut`, :meth:`StopStrings.safe_length`): the
 returned text ends *before* the stop string, and a stream holds back any tail that could
 still grow into one.
+
+``min_tokens`` (vLLM's): no stop string ends a sequence before it has more than that many
+tokens, and an occurrence that ends within the text of the first ``min_tokens`` tokens is not
+a stop (vLLM checks each token's new text only once the output is longer than ``min_tokens``).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from typing import Iterable
 
 
 class StopStrings:
-    def __init__(self, tokenizer, strings: Iterable[str]):
+    def __init__(self, tokenizer, strings: Iterable[str], min_tokens: int = 0):
         strings = [strings] if isinstance(strings, str) else list(strings)
         if not all(isinstance(s, str) for s in strings):
             raise TypeError(f"stop strings must be strings, got {strings!r}")
@@ -24,6 +28,7 @@ class StopStrings:
             raise ValueError("stop strings need a tokenizer to read the generated text")
         self.tokenizer = tokenizer
         self.strings = tuple(dict.fromkeys(strings))  # unique, order kept
+        self.min_tokens = min_tokens
 
     def __bool__(self) -> bool:
         return bool(self.strings)
@@ -31,32 +36,43 @@ class StopStrings:
     def decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
-    def find(self, text: str) -> int | None:
-        """Character index of the earliest stop string in ``text``, or None."""
-        hits = [i for i in (text.find(s) for s in self.strings) if i >= 0]
+    def find(self, text: str, after: int = 0) -> int | None:
+        """Character index of the earliest stop string in ``text`` that ends past character
+        ``after`` (see :meth:`after`), or None."""
+        hits = [i for i in (text.find(s, max(after - len(s) + 1, 0)) for s in self.strings) if i >= 0]
         return min(hits) if hits else None
+
+    def after(self, tokens: list[int]) -> int | None:
+        """Where in the text of ``tokens`` a stop string may end (past that character), or None
+        while they are at most ``min_tokens``: then none may."""
+        if len(tokens) <= self.min_tokens:
+            return None
+        return len(self.decode(tokens[: self.min_tokens])) if self.min_tokens else 0
 
     def stop_index(self, generated: list[int], checked: int) -> int | None:
         """Index of the token whose text completes a stop string, looking only at tokens
         from ``checked`` on (the earlier ones were checked by an earlier call), or None."""
+        checked = max(checked, self.min_tokens)
         if not self.strings or len(generated) <= checked:
             return None
-        if self.find(self.decode(generated)) is None:
+        after = self.after(generated)
+        if self.find(self.decode(generated), after) is None:
             return None
         for end in range(checked, len(generated)):  # the first prefix that contains one
-            if self.find(self.decode(generated[: end + 1])) is not None:
+            if self.find(self.decode(generated[: end + 1]), after) is not None:
                 return end
         return len(generated) - 1  # the text only matches as a whole (a token merge): stop at the end
 
-    def cut(self, text: str) -> tuple[str, bool]:
-        """``text`` up to (not including) the earliest stop string, and whether one was found."""
-        at = self.find(text)
+    def cut(self, text: str, after: int | None = 0) -> tuple[str, bool]:
+        """``text`` up to (not including) the earliest stop string ending past ``after`` (None:
+        none counts), and whether one was found."""
+        at = None if after is None else self.find(text, after)
         return (text, False) if at is None else (text[:at], True)
 
-    def safe_length(self, text: str) -> int:
+    def safe_length(self, text: str, after: int | None = 0) -> int:
         """How much of ``text`` a stream may emit now: all but a tail that is the start of a
         stop string (it may still complete), and nothing from a complete one on."""
-        at = self.find(text)
+        at = None if after is None else self.find(text, after)
         if at is not None:
             return at
         hold = 0
@@ -76,9 +92,9 @@ class TextStream:
     back until the next tokens settle it. Every :meth:`push` and the :meth:`finish` joined
     are the final text."""
 
-    def __init__(self, tokenizer, stop: StopStrings | Iterable[str] = ()):
+    def __init__(self, tokenizer, stop: StopStrings | Iterable[str] = (), min_tokens: int = 0):
         self.tokenizer = tokenizer
-        self.stop = stop if isinstance(stop, StopStrings) else StopStrings(tokenizer, stop)
+        self.stop = stop if isinstance(stop, StopStrings) else StopStrings(tokenizer, stop, min_tokens)
         self.token_ids: list[int] = []
         self.shown = ""  # text handed out so far
         self.stopped = False  # a stop string was found: the text is final
@@ -89,11 +105,12 @@ class TextStream:
             return ""
         self.token_ids.extend(tokens)
         text = self._decode()
-        if self.stop.find(text) is not None:
+        after = self.stop.after(self.token_ids)
+        if after is not None and self.stop.find(text, after) is not None:
             return self._final(text)
         if text.endswith(_UNFINISHED):
             return ""
-        return self._show(text[: self.stop.safe_length(text)])
+        return self._show(text[: self.stop.safe_length(text, len(text) if after is None else after)])
 
     def finish(self) -> str:
         """The rest of the text once the sequence has ended (a held-back tail that never
@@ -106,7 +123,7 @@ class TextStream:
         return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
 
     def _final(self, text: str) -> str:
-        cut, self.stopped = self.stop.cut(text)
+        cut, self.stopped = self.stop.cut(text, self.stop.after(self.token_ids))
         return self._show(cut)
 
     def _show(self, visible: str) -> str:
