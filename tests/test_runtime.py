@@ -179,3 +179,19 @@ def test_a_query_probe_leaves_the_cache_as_it_was():
     assert session.cache_length == len(tokens) - 1
     assert torch.equal(session.read_kv(-1)[0], keys) and torch.equal(session.read_kv(-1)[1], values)
     assert session.kv_readable and not runtime_of(model).batch(2).add([1, 2, 3])[0].kv_readable
+
+
+def test_prompt_log_probabilities_need_a_runtime_that_keeps_the_prefills_logits():
+    """Capability.PROMPT_LOGITS: declared by the Hugging Face runtime (its batch keeps the prefill's
+    logits); a runtime without it refuses prompt_logprobs by name, before any forward."""
+    from hasten.core.errors import FieldError
+    from hasten.core.runtime import Capability
+    from hasten.engine.batch import Request, Scheduler
+
+    scheduler = Scheduler(tiny_model("llama"), None, max_batch=2)
+    assert Capability.PROMPT_LOGITS in scheduler.runtime.capabilities
+    scheduler.runtime.capabilities = scheduler.runtime.capabilities - {Capability.PROMPT_LOGITS}
+    with pytest.raises(FieldError, match="prefill's logits") as refused:
+        scheduler.submit(Request([5, 6, 7], 4, prompt_logprobs=1))
+    assert refused.value.field == "prompt_logprobs"
+    scheduler.submit(Request([5, 6, 7], 4))  # a request that asks for none is served

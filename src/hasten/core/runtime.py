@@ -32,6 +32,7 @@ class Capability(str, Enum):
     QUERY_CAPTURE = "query capture"  # the attention queries of a forward, recorded per layer
     RIDERS = "riders"  # extra placeholder positions on a verification forward (hidden transfer)
     IMAGES = "image inputs"  # a vision-language prefill (pixel_values, ...)
+    PROMPT_LOGITS = "prompt logits"  # the prefill's logits at every prompt position (prompt log-probabilities)
 
     def __str__(self) -> str:
         return self.value

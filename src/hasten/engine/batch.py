@@ -25,6 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.errors import FieldError
+from ..core.runtime import Capability
 from ..core.sampling import Sampling
 from ..core.stats import DecodeStats
 from ..drafters.base import Drafter, TargetView
@@ -198,7 +199,7 @@ class Scheduler:
             count = getattr(request, name)
             if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
                 raise FieldError(name, "invalid_value", f"{{field}} must be an integer >= 0 or None, got {count!r}")
-        if request.prompt_logprobs is not None and not getattr(self.target, "prompt_logits_ok", False):
+        if request.prompt_logprobs is not None and Capability.PROMPT_LOGITS not in self.runtime.capabilities:
             raise FieldError("prompt_logprobs", "unsupported_parameter",
                              "{field} needs the prefill's logits, which this model's runtime does not keep")
         if self.max_tokens_in_flight is not None and len(ids) + budget > self.max_tokens_in_flight:

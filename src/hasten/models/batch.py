@@ -82,7 +82,6 @@ class BatchAdapter:
     trees_ok = True
     encoder_decoder = False
     kv_readable = False  # the rows share one padded cache: no row's entries can be read alone
-    prompt_logits_ok = True  # add(..., logits=True) keeps the prefill's logits (prompt log-probabilities)
 
     def __init__(self, model: PreTrainedModel):
         # the single-sequence adapter checks the model once (type, rollback-able cache)

@@ -50,7 +50,7 @@ class HuggingFaceRuntime(Runtime):
         self.vocab_size = vocab_size(model)
         self.context_length = max_positions(model)
         self.device = model.device
-        capabilities = {Capability.FEATURES, Capability.MODULES, Capability.KV_READ}
+        capabilities = {Capability.FEATURES, Capability.MODULES, Capability.KV_READ, Capability.PROMPT_LOGITS}
         if not self.encoder_decoder:
             capabilities |= {Capability.TREES, Capability.RIDERS}
         if vlm.is_vision_language(model):
