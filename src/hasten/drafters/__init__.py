@@ -7,6 +7,7 @@ from .eagle_vlm import EagleVlm, EagleVlmSettings
 from .easyspec import EasySpec, EasySpecSettings
 from .gad import GAD, GADSettings
 from .hidden_transfer import HiddenTransfer, HiddenTransferSettings
+from .iad import IAD, IADSettings
 from .lookahead import Lookahead, LookaheadSettings
 from .longspec import LongSpec, LongSpecSettings
 from .medusa import Medusa, MedusaHeads, MedusaSettings
@@ -27,6 +28,8 @@ __all__ = [
     "GADSettings",
     "HiddenTransfer",
     "HiddenTransferSettings",
+    "IAD",
+    "IADSettings",
     "Draft",
     "DraftContext",
     "Drafter",
