@@ -27,7 +27,7 @@ from hasten.api import Engine, make_drafter  # noqa: E402
 from hasten.engine.batch import Scheduler  # noqa: E402
 from hasten.serve.app import ServeOptions, create_app  # noqa: E402
 from hasten.engine.stops import TextStream  # noqa: E402
-from helpers import save_checkpoint, tiny_model, tiny_tokenizer  # noqa: E402
+from helpers import VOCAB, save_checkpoint, tiny_model, tiny_tokenizer  # noqa: E402
 
 KEY = "sk-test"
 NAME = "tiny"
@@ -365,12 +365,25 @@ BAD_BODIES = [
     # fields that would change the answer are refused, never silently ignored
     ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
     ({"prompt": "x", "functions": [{"name": "f"}]}, "functions"),
-    ({"prompt": "x", "stop_token_ids": [5]}, "stop_token_ids"),
-    ({"prompt": "x", "min_tokens": 3}, "min_tokens"),
-    ({"prompt": "x", "ignore_eos": True}, "ignore_eos"),
-    ({"prompt": "x", "repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"prompt": "x", "min_p": 0.1}, "min_p"),
-    ({"prompt": "x", "allowed_token_ids": [5, 6]}, "allowed_token_ids"),
+    # the fields that transform the target distribution, out of range (vLLM's and OpenAI's bounds)
+    ({"prompt": [5, 6], "stop_token_ids": [-1]}, "stop_token_ids"),
+    ({"prompt": [5, 6], "stop_token_ids": [VOCAB + 1]}, "stop_token_ids"),
+    ({"prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
+    ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    ({"prompt": "x", "min_tokens": 8, "max_tokens": 4}, "min_tokens"),
+    ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": -1.2}, "repetition_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": -3}, "frequency_penalty"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "min_p": -0.1}, "min_p"),
+    ({"prompt": "x", "allowed_token_ids": []}, "allowed_token_ids"),
+    ({"prompt": [5, 6], "allowed_token_ids": [5, VOCAB]}, "allowed_token_ids"),
+    ({"prompt": "x", "logit_bias": {"five": 3}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": "up"}}, "logit_bias"),
+    ({"prompt": [5, 6], "logit_bias": {str(VOCAB): 3}}, "logit_bias"),
+    ({"prompt": [5, 6], "logit_bias": {"-1": 3}}, "logit_bias"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # not streamed, as vLLM
     ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},

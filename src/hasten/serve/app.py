@@ -60,6 +60,7 @@ class Generation:
     prompt_scored: list | None = None  # [TokenLogprob] of prompt tokens 1 .. T - 1, when asked
     submitted: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # when its latest tokens arrived
+    generated: int = 0  # tokens the row generated (a stop token among them, which the text leaves out)
 
     @property
     def prompt_tokens(self) -> int:
@@ -224,10 +225,17 @@ class Service:
             from ..engine.stops import StopStrings
 
             stop = StopStrings(self.engine.tokenizer, list(params.stop))
-        # Greedy decoding ignores top_k and top_p (OpenAI accepts them with temperature 0).
-        sampling = Sampling(params.temperature, params.top_k, params.top_p) if params.temperature > 0 else Sampling()
+        # Greedy decoding ignores the warpers, top_k, top_p and min_p (OpenAI accepts them with temperature 0);
+        # the logit rules (penalties, logit_bias, allowed_token_ids, min_tokens) apply to both.
+        rules = params.rules if params.temperature > 0 else {k: v for k, v in params.rules.items() if k != "min_p"}
+        try:
+            sampling = (Sampling(params.temperature, params.top_k, params.top_p, **rules) if params.temperature > 0
+                        else Sampling(**rules))
+        except ValueError as err:
+            raise invalid(None, str(err)) from None
         request = Request(input_ids=input_ids, max_new_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop,
-                          logprobs=params.logprobs, prompt_logprobs=self._prompt_scoring(params))
+                          logprobs=params.logprobs, prompt_logprobs=self._prompt_scoring(params),
+                          stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos)
         queue: asyncio.Queue = asyncio.Queue()
         try:
             row_id = self.worker.submit(request, Sink(asyncio.get_running_loop(), queue))
@@ -237,7 +245,8 @@ class Service:
         except ValueError as err:
             raise invalid(None, str(err)) from None
         self.metrics.prompt_tokens.inc(len(input_ids))
-        return Generation(row_id, input_ids, TextStream(self.engine.tokenizer, params.stop), queue, echo)
+        return Generation(row_id, input_ids, TextStream(self.engine.tokenizer, params.stop, sampling.min_tokens), queue,
+                          echo)
 
     @staticmethod
     def _prompt_scoring(params: Params) -> int | None:
@@ -259,7 +268,10 @@ class Service:
                     done = True  # the worker already dropped the row
                     raise APIError(500, item.message, None, "decode_failed")
                 self._timed(gen, len(item.tokens))
-                piece = gen.text.push(item.tokens)
+                gen.generated += len(item.tokens)
+                # the EOS or stop id that ended the row stays out of the text, as in vLLM (its
+                # log-probability and its count in the usage stay in)
+                piece = gen.text.push(item.tokens if item.stop_token is None else item.tokens[:-1])
                 if item.finished:
                     done = True
                     self.metrics.request_seconds.observe(time.monotonic() - gen.submitted)
@@ -447,7 +459,7 @@ class Service:
     def _usage(gens: list[Generation], n: int) -> dict:
         """Each prompt's tokens once (its ``n`` choices read the same prompt); every choice's tokens."""
         prompt = sum(gen.prompt_tokens for gen in gens[::n])
-        completion = sum(len(gen.text.token_ids) for gen in gens)
+        completion = sum(gen.generated for gen in gens)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     def _all_stats(self, updates: list) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..engine.logprobs import MAX_TOP_LOGPROBS
 
@@ -18,6 +18,9 @@ MAX_SEED = 2**63 - 1
 MAX_CHOICES = 16  # n: choices per prompt
 MAX_PROMPTS = 64  # prompts in one /v1/completions request
 TEMPERATURE_RANGE = (0.0, 2.0)  # as OpenAI; hasten itself would take any temperature >= 0
+PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI
+LOGIT_BIAS_RANGE = (-100.0, 100.0)  # a bias outside it is clamped to it, as OpenAI and vLLM
+MAX_TOKEN_ID_LIST = 1 << 16  # the most ids stop_token_ids, allowed_token_ids or logit_bias may hold
 
 
 class APIError(Exception):
@@ -52,6 +55,9 @@ class Params:
     logprobs: int | None = None  # each generated token's log-probability, with this many alternatives (None: off)
     prompt_logprobs: int | None = None  # each prompt token's, with this many alternatives (vLLM's field; None: off)
     echo: bool = False  # completions: the prompt's text (and, with logprobs, its tokens' log-probabilities) first
+    rules: dict = field(default_factory=dict)  # the Sampling fields that transform the target's logits, when set
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's: end a choice after any of these, as after EOS
+    ignore_eos: bool = False  # vLLM's: EOS does not end a choice
 
 
 def parse_body(raw: bytes) -> dict:
@@ -124,8 +130,66 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
         raise invalid(name, f"'{name}' must be at least 1; 0 only asks a completion to score its prompt, with "
                       "'echo': true")
     check_unsupported(body)
+    rules = parse_rules(body, max_tokens)
+    stop_token_ids = _token_ids(body, "stop_token_ids", allow_empty=True) or ()
+    ignore_eos = optional(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
-                  parse_stop(body), seed, stream, include_usage, n, logprobs, prompt_logprobs, echo)
+                  parse_stop(body), seed, stream, include_usage, n, logprobs, prompt_logprobs, echo, rules,
+                  tuple(stop_token_ids), ignore_eos)
+
+
+def _token_ids(body: dict, name: str, allow_empty: bool) -> list[int] | None:
+    """A list of token ids (their range against the vocabulary is the scheduler's check)."""
+    ids = optional(body, name, lambda v: isinstance(v, list) and all(is_int(t) for t in v), "a list of token ids")
+    if ids is not None and (len(ids) > MAX_TOKEN_ID_LIST or not (ids or allow_empty)):
+        raise invalid(name, f"'{name}' must hold 1 to {MAX_TOKEN_ID_LIST} token ids, got {len(ids)}")
+    return ids
+
+
+def parse_rules(body: dict, max_tokens: int | None) -> dict:
+    """The fields that transform the target distribution (hasten.core.sampling.Sampling's
+    names), only those present and not neutral: a request without them does no extra work."""
+    rules = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = optional(body, name, is_number, "a number", 0)
+        low, high = PENALTY_RANGE
+        if not low <= value <= high:
+            raise invalid(name, f"'{name}' must be in [{low:g}, {high:g}], got {value}")
+        if value:
+            rules[name] = float(value)
+    repetition = optional(body, "repetition_penalty", is_number, "a number", 1)
+    if repetition <= 0:
+        raise invalid("repetition_penalty", f"'repetition_penalty' must be > 0 (1 is none), got {repetition}")
+    if repetition != 1:
+        rules["repetition_penalty"] = float(repetition)
+    min_p = optional(body, "min_p", is_number, "a number", 0)
+    if not 0 <= min_p <= 1:
+        raise invalid("min_p", f"'min_p' must be in [0, 1], got {min_p}")
+    if min_p:
+        rules["min_p"] = float(min_p)
+    min_tokens = optional(body, "min_tokens", is_int, "an integer", 0)
+    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+        raise invalid("min_tokens", f"'min_tokens' must be in [0, max_tokens], got {min_tokens}")
+    if min_tokens:
+        rules["min_tokens"] = min_tokens
+    bias = optional(body, "logit_bias", lambda v: isinstance(v, dict), "an object of token id: bias")
+    if bias:
+        if len(bias) > MAX_TOKEN_ID_LIST:
+            raise invalid("logit_bias", f"'logit_bias' holds {len(bias)} tokens; at most {MAX_TOKEN_ID_LIST}")
+        pairs = {}
+        for key, value in bias.items():
+            token = key if is_int(key) else int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() \
+                else None
+            if token is None or not is_number(value):
+                raise invalid("logit_bias", f"'logit_bias' maps token ids to numbers, got {json.dumps(key)}: "
+                              f"{json.dumps(value)[:40]}", "invalid_type")
+            low, high = LOGIT_BIAS_RANGE
+            pairs[token] = min(max(float(value), low), high)
+        rules["logit_bias"] = tuple(sorted(pairs.items()))
+    allowed = _token_ids(body, "allowed_token_ids", allow_empty=False)
+    if allowed is not None:
+        rules["allowed_token_ids"] = tuple(sorted(set(allowed)))
+    return rules
 
 
 def _count(body: dict, name: str) -> int | None:
@@ -219,10 +283,6 @@ def _off(v) -> bool:
     return v is None or v is False
 
 
-def _number(neutral: float):
-    return lambda v: v is None or (is_number(v) and v == neutral)
-
-
 def _empty(v) -> bool:
     return v is None or v in ([], {}, "")
 
@@ -230,13 +290,11 @@ def _empty(v) -> bool:
 UNSUPPORTED = {
     # OpenAI's
     "suffix": _empty,
-    "presence_penalty": _number(0), "frequency_penalty": _number(0), "logit_bias": _empty,
     "tools": _empty, "functions": _empty, "tool_choice": lambda v: v in (None, "none", "auto"),
     "function_call": lambda v: v in (None, "none", "auto"),
     "response_format": lambda v: v is None or v == {"type": "text"},
     # vLLM's extras, which clients written for vLLM send
-    "stop_token_ids": _empty, "min_tokens": _number(0), "ignore_eos": _off, "repetition_penalty": _number(1),
-    "min_p": _number(0), "allowed_token_ids": _absent, "bad_words": _empty,
+    "bad_words": _empty,
     "include_stop_str_in_output": _off, "guided_json": _absent, "guided_regex": _absent, "guided_choice": _absent,
     "guided_grammar": _absent,
 }

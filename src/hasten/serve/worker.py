@@ -179,6 +179,7 @@ class Worker:
         generator = old.row_generator(row.scheduler_id) or request.generator
         return dataclasses.replace(request, input_ids=list(request.input_ids) + row.sent,
                                    max_new_tokens=request.max_new_tokens - len(row.sent), generator=generator,
+                                   resumed=request.resumed + len(row.sent),
                                    prompt_logprobs=request.prompt_logprobs if not row.sent else None)
 
     def _fails_alone(self, request) -> Exception | None:
