@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -205,12 +206,10 @@ class LogitRules:
             return logits
         drafted = None  # [n + 1, vocab] occurrences of each token among the draft tokens on each row's path
         if draft:
-            # block_mask[b, c]: block c is b or one of its ancestors; column c >= 1 is node c - 1
-            on_path = tree.block_mask[:, 1:].nonzero().to(logits.device)  # [pairs, 2] (block, node)
-            tokens = torch.tensor(draft, dtype=torch.long, device=logits.device)  # [n]
+            blocks, nodes = _path_pairs(tree, logits.device)  # [pairs] each: block b, a node on b's path
+            tokens = torch.tensor(draft, dtype=torch.long).to(logits.device, non_blocking=True)  # [n]
             drafted = torch.zeros_like(logits).index_put_(
-                (on_path[:, 0], tokens[on_path[:, 1]]), torch.ones(len(on_path), device=logits.device),
-                accumulate=True)
+                (blocks, tokens[nodes]), torch.ones(len(blocks), device=logits.device), accumulate=True)
         if self.seen is not None:
             seen = self.seen.expand_as(logits) if drafted is None else self.seen | (drafted > 0)  # [n + 1, vocab]
             r = s.repetition_penalty
@@ -219,6 +218,15 @@ class LogitRules:
             counts = self.counts if drafted is None else self.counts + drafted  # [vocab] or [n + 1, vocab]
             logits = logits - s.frequency_penalty * counts - s.presence_penalty * (counts > 0).float()
         return logits
+
+
+@lru_cache(maxsize=256)
+def _path_pairs(tree: TokenTree, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """([pairs] block indices, [pairs] node indices): every node on each block's path (the node
+    itself and its ancestors), on ``device``; trees are values, so an equal tree finds them here."""
+    # block_mask[b, c]: block c is b or one of its ancestors; column c >= 1 is node c - 1
+    pairs = tree.block_mask[:, 1:].nonzero()  # [pairs, 2] on the host: no device sync
+    return pairs[:, 0].to(device, non_blocking=True), pairs[:, 1].to(device, non_blocking=True)
 
 
 def _nucleus_by_sort(rows: torch.Tensor, top_p: float) -> torch.Tensor:
