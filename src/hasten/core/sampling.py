@@ -181,7 +181,8 @@ class LogitRules:
         """The sequence committed ``tokens``: they precede every later position."""
         self.emitted += len(tokens)
         if tokens and (self.counts is not None or self.seen is not None):
-            ids = torch.tensor(tokens, dtype=torch.long, device=(self.counts if self.seen is None else self.seen).device)
+            kept = self.counts if self.seen is None else self.seen
+            ids = torch.tensor(tokens, dtype=torch.long).to(kept.device, non_blocking=True)  # [len(tokens)]
             if self.counts is not None:
                 self.counts.index_add_(0, ids, torch.ones(len(tokens), device=ids.device))
             if self.seen is not None:
