@@ -136,6 +136,17 @@ def test_stop_strings_cut_the_text_in_the_library_the_stream_and_the_cli(checkpo
     assert json.loads(printed)["text"] == expected
 
 
+def test_cli_takes_the_distribution_transforms(checkpoint, cli):
+    rules = dict(repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.4, min_tokens=5)
+    code, printed, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "12",
+                             "--repetition-penalty", "1.3", "--presence-penalty", "0.5", "--frequency-penalty", "0.4",
+                             "--min-tokens", "5", "--json")
+    assert code == 0, err
+    expected = hasten.load(checkpoint, "prompt_lookup").generate(PROMPT, max_new_tokens=12, **rules)
+    assert json.loads(printed)["token_ids"] == expected.token_ids
+    assert expected.token_ids != hasten.load(checkpoint, "prompt_lookup").generate(PROMPT, max_new_tokens=12).token_ids
+
+
 def test_python_dash_m_hasten_prints_the_version():
     run = subprocess.run([sys.executable, "-m", "hasten", "--version"], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
@@ -161,6 +172,8 @@ def test_cli_json_matches_library(checkpoint, tmp_path, cli):
         (["--prompt", ""], "prompt is empty"),
         (["--prompt", "x", "--temperature", "-1"], "temperature"),
         (["--prompt", "x", "--top-p", "2"], "top_p"),
+        (["--prompt", "x", "--repetition-penalty", "0"], "repetition_penalty"),
+        (["--prompt", "x", "--min-p", "1.5"], "min_p"),
         (["--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
         (["--prompt", "x", "--method", "draft_model"], "needs a draft model"),
         (["--prompt-file", "/no/such/file"], "prompt-file"),

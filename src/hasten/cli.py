@@ -71,6 +71,16 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
                              "token per image in front unless it holds them (with --chat: image entries in front "
                              "of the user turn's text, through the processor's chat template)")
     add_sampling_arguments(parser)
+    rules = parser.add_argument_group("distribution transforms (as vLLM's; lossless under speculation)")
+    rules.add_argument("--min-p", type=float, default=None, help="drop tokens below MIN_P times the best one's "
+                       "probability, in [0, 1] (sampling)")
+    rules.add_argument("--repetition-penalty", type=float, default=1.0,
+                       help="> 0; prompt and generated tokens: positive logits / R, negative * R (default 1: none)")
+    rules.add_argument("--presence-penalty", type=float, default=0.0,
+                       help="subtracted once from each token generated so far (default 0)")
+    rules.add_argument("--frequency-penalty", type=float, default=0.0,
+                       help="subtracted per occurrence among the generated tokens (default 0)")
+    rules.add_argument("--min-tokens", type=int, default=0, help="EOS is held back until this many tokens (default 0)")
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop string (repeatable): generation ends at it and the text stops before it; "
                              r"\n and \t are read as newline and tab")
@@ -108,7 +118,9 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UserError("prompt is empty")
     if args.system is not None and not args.chat:
         raise UserError("--system needs --chat (a system message is part of a chat)")
-    Sampling(args.temperature, args.top_k, args.top_p)
+    rules = dict(min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                 frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
+    Sampling(args.temperature, args.top_k, args.top_p, **rules)
     if args.max_new_tokens < 0:
         raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
     method_kwargs = checked_method_settings(args.method, args.method_arg)
@@ -128,7 +140,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         stop=[text.replace("\\n", "\n").replace("\\t", "\t") for text in args.stop],
-        images=(args.image or None) if not args.chat else None,
+        images=(args.image or None) if not args.chat else None, **rules,
     )
     stats = DecodeStats()
     text, token_ids = "", []
