@@ -372,6 +372,7 @@ BAD_BODIES = [
     ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
     ({"prompt": "x", "min_tokens": 8, "max_tokens": 4}, "min_tokens"),
     ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
+    ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
     ({"prompt": "x", "repetition_penalty": -1.2}, "repetition_penalty"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
@@ -708,6 +709,8 @@ def test_a_seed_holds_beside_neighbours_with_the_default_sizing(engine, monkeypa
 
 @pytest.mark.parametrize("extra", [{"logprobs": False}, {"suffix": ""}, {"repetition_penalty": 1.0}, {"min_p": 0},
                                    {"min_tokens": 0}, {"ignore_eos": False}, {"stop_token_ids": []},
+                                   {"presence_penalty": 0, "frequency_penalty": 0.0}, {"logit_bias": {}},
+                                   {"allowed_token_ids": None},
                                    {"response_format": {"type": "text"}}, {"tool_choice": "none"}])
 def test_fields_at_their_neutral_values_are_accepted(engine, base, extra):
     status, body = call(base, "/v1/completions", {"model": NAME, "prompt": PROMPTS[0], "max_tokens": 6,

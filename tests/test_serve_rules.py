@@ -1,6 +1,6 @@
 """``hasten serve`` honours the fields that transform the target distribution: OpenAI's
 presence_penalty, frequency_penalty and logit_bias, vLLM's min_p, repetition_penalty,
-allowed_token_ids, min_tokens, stop_token_ids and ignore_eos (sent by the official ``openai``
+allowed_token_ids, min_tokens, stop_token_ids, ignore_eos and include_stop_str_in_output (sent by the official ``openai``
 client, vLLM's through ``extra_body``). A greedy answer equals ``Engine.generate`` with the same
 rules (whose equality with plain decoding under them test_logit_rules.py checks), with prompt
 lookup drafting; out-of-range values are 400s naming the field (test_serve.BAD_BODIES).
@@ -78,6 +78,23 @@ def test_stop_token_ids_end_the_answer_and_stay_out_of_its_text(engine, client):
     assert answer.choices[0].finish_reason == "stop"
     assert answer.choices[0].text == engine.tokenizer.decode(tokens[:first], skip_special_tokens=True)
     assert answer.usage.completion_tokens == first + 1  # the stop token is counted, as vLLM
+
+
+def test_include_stop_str_in_output_keeps_the_stop_in_the_text(engine, client):
+    tokens = expected(engine, {}).token_ids
+    stop = tokens[5]
+    first = tokens.index(stop)
+    answer = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=0,
+                                       extra_body={"stop_token_ids": [stop], "include_stop_str_in_output": True})
+    assert answer.choices[0].text == engine.tokenizer.decode(tokens[: first + 1], skip_special_tokens=True)
+    full = expected(engine, {}).text
+    string = full[len(full) // 2: len(full) // 2 + 2]
+    for stream in (False, True):
+        answer = client.completions.create(model=NAME, prompt=PROMPT, max_tokens=NEW, temperature=0, stop=[string],
+                                           stream=stream, extra_body={"include_stop_str_in_output": True})
+        text = "".join(chunk.choices[0].text for chunk in answer if chunk.choices) if stream \
+            else answer.choices[0].text
+        assert text == full[: full.index(string) + len(string)]
 
 
 def test_ignore_eos_decodes_past_eos(client):

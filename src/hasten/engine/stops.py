@@ -63,11 +63,16 @@ class StopStrings:
                 return end
         return len(generated) - 1  # the text only matches as a whole (a token merge): stop at the end
 
-    def cut(self, text: str, after: int | None = 0) -> tuple[str, bool]:
-        """``text`` up to (not including) the earliest stop string ending past ``after`` (None:
-        none counts), and whether one was found."""
+    def cut(self, text: str, after: int | None = 0, include: bool = False) -> tuple[str, bool]:
+        """``text`` up to the earliest stop string ending past ``after`` (None: none counts), not
+        including it (with ``include``: including it, the first in order that starts there), and
+        whether one was found."""
         at = None if after is None else self.find(text, after)
-        return (text, False) if at is None else (text[:at], True)
+        if at is None:
+            return text, False
+        if include:
+            at += len(next(s for s in self.strings if text.startswith(s, at)))
+        return text[:at], True
 
     def safe_length(self, text: str, after: int | None = 0) -> int:
         """How much of ``text`` a stream may emit now: all but a tail that is the start of a
@@ -92,9 +97,11 @@ class TextStream:
     back until the next tokens settle it. Every :meth:`push` and the :meth:`finish` joined
     are the final text."""
 
-    def __init__(self, tokenizer, stop: StopStrings | Iterable[str] = (), min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: StopStrings | Iterable[str] = (), min_tokens: int = 0,
+                 include_stop: bool = False):
         self.tokenizer = tokenizer
         self.stop = stop if isinstance(stop, StopStrings) else StopStrings(tokenizer, stop, min_tokens)
+        self.include_stop = include_stop  # vLLM's include_stop_str_in_output: the text ends after the stop string
         self.token_ids: list[int] = []
         self.shown = ""  # text handed out so far
         self.stopped = False  # a stop string was found: the text is final
@@ -123,7 +130,7 @@ class TextStream:
         return self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
 
     def _final(self, text: str) -> str:
-        cut, self.stopped = self.stop.cut(text, self.stop.after(self.token_ids))
+        cut, self.stopped = self.stop.cut(text, self.stop.after(self.token_ids), self.include_stop)
         return self._show(cut)
 
     def _show(self, visible: str) -> str:

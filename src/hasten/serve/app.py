@@ -245,8 +245,8 @@ class Service:
         except ValueError as err:
             raise invalid(None, str(err)) from None
         self.metrics.prompt_tokens.inc(len(input_ids))
-        return Generation(row_id, input_ids, TextStream(self.engine.tokenizer, params.stop, sampling.min_tokens), queue,
-                          echo)
+        text = TextStream(self.engine.tokenizer, params.stop, sampling.min_tokens, params.include_stop)
+        return Generation(row_id, input_ids, text, queue, echo)
 
     @staticmethod
     def _prompt_scoring(params: Params) -> int | None:
@@ -269,9 +269,10 @@ class Service:
                     raise APIError(500, item.message, None, "decode_failed")
                 self._timed(gen, len(item.tokens))
                 gen.generated += len(item.tokens)
-                # the EOS or stop id that ended the row stays out of the text, as in vLLM (its
-                # log-probability and its count in the usage stay in)
-                piece = gen.text.push(item.tokens if item.stop_token is None else item.tokens[:-1])
+                # the EOS or stop id that ended the row stays out of the text unless asked in, as in vLLM
+                # (its log-probability and its count in the usage stay in)
+                kept = item.tokens if item.stop_token is None or gen.text.include_stop else item.tokens[:-1]
+                piece = gen.text.push(kept)
                 if item.finished:
                     done = True
                     self.metrics.request_seconds.observe(time.monotonic() - gen.submitted)

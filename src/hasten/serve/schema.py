@@ -58,6 +58,7 @@ class Params:
     rules: dict = field(default_factory=dict)  # the Sampling fields that transform the target's logits, when set
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: end a choice after any of these, as after EOS
     ignore_eos: bool = False  # vLLM's: EOS does not end a choice
+    include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string or stop token stays in the text
 
 
 def parse_body(raw: bytes) -> dict:
@@ -133,9 +134,10 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
     rules = parse_rules(body, max_tokens)
     stop_token_ids = _token_ids(body, "stop_token_ids", allow_empty=True) or ()
     ignore_eos = optional(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
+    include_stop = optional(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "true or false", False)
     return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
                   parse_stop(body), seed, stream, include_usage, n, logprobs, prompt_logprobs, echo, rules,
-                  tuple(stop_token_ids), ignore_eos)
+                  tuple(stop_token_ids), ignore_eos, include_stop)
 
 
 def _token_ids(body: dict, name: str, allow_empty: bool) -> list[int] | None:
@@ -279,10 +281,6 @@ def _absent(v) -> bool:
     return v is None
 
 
-def _off(v) -> bool:
-    return v is None or v is False
-
-
 def _empty(v) -> bool:
     return v is None or v in ([], {}, "")
 
@@ -294,8 +292,7 @@ UNSUPPORTED = {
     "function_call": lambda v: v in (None, "none", "auto"),
     "response_format": lambda v: v is None or v == {"type": "text"},
     # vLLM's extras, which clients written for vLLM send
-    "bad_words": _empty,
-    "include_stop_str_in_output": _off, "guided_json": _absent, "guided_regex": _absent, "guided_choice": _absent,
+    "bad_words": _empty, "guided_json": _absent, "guided_regex": _absent, "guided_choice": _absent,
     "guided_grammar": _absent,
 }
 
