@@ -136,6 +136,49 @@ def test_the_prompts_last_token_waits_in_the_cache_until_the_first_block(tiny):
     assert other.cache_length == len(prompt) + 1
 
 
+def test_a_reused_context_gives_the_logits_of_a_new_one(tiny_gguf):
+    """A finished generation's context serves the next one (its cells emptied, their old
+    values left in llama.cpp's buffers): the next prompt's logits equal, bit for bit, those
+    of a context that never held anything."""
+    model = LlamaCppModel(tiny_gguf, threads=1, context=512)
+    first = model.session()
+    first.start(torch.tensor([repetitive(model.vocab_size, 40, seed=1)]))
+    first.forward([7, 8, 9, 10])  # cells past the next prompt's length hold values too
+    first.close()
+    prompt = repetitive(model.vocab_size, 20, seed=2)
+    reused = model.session()
+    assert reused.context is not None and not model._idle, "the idle context was taken"
+    reused.start(torch.tensor([prompt]))
+    fresh = LlamaCppModel(tiny_gguf, threads=1, context=512).session()
+    fresh.start(torch.tensor([prompt]))
+    block = [prompt[-1], 3, 4, 5]
+    assert torch.equal(reused.forward(block).logits, fresh.forward(block).logits)
+
+
+def test_the_end_of_generation_set_is_read_from_llama_cpp_once(tiny_gguf, monkeypatch):
+    model = LlamaCppModel(tiny_gguf, threads=1, context=512)
+    asked = []
+    is_eog = model.lib.llama_vocab_is_eog
+    monkeypatch.setattr(model.lib, "llama_vocab_is_eog", lambda vocab, token: asked.append(token) or is_eog(vocab, token))
+    assert model.eos_token_ids() == {model.vocab_size - 1}
+    assert len(asked) == model.vocab_size
+    assert model.eos_token_ids() == {model.vocab_size - 1}
+    assert len(asked) == model.vocab_size, "every generation asks; llama.cpp is asked once"
+
+
+def test_loading_a_gguf_says_once_that_the_reference_is_llama_cpp_with_flash_attention(tiny_gguf, monkeypatch):
+    import warnings
+
+    from hasten.models import llamacpp
+
+    monkeypatch.setattr(llamacpp, "_flash_attention_noted", False)
+    with pytest.warns(hasten.HastenWarning, match=r"flash attention.*flash_attn=True.*default \(flash_attn=False\)"):
+        hasten.load(tiny_gguf, "autoregressive", backend="llama.cpp")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", hasten.HastenWarning)
+        hasten.load(tiny_gguf, "autoregressive", backend="llama.cpp")  # once per process
+
+
 def test_draft_model_with_a_llama_cpp_draft(tiny, tiny_gguf):
     """The target as its own draft: every draft token is accepted, the output is greedy's."""
     prompt = repetitive(tiny.vocab_size, seed=4)

@@ -338,7 +338,7 @@ def load(
 def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, method_kwargs) -> Engine:
     """The llama.cpp backend: a GGUF target (and draft) loaded by llama.cpp; the tokenizer is
     read from the same file, its weights left alone."""
-    from .models.llamacpp import LlamaCppModel
+    from .models.llamacpp import LlamaCppModel, note_flash_attention
 
     if dtype is not None or (device is not None and str(device) != "cpu"):
         raise ValueError("the llama.cpp backend runs the GGUF file's own quantisation on the CPU: "
@@ -351,6 +351,7 @@ def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft
     if not isinstance(name_or_path, (str, os.PathLike)) or (draft is not None and not isinstance(draft, (str, os.PathLike))):
         raise TypeError("the llama.cpp backend loads models from .gguf paths or zoo names")
     model = open_gguf(name_or_path)
+    note_flash_attention()  # what its greedy text equals: llama.cpp with flash_attn=True
     if tokenizer is None:
         tokenizer = gguf_tokenizer(name_or_path)
     elif isinstance(tokenizer, (str, os.PathLike)):

@@ -33,14 +33,16 @@ SmolLM2 (a near tie decided the other way).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import logging
 import os
+import warnings
 from pathlib import Path
 
-import numpy as np
 import torch
 
+from ..core.errors import HastenWarning
 from ..core.tree import TokenTree
 from ..core.runtime import Runtime
 from .adapter import ForwardOutput
@@ -54,6 +56,21 @@ IDLE_CONTEXTS = 4  # finished generations' contexts a model keeps for the next o
 # more than one of 4 (SmolLM2 Q4_0, 1 thread, llama.cpp 0.3.36 in 2026: 3.2x and 3.0x a single token); then coarser,
 # for the wider blocks of a server's batches (past 64 the sizing extrapolates linearly).
 CALIBRATION_SIZES = (*range(1, 17), 24, 32, 64)
+
+
+# Said once per process when hasten.load opens a GGUF file on this backend (docs/cpu.md, "Exactness").
+FLASH_ATTENTION_NOTE = ("the llama.cpp backend runs flash attention, so its greedy text equals llama.cpp's with "
+                        "flash_attn=True; llama-cpp-python's default (flash_attn=False) writes other text")
+_flash_attention_noted = False
+
+
+def note_flash_attention() -> None:
+    """Warn (a HastenWarning, once per process) that this backend's reference is llama.cpp
+    with flash attention on, not llama-cpp-python's default."""
+    global _flash_attention_noted
+    if not _flash_attention_noted:
+        _flash_attention_noted = True
+        warnings.warn(FLASH_ATTENTION_NOTE, HastenWarning, stacklevel=4)  # at the caller of hasten.load
 
 
 def llama_cpp_module():
@@ -98,14 +115,20 @@ class LlamaCppModel(Runtime):
         self.max_positions = int(lib.llama_model_n_ctx_train(self._model))
         self.context_length = min(self.max_positions, context)
         self.label, self.source = path.name, str(path)
+        self._end_of_generation: frozenset[int] | None = None  # eos_token_ids, read on first use
         # Creating a context took about 0.1 s for SmolLM2 at 4096 positions (5% of a 96-token
         # generation, llama.cpp 0.3.36 on the 2-core development VM), so finished generations hand
         # theirs back for the next to reuse.
         self._idle: list[LlamaCppContext] = []
 
     def eos_token_ids(self) -> frozenset[int]:
-        """The tokens that end a generation (llama.cpp's end-of-generation set)."""
-        return frozenset(t for t in range(self.vocab_size) if self.lib.llama_vocab_is_eog(self._vocab, t))
+        """The tokens that end a generation (llama.cpp's end-of-generation set), read once:
+        every generation asks, and asking llama.cpp token by token took 27 ms for SmolLM2's
+        49,152 tokens (2026-11-26, the 2-core development VM), 3% of a 96-token generation."""
+        if self._end_of_generation is None:
+            self._end_of_generation = frozenset(
+                t for t in range(self.vocab_size) if self.lib.llama_vocab_is_eog(self._vocab, t))
+        return self._end_of_generation
 
     def session(self, tree_attention=None) -> "LlamaCppTarget":
         """A fresh target (its own llama.cpp context and KV cache) for one generation."""
@@ -232,8 +255,12 @@ class LlamaCppContext:
         rows = sum(outputs)
         if rows == 0:
             return None
-        view = np.ctypeslib.as_array(lib.llama_get_logits(self._ctx), shape=(rows, vocab))  # llama.cpp's buffer
-        return torch.from_numpy(view.copy())  # [rows, vocab] float32
+        # Copied out of llama.cpp's buffer (the next decode overwrites it) into a fresh tensor by
+        # one memmove: numpy's ctypes view, its copy and torch.from_numpy took 165 µs a step
+        # against 135 µs (SmolLM2, read after a real decode; 2026-11-26, the 2-core development VM).
+        logits = torch.empty(rows, vocab, dtype=torch.float32)  # [rows, vocab]
+        ctypes.memmove(logits.data_ptr(), lib.llama_get_logits(self._ctx), logits.nbytes)
+        return logits
 
     def sequence_bytes(self, sequence: int) -> int:
         """Bytes of ``sequence``'s state in llama.cpp: its KV cells, as llama.cpp would save them."""
@@ -247,9 +274,12 @@ class LlamaCppContext:
 
     def forget(self, sequence: int) -> None:
         """Empty ``sequence``'s cells; a one-sequence context is cleared whole, which puts
-        the next prompt where a new context would (reused contexts stay exact)."""
+        the next prompt where a new context would (reused contexts stay exact). The cells'
+        old K and V values stay in the buffers, as llama-cpp-python's own reset leaves them:
+        an empty cell is masked out of attention, and zeroing the buffers took 2-3 ms a
+        generation (SmolLM2 at 4096 positions; 2026-11-26, the 2-core development VM)."""
         if self.sequences == 1:
-            self.lib.llama_memory_clear(self._memory, True)
+            self.lib.llama_memory_clear(self._memory, False)
         else:
             self.remove(sequence, 0)
 
