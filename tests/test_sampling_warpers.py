@@ -201,3 +201,19 @@ def test_a_vanishing_temperature_decodes_as_greedy_beside_other_rows():
     alone = greedy.submit(Request(prompts[0], 10, Sampling(0.0), eos_token_ids=no_eos))
     assert results[rows[0]].tokens == greedy.run()[alone].tokens
     assert all(len(results[row].tokens) == 10 for row in rows)
+
+
+@pytest.mark.parametrize("sampling", [Sampling(0.7, min_p=0.1), Sampling(1.3, top_k=20, min_p=0.05),
+                                      Sampling(1.0, min_p=1.0), Sampling(0.9, min_p=0.0)])
+def test_min_p_is_hugging_faces(sampling):
+    """min_p after temperature and top-k, as Hugging Face's MinPLogitsWarper in generate's order."""
+    from transformers.generation.logits_process import MinPLogitsWarper
+
+    logits = logit_rows(500, seed=3)
+    ids = torch.zeros(logits.shape[0], 1, dtype=torch.long)
+    scores = TemperatureLogitsWarper(sampling.temperature)(ids, logits.float())
+    if sampling.top_k is not None:
+        scores = TopKLogitsWarper(sampling.top_k)(ids, scores)
+    if sampling.min_p:
+        scores = MinPLogitsWarper(sampling.min_p)(ids, scores)
+    torch.testing.assert_close(sampling.probs(logits), scores.softmax(-1), rtol=1e-5, atol=1e-7)
