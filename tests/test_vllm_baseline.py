@@ -176,54 +176,39 @@ def test_bench_cli_times_the_vllm_baselines_beside_hasten(stand_in, checkpoint, 
     assert len(engines) == 2 and all(e["llm"]["max_model_len"] >= 4 for e in engines)
 
 
-@pytest.mark.vllm
-def test_real_vllm_float32_greedy_equals_hasten_on_a_tiny_model(tmp_path):
+def vllm_sized_model(tmp_path):
+    """A tiny Llama saved where vLLM can load it, and loaded back: vLLM's CPU attention takes head
+    sizes of 32 and up, not the usual tiny 8. Skips without vLLM's environment."""
     if vllm_cpu.vllm_python() is None:
         pytest.skip("vLLM's environment is not installed: make vllm")
     from hasten.loading import load_model
 
     from helpers import tiny_tokenizer
 
-    path = tmp_path / "heads64"  # vLLM's CPU attention takes head sizes of 32 and up, not the usual tiny 8
+    path = tmp_path / "heads64"
     tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
-    model = load_model(str(path))
+    return path, load_model(str(path))
+
+
+def run_vllm(model, names, ids, new_tokens) -> dict:
+    """Each named vLLM baseline's (tokens, stats, seconds) on one prompt, its worker closed after."""
+    outputs = {}
+    for name in names:
+        method = vllm_cpu.baseline_method(name, model, max_model_len=256, threads=1)
+        try:
+            outputs[name] = method.run(ids, new_tokens)
+        finally:
+            method.close()
+    return outputs
+
+
+@pytest.mark.vllm
+def test_real_vllm_float32_greedy_equals_hasten_on_a_tiny_model(tmp_path):
+    _, model = vllm_sized_model(tmp_path)
     ids = repetitive_prompt(16)
-    method = vllm_cpu.baseline_method("vllm", model, max_model_len=256, threads=1)
-    try:
-        tokens, _, _ = method.run(ids, 8)
-    finally:
-        method.close()
+    tokens, _, _ = run_vllm(model, ["vllm"], ids, 8)["vllm"]
     assert tokens == reference_tokens(model, ids, 8)
-
-
-def test_vllm_medusa_runs_hastens_heads_exported_and_reports_acceptance_per_position(stand_in, tmp_path):
-    """vllm_medusa: the model's trained heads (beside it) exported into a folder vLLM is given,
-    removed afterwards; vLLM's per-position counters become the row's acceptance; not in auto."""
-    from hasten.drafters.medusa import MedusaHeads
-    from hasten.loading import load_model
-
-    model_dir = Path(save_checkpoint(tmp_path / "tiny"))
-    MedusaHeads.for_target(load_model(str(model_dir)), 2).save(model_dir / "medusa")
-    code = main(["bench", "--model", str(model_dir), "--methods", AUTOREGRESSIVE, "--baselines", "vllm_medusa",
-                 "--tasks", "complete", "--per-task", "1", "--max-new-tokens", "4", "--repeats", "1",
-                 "--no-progress", "--out", str(tmp_path / "out")])
-    assert code == 0
-    engine = next(r for r in stand_in() if "llm" in r)
-    speculative = engine["llm"]["speculative_config"]
-    assert (speculative["method"], speculative["num_speculative_tokens"]) == ("medusa", 2)
-    assert engine["exported"] == ["config.json", "model.safetensors"]
-    assert not Path(speculative["model"]).exists()  # the temporary export is gone after the run
-    rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["by_category"][OVERALL]}
-    assert rows["vllm_medusa"]["acceptance_by_position"] == [0.5, 0.0]  # 2 of 4 drafts accepted at position 1
-
-
-def test_vllm_medusa_is_asked_for_by_name_only(stand_in, checkpoint, tmp_path):
-    assert main(["bench", "--model", checkpoint, "--methods", AUTOREGRESSIVE, "--baselines", "auto",
-                 "--tasks", "complete", "--per-task", "1", "--max-new-tokens", "2", "--repeats", "1",
-                 "--no-progress", "--out", str(tmp_path / "out")]) == 0
-    names = {m["name"] for m in json.loads((tmp_path / "out" / "results.json").read_text())["methods"]}
-    assert "vllm" in names and "vllm_medusa" not in names
 
 
 # ---- hasten.vllm: hasten's prompt lookup as a vLLM proposer -------------------------------------
@@ -281,24 +266,9 @@ def test_the_vllm_proposer_drafts_what_hastens_prompt_lookup_drafts():
 def test_real_vllm_with_hastens_proposer_decodes_as_vllm_alone(tmp_path):
     """vLLM verifies hasten's drafts itself: its greedy output is its plain decoding's, and
     drafts were accepted (a repeating prompt)."""
-    if vllm_cpu.vllm_python() is None:
-        pytest.skip("vLLM's environment is not installed: make vllm")
-    from hasten.loading import load_model
-
-    from helpers import tiny_tokenizer
-
-    path = tmp_path / "heads64"
-    tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    model = load_model(str(path))
+    _, model = vllm_sized_model(tmp_path)
     ids = repetitive_prompt(24)
-    outputs = {}
-    for name in ("vllm", "vllm_prompt_lookup"):
-        method = vllm_cpu.baseline_method(name, model, max_model_len=256, threads=1)
-        try:
-            outputs[name] = method.run(ids, 24)
-        finally:
-            method.close()
+    outputs = run_vllm(model, ["vllm", "vllm_prompt_lookup"], ids, 24)
     assert outputs["vllm_prompt_lookup"][0] == outputs["vllm"][0] == reference_tokens(model, ids, 24)
     assert outputs["vllm_prompt_lookup"][1].steps < 24  # some drafts were accepted
 
@@ -308,30 +278,16 @@ def test_real_vllm_runs_hastens_exported_medusa_as_hasten_does(tmp_path):
     """The round trip of issue 28: vLLM loads hasten's Medusa export, its greedy output is its plain
     decoding's, and it accepts at each draft position what hasten's own top-1 chain accepts
     (a layout or offset mistake shows as acceptance near zero)."""
-    if vllm_cpu.vllm_python() is None:
-        pytest.skip("vLLM's environment is not installed: make vllm")
     from hasten.api import make_drafter
     from hasten.drafters.medusa import MedusaHeads
     from hasten.engine.loop import generate
-    from hasten.loading import load_model
 
-    from helpers import tiny_tokenizer
-
-    path = tmp_path / "heads64"
-    tiny_model("llama", hidden_size=128, num_attention_heads=2, num_key_value_heads=1, head_dim=64).save_pretrained(path)
-    tiny_tokenizer().save_pretrained(path)
-    model = load_model(str(path))
+    path, model = vllm_sized_model(tmp_path)
     MedusaHeads.for_target(model, 3).save(path / "medusa")  # untrained: each head repeats the target's guess
     ids = repetitive_prompt(24)
     ours = generate(model, ids, drafter=make_drafter("medusa", None, top_k=1, tree_size=3), max_new_tokens=32,
                     eos_token_id=[], draft_size="fixed").stats
-    outputs = {}
-    for name in ("vllm", "vllm_medusa"):
-        method = vllm_cpu.baseline_method(name, model, max_model_len=256, threads=1)
-        try:
-            outputs[name] = method.run(ids, 32)
-        finally:
-            method.close()
+    outputs = run_vllm(model, ["vllm", "vllm_medusa"], ids, 32)
     assert outputs["vllm_medusa"][0] == outputs["vllm"][0] == reference_tokens(model, ids, 32)
     theirs = outputs["vllm_medusa"][1]
     assert ours.accepted_tokens > 0  # the chain is accepted somewhere, so a broken export would show
