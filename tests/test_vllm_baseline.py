@@ -211,6 +211,35 @@ def test_real_vllm_float32_greedy_equals_hasten_on_a_tiny_model(tmp_path):
     assert tokens == reference_tokens(model, ids, 8)
 
 
+def test_vllm_medusa_runs_hastens_heads_exported_and_reports_acceptance_per_position(stand_in, tmp_path):
+    """vllm_medusa: the model's trained heads (beside it) exported into a folder vLLM is given,
+    removed afterwards; vLLM's per-position counters become the row's acceptance; not in auto."""
+    from hasten.drafters.medusa import MedusaHeads
+    from hasten.loading import load_model
+
+    model_dir = Path(save_checkpoint(tmp_path / "tiny"))
+    MedusaHeads.for_target(load_model(str(model_dir)), 2).save(model_dir / "medusa")
+    code = main(["bench", "--model", str(model_dir), "--methods", AUTOREGRESSIVE, "--baselines", "vllm_medusa",
+                 "--tasks", "complete", "--per-task", "1", "--max-new-tokens", "4", "--repeats", "1",
+                 "--no-progress", "--out", str(tmp_path / "out")])
+    assert code == 0
+    engine = next(r for r in stand_in() if "llm" in r)
+    speculative = engine["llm"]["speculative_config"]
+    assert (speculative["method"], speculative["num_speculative_tokens"]) == ("medusa", 2)
+    assert engine["exported"] == ["config.json", "model.safetensors"]
+    assert not Path(speculative["model"]).exists()  # the temporary export is gone after the run
+    rows = {r["method"]: r for r in json.loads((tmp_path / "out" / "results.json").read_text())["by_category"][OVERALL]}
+    assert rows["vllm_medusa"]["acceptance_by_position"] == [0.5, 0.0]  # 2 of 4 drafts accepted at position 1
+
+
+def test_vllm_medusa_is_asked_for_by_name_only(stand_in, checkpoint, tmp_path):
+    assert main(["bench", "--model", checkpoint, "--methods", AUTOREGRESSIVE, "--baselines", "auto",
+                 "--tasks", "complete", "--per-task", "1", "--max-new-tokens", "2", "--repeats", "1",
+                 "--no-progress", "--out", str(tmp_path / "out")]) == 0
+    names = {m["name"] for m in json.loads((tmp_path / "out" / "results.json").read_text())["methods"]}
+    assert "vllm" in names and "vllm_medusa" not in names
+
+
 # ---- hasten.vllm: hasten's prompt lookup as a vLLM proposer -------------------------------------
 def vllm_config(depth: int, max_model_len: int = 64):
     from types import SimpleNamespace
