@@ -630,8 +630,12 @@ def test_serve_bench_reports_every_level(base, cli, tmp_path):
     for level in results["levels"]:
         assert level["errors"] == 0 and level["requests"] == 3 and level["output_tokens"] > 0
         assert level["ttft_seconds"]["p50"] is not None and level["mean_tau"] >= 1.0
+        # the three latencies a client waits for: first token <= the whole answer, per request
+        assert level["ttft_seconds"]["p50"] <= level["latency_seconds"]["p50"] and level["itl_seconds"]["p50"] > 0
+    assert "TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | end-to-end p50/p90/p99 ms" in table
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 3"]  # one table row per level
+    assert all(len(row.split(" | ")) == 8 for row in rows)  # every column filled
 
 
 def test_serve_bench_without_a_server_is_one_line(cli, tmp_path):

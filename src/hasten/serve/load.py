@@ -199,15 +199,16 @@ def table(results: dict) -> str:
     lines = [
         f"model {results['model']}, method {results['method'] or '?'}, max_tokens {results['max_tokens']}",
         "",
-        "| concurrency | requests | errors | out tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms | tau |",
-        "| ---: | ---: | ---: | ---: | --- | --- | ---: |",
+        "| concurrency | requests | errors | out tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms "
+        "| end-to-end p50/p90/p99 ms | tau |",
+        "| ---: | ---: | ---: | ---: | --- | --- | --- | ---: |",
     ]
     for level in results["levels"]:
-        ttft = "/".join(ms(level["ttft_seconds"][f"p{q}"]) for q in PERCENTILES)
-        itl = "/".join(ms(level["itl_seconds"][f"p{q}"]) for q in PERCENTILES)
+        ttft, itl, latency = ("/".join(ms(level[key][f"p{q}"]) for q in PERCENTILES)
+                              for key in ("ttft_seconds", "itl_seconds", "latency_seconds"))
         tau = "-" if level["mean_tau"] is None else f"{level['mean_tau']:.2f}"
         lines.append(f"| {level['concurrency']} | {level['requests']} | {level['errors']} | "
-                     f"{level['output_tokens_per_second']:.1f} | {ttft} | {itl} | {tau} |")
+                     f"{level['output_tokens_per_second']:.1f} | {ttft} | {itl} | {latency} | {tau} |")
     return "\n".join(lines)
 
 
