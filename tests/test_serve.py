@@ -268,6 +268,22 @@ def test_n_choices_of_a_seeded_request_sample_with_seed_plus_their_index(client,
     assert len(set(singles)) > 1  # the choices are different samples
 
 
+def test_best_of_returns_the_samples_with_the_highest_mean_log_probability(client):
+    """best_of 4, n 2, seeded: the choices are the two of the four single requests (seeds
+    seed + j) whose tokens have the highest mean log-probability, in sampling order; usage
+    counts all four samples."""
+    options = dict(model=NAME, prompt=PROMPTS[1], max_tokens=NEW, temperature=1.0)
+    singles = [client.completions.create(seed=21 + j, logprobs=0, **options) for j in range(4)]
+    means = [sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs) for c in (s.choices[0] for s in singles)]
+    assert len(set(means)) == 4  # distinct samples, so the ranking is decided
+    best = sorted(sorted(range(4), key=lambda j: -means[j])[:2])
+    answer = client.completions.create(seed=21, n=2, best_of=4, **options)
+    assert [c.index for c in answer.choices] == [0, 1] and all(c.logprobs is None for c in answer.choices)
+    assert [c.text for c in answer.choices] == [singles[j].choices[0].text for j in best]
+    assert answer.usage.completion_tokens == sum(s.usage.completion_tokens for s in singles)
+    assert answer.usage.prompt_tokens == singles[0].usage.prompt_tokens
+
+
 def test_a_seed_makes_sampling_reproducible(client):
     texts = {client.completions.create(model=NAME, prompt=PROMPTS[3], max_tokens=12, temperature=1.0, top_p=0.9,
                                        seed=7).choices[0].text for _ in range(2)}
@@ -344,7 +360,9 @@ BAD_BODIES = [
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "n": 17}, "n"),  # more than MAX_CHOICES
     ({"prompt": "x", "n": 1.5}, "n"),
-    ({"prompt": "x", "n": 2, "best_of": 3}, "best_of"),  # ranking samples needs log-probabilities
+    ({"prompt": "x", "n": 2, "best_of": 3, "stream": True}, "best_of"),  # the best are known only at the end
+    ({"prompt": "x", "n": 3, "best_of": 2}, "best_of"),  # fewer samples than choices
+    ({"prompt": "x", "best_of": 17}, "best_of"),  # more than MAX_CHOICES
     ({"prompt": ["a", ""]}, "prompt"),  # each of several prompts is checked
     ({"prompt": ["a"] * 65}, "prompt"),  # more than MAX_PROMPTS
     ({"prompt": ["a", [10**6]]}, "prompt"),

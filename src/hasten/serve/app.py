@@ -202,12 +202,13 @@ class Service:
 
     # ---- decoding ----------------------------------------------------------------------------------
     def _submit_all(self, prompts: list[tuple[list[int], int, str]], params: Params) -> list[Generation]:
-        """One row per choice: ``params.n`` per prompt, in the order of the response's choices
-        (choice j of a prompt samples with ``seed + j``, so choice 0 is the single request's)."""
+        """One row per sample: ``params.best_of`` (= ``n`` unless asked) per prompt, in the order of
+        the response's choices (sample j of a prompt uses ``seed + j``, so choice 0 is the single
+        request's)."""
         gens: list[Generation] = []
         try:
             for input_ids, max_tokens, echo in prompts:
-                for j in range(params.n):
+                for j in range(params.best_of):
                     seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
                     gens.append(self._submit(input_ids, max_tokens, params, seed, echo))
         except BaseException:
@@ -234,7 +235,7 @@ class Service:
         except ValueError as err:
             raise invalid(None, str(err)) from None
         request = Request(input_ids=input_ids, max_new_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop,
-                          logprobs=params.logprobs, prompt_logprobs=self._prompt_scoring(params),
+                          logprobs=self._scoring(params), prompt_logprobs=self._prompt_scoring(params),
                           stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos)
         queue: asyncio.Queue = asyncio.Queue()
         try:
@@ -247,6 +248,14 @@ class Service:
         self.metrics.prompt_tokens.inc(len(input_ids))
         text = TextStream(self.engine.tokenizer, params.stop, sampling.min_tokens, params.include_stop)
         return Generation(row_id, input_ids, text, queue, echo)
+
+    @staticmethod
+    def _scoring(params: Params) -> int | None:
+        """Alternatives to score each generated token with: ``logprobs``, or 0 to rank ``best_of``
+        samples (None: no scoring)."""
+        if params.logprobs is None and params.best_of > params.n:
+            return 0
+        return params.logprobs
 
     @staticmethod
     def _prompt_scoring(params: Params) -> int | None:
@@ -330,6 +339,10 @@ class Service:
                     gens[index].record(last)
         except ConnectionAbortedError:
             return Response(status_code=499)  # nobody reads it; the rows are already cancelled
+        usage = self._usage(gens, params.best_of)  # every sample's tokens, the unchosen ones too (as OpenAI)
+        if params.best_of > params.n:
+            keep = self._best(gens, params)
+            gens, texts, lasts, reasons = ([items[i] for i in keep] for items in (gens, texts, lasts, reasons))
         if kind == "chat":
             choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
                         "logprobs": self._logprobs(gen, params, chat=True)}
@@ -343,7 +356,22 @@ class Service:
                         "prompt_logprobs": self._prompt_logprobs(gen, params)}  # vLLM's: each choice's prompt
                        for i, (gen, text, reason) in enumerate(zip(gens, texts, reasons))]
             body = {**head, "object": "text_completion", "choices": choices}
-        return JSONResponse({**body, "usage": self._usage(gens, params.n), "hasten": self._all_stats(lasts)})
+        return JSONResponse({**body, "usage": usage, "hasten": self._all_stats(lasts)})
+
+    @staticmethod
+    def _best(gens: list[Generation], params: Params) -> list[int]:
+        """Of each prompt's ``best_of`` samples, the indices of the ``n`` with the highest mean
+        log-probability per generated token (the target's raw log-probabilities, as reported), in
+        the order they were sampled; a sample with no tokens ranks last."""
+        def mean_logprob(gen: Generation) -> float:
+            return sum(entry.logprob for entry in gen.scored) / len(gen.scored) if gen.scored else float("-inf")
+
+        keep = []
+        for first in range(0, len(gens), params.best_of):
+            group = range(first, first + params.best_of)
+            ranked = sorted(group, key=lambda i: (-mean_logprob(gens[i]), i))
+            keep += sorted(ranked[:params.n])
+        return keep
 
     # ---- log-probabilities, as each route shows them (computed by the scheduler: engine.logprobs) --------
     def _logprobs(self, gen: Generation, params: Params, chat: bool = False, echo: bool = False) -> dict | None:
@@ -453,7 +481,7 @@ class Service:
             yield "data: [DONE]\n\n"
             return
         if params.include_usage:
-            yield sse({**head, "choices": [], "usage": self._usage(gens, params.n), "hasten": self._all_stats(lasts)})
+            yield sse({**head, "choices": [], "usage": self._usage(gens, params.best_of), "hasten": self._all_stats(lasts)})
         yield "data: [DONE]\n\n"
 
     @staticmethod

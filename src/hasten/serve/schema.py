@@ -59,6 +59,7 @@ class Params:
     stop_token_ids: tuple[int, ...] = ()  # vLLM's: end a choice after any of these, as after EOS
     ignore_eos: bool = False  # vLLM's: EOS does not end a choice
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string or stop token stays in the text
+    best_of: int = 1  # samples per prompt, of which the n with the highest mean log-probability per token return
 
 
 def parse_body(raw: bytes) -> dict:
@@ -124,7 +125,7 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
         raise invalid("seed", f"'seed' must be in [0, 2^63 - 1], got {seed}")
     stream = optional(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
     include_usage = parse_stream_options(body, stream)
-    n = parse_choices(body)
+    n, best_of = parse_choices(body, stream)
     logprobs, prompt_logprobs, echo = parse_logprobs(body, chat, stream)
     if max_tokens == 0 and not echo:
         name = next(name for name in max_tokens_names if body.get(name) == 0)
@@ -137,7 +138,7 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
     include_stop = optional(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "true or false", False)
     return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
                   parse_stop(body), seed, stream, include_usage, n, logprobs, prompt_logprobs, echo, rules,
-                  tuple(stop_token_ids), ignore_eos, include_stop)
+                  tuple(stop_token_ids), ignore_eos, include_stop, best_of)
 
 
 def _token_ids(body: dict, name: str, allow_empty: bool) -> list[int] | None:
@@ -229,17 +230,20 @@ def parse_logprobs(body: dict, chat: bool, stream: bool) -> tuple[int | None, in
     return logprobs, prompt_logprobs, echo
 
 
-def parse_choices(body: dict) -> int:
-    """``n`` (choices per prompt, 1 to MAX_CHOICES), and ``best_of``, which may only equal it:
-    picking the best of more samples needs their log-probabilities."""
+def parse_choices(body: dict, stream: bool) -> tuple[int, int]:
+    """``n`` (choices per prompt, 1 to MAX_CHOICES) and ``best_of`` (samples per prompt, n to
+    MAX_CHOICES, default n): the n of them with the highest mean log-probability per token are
+    returned, which is known only once all have ended, so best_of > n cannot be streamed (as OpenAI)."""
     n = optional(body, "n", is_int, "an integer", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise invalid("n", f"'n' must be in [1, {MAX_CHOICES}], got {n}")
-    best_of = optional(body, "best_of", is_int, "an integer")
-    if best_of is not None and best_of != n:
-        raise invalid("best_of", f"'best_of' {best_of} > 'n' {n} ranks samples by log-probability, which hasten "
-                      "serve does not do; leave it out or set it to 'n'", "unsupported_parameter")
-    return n
+    best_of = optional(body, "best_of", is_int, "an integer", n)
+    if not n <= best_of <= MAX_CHOICES:
+        raise invalid("best_of", f"'best_of' must be in ['n', {MAX_CHOICES}] = [{n}, {MAX_CHOICES}], got {best_of}")
+    if best_of > n and stream:
+        raise invalid("best_of", "'best_of' > 'n' picks the best samples once all have ended, so it cannot be "
+                      "streamed; leave out 'stream' or set 'best_of' to 'n'")
+    return n, best_of
 
 
 def parse_stop(body: dict) -> tuple[str, ...]:
