@@ -159,7 +159,7 @@ LAW_EOS = 7
 LAW_RULES = dict(repetition_penalty=2.5, presence_penalty=1.5, frequency_penalty=1.0, logit_bias={2: 1.0, 4: -0.8},
                  min_tokens=2, min_p=0.05)
 LAW_SAMPLING = Sampling(1.0, **LAW_RULES)
-LAW_SAMPLES = 1200
+LAW_SAMPLES = 800
 
 
 @torch.no_grad()
