@@ -24,6 +24,7 @@ from .runner import (
 )
 from . import llamacpp, vllm_cpu
 from .chat_tasks import CHAT_CATEGORIES, chat_tasks, has_chat_template, task_input_ids
+from .gec_tasks import GEC_CATEGORIES, gec_tasks
 from .spec_bench import second_turns, spec_bench_tasks
 from .tasks import ALL_CATEGORIES, CATEGORIES, LONG_CATEGORIES, builtin_tasks, read_prompts
 
@@ -93,7 +94,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         help="built-in task categories, comma-separated: code (= " + ",".join(CATEGORIES) + "), chat (= "
         + ",".join(CHAT_CATEGORIES) + ", through the model's chat template), spec-bench (Spec-Bench's "
         "questions, first turns, --per-task of each of its six categories, vendored with its Apache-2.0 "
-        "licence), or single categories; the "
+        "licence), gec (held-out corrupted sentences for a seq2seq corrector such as zoo:gec-tiny, each run "
+        "to its end-of-sequence token), or single categories; the "
         "long-context " + ",".join(LONG_CATEGORIES) + " only by name (they need a model with 16k positions, "
         "e.g. zoo:code-tiny-long) (default auto: chat if the tokenizer has a chat template, else code)",
     )
@@ -172,7 +174,7 @@ def _chosen(args) -> tuple[list[str], list[str]]:
 
 def check_workload(args: argparse.Namespace) -> None:
     """The arguments of add_workload_arguments, checked before any model loads."""
-    known = [AUTO, *TASK_PRESETS, SPEC_BENCH, *ALL_CATEGORIES, *CHAT_CATEGORIES]
+    known = [AUTO, *TASK_PRESETS, SPEC_BENCH, *ALL_CATEGORIES, *CHAT_CATEGORIES, *GEC_CATEGORIES]
     unknown = [c for c in _csv(args.tasks) if c not in known]
     if unknown:
         raise UserError(f"--tasks: unknown {unknown}; known: {', '.join(known)}")
@@ -182,7 +184,7 @@ def check_workload(args: argparse.Namespace) -> None:
 
 def _builtin(spec: str, tokenizer, per_task: int) -> list:
     """The built-in tasks --tasks names: presets expanded, code tasks first, then chat tasks,
-    then Spec-Bench's questions."""
+    then Spec-Bench's questions, then the gec sentences."""
     chosen = []
     for name in _csv(spec):
         if name == AUTO:
@@ -193,7 +195,8 @@ def _builtin(spec: str, tokenizer, per_task: int) -> list:
     try:
         return (builtin_tasks(tokenizer, code, per_task) if code else []) + (
             chat_tasks(tokenizer, chat, per_task) if chat else []) + (
-            spec_bench_tasks(tokenizer, per_task) if SPEC_BENCH in chosen else [])
+            spec_bench_tasks(tokenizer, per_task) if SPEC_BENCH in chosen else []) + (
+            gec_tasks(tokenizer, per_task) if "gec" in chosen else [])
     except ValueError as err:  # e.g. --per-task beyond the prompts a chat category has
         raise UserError(str(err)) from None
 

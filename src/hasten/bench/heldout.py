@@ -29,6 +29,9 @@ class Task:
     # prompt's own continuation, token for token); the runner records ``needle_hit``
     expected: str = ""
     expected_ids: tuple[int, ...] = ()
+    # gec tasks: generation ends at the model's end-of-sequence token (or --max-new-tokens),
+    # where every other task ignores it and always writes --max-new-tokens tokens
+    stop_at_eos: bool = False
 
 
 @dataclass(frozen=True)

@@ -45,8 +45,9 @@ class LosslessnessError(RuntimeError):
     """A method's output differs from plain autoregressive decoding: a bug, never noise."""
 
 
-# (input_ids [1, T], new tokens) -> (the new tokens, decode stats, seconds of the generate call)
-RunFn = Callable[[torch.Tensor, int], tuple[list[int], DecodeStats, float]]
+# (input_ids [1, T], new tokens) -> (the new tokens, decode stats, seconds of the generate call);
+# hasten's methods and Hugging Face's also take stop_at_eos=True (a task that ends at EOS: gec)
+RunFn = Callable[..., tuple[list[int], DecodeStats, float]]
 
 
 @dataclass
@@ -77,15 +78,22 @@ def hasten_method(name: str, model, draft=None, draft_size: str | None = None, l
     if draft_size == "auto" and name != AUTOREGRESSIVE:
         load_or_calibrate(model)  # the machine's cost curve, measured (or read) before anything is timed
 
-    def run(input_ids, max_new_tokens):
+    def run(input_ids, max_new_tokens, stop_at_eos=False):
         drafter = make_drafter(name, draft, **settings)  # built outside the timed call
         clock = time.perf_counter()
-        out = generate(model, input_ids, drafter=drafter, max_new_tokens=max_new_tokens, eos_token_id=[],
-                       draft_size=draft_size)
+        out = generate(model, input_ids, drafter=drafter, max_new_tokens=max_new_tokens,
+                       eos_token_id=None if stop_at_eos else [], draft_size=draft_size)
         seconds = time.perf_counter() - clock
-        return out.sequences[0, input_ids.shape[1] :].tolist(), out.stats, seconds
+        return out.sequences[0, _head_length(model, input_ids) :].tolist(), out.stats, seconds
 
     return Method(label or name, "hasten", run, settings, None if name == AUTOREGRESSIVE else draft_size)
+
+
+def _head_length(model, input_ids: torch.Tensor) -> int:
+    """Where the new tokens start in a generation's sequence: after the prompt, or for an
+    encoder-decoder (whose sequence is the decoder's) after the decoder's start token."""
+    config = getattr(model, "config", None)
+    return 1 if getattr(config, "is_encoder_decoder", False) else input_ids.shape[1]
 
 
 def hf_method(name: str, model, draft=None) -> Method:
@@ -100,7 +108,7 @@ def hf_method(name: str, model, draft=None) -> Method:
     pad = model.generation_config.pad_token_id
     pad = model.generation_config.eos_token_id if pad is None else pad  # only silences a warning
 
-    def run(input_ids, max_new_tokens):
+    def run(input_ids, max_new_tokens, stop_at_eos=False):
         forwards = []  # target forward calls, for tau; the assistant's are not counted
         hook = model.register_forward_hook(lambda *_: forwards.append(1))
         try:
@@ -111,13 +119,13 @@ def hf_method(name: str, model, draft=None) -> Method:
             # the pad id, and chat templates write the pad/EOS id (e.g. <|im_end|>) between turns.
             out = model.generate(
                 input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False, max_new_tokens=max_new_tokens,
-                eos_token_id=None, pad_token_id=pad, **kwargs
+                eos_token_id=model.generation_config.eos_token_id if stop_at_eos else None, pad_token_id=pad, **kwargs
             )
             seconds = time.perf_counter() - clock
         finally:
             hook.remove()
-        new = out[0, input_ids.shape[1] :].tolist()
-        if len(new) != max_new_tokens:
+        new = out[0, _head_length(model, input_ids) :].tolist()
+        if len(new) != max_new_tokens and not stop_at_eos:
             raise LosslessnessError(f"{name} produced {len(new)} tokens, expected {max_new_tokens}")
         # Hugging Face's first forward is the prefill and yields the first token: every
         # forward is a step. Only steps and tokens are known; times stay zero.
@@ -233,6 +241,11 @@ def needle_hit(task: Task, output: list[int]) -> bool | None:
     return output[: len(task.expected_ids)] == list(task.expected_ids)
 
 
+def _stop(task: Task) -> dict:
+    """The run's keyword for a task that ends at EOS (only those pass it: not every method takes it)."""
+    return {"stop_at_eos": True} if task.stop_at_eos else {}
+
+
 def run_bench(
     methods: list[Method],
     tasks: list[Task],
@@ -257,7 +270,7 @@ def run_bench(
     say = _run_lines(total) if progress == "lines" else (lambda *_: None)
     for method in methods:  # warm-up: first calls pay for allocation and lazy initialisation
         bar.set_postfix_str(f"warm-up {method.name}")
-        tokens, _, seconds = method.run(input_ids[0], max_new_tokens)
+        tokens, _, seconds = method.run(input_ids[0], max_new_tokens, **_stop(tasks[0]))
         say("warm-up", method.name, len(tokens), seconds)
         bar.update()
 
@@ -268,7 +281,7 @@ def run_bench(
             shift = r % len(methods)
             for method in methods[shift:] + methods[:shift]:
                 bar.set_postfix_str(f"{task.name} {method.name}")
-                tokens, stats, seconds = method.run(ids, max_new_tokens)
+                tokens, stats, seconds = method.run(ids, max_new_tokens, **_stop(task))
                 say(task.name, method.name, len(tokens), seconds)
                 cell = cells[task.name].setdefault(method.name, Cell())
                 cell.seconds.append(seconds)
