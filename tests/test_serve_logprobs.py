@@ -17,6 +17,7 @@ openai = pytest.importorskip("openai", reason="hasten[serve] is not installed (p
 pytest.importorskip("uvicorn", reason="hasten[serve] is not installed (pip install 'hasten[serve]')")
 
 from hasten.api import Engine, make_drafter  # noqa: E402
+from hasten.core.sampling import Sampling  # noqa: E402
 from hasten.engine.batch import Scheduler  # noqa: E402
 from hasten.engine.logprobs import MAX_TOP_LOGPROBS  # noqa: E402
 from hasten.serve.app import ServeOptions, create_app  # noqa: E402
@@ -406,3 +407,32 @@ def test_rows_are_scored_alike_in_slices(monkeypatch):
     expected = logits.log_softmax(-1)
     assert [entry.logprob for entry in whole] == pytest.approx(expected[torch.arange(7), tokens].tolist(), abs=1e-6)
     assert [entry.rank for entry in whole] == [int((row > row[t]).sum()) + 1 for row, t in zip(expected, tokens)]
+
+
+def test_logprobs_mode_processed_reports_the_law_each_token_was_drawn_from(engine):
+    """`hasten serve --logprobs-mode processed`: a sampled request's log-probabilities are those of
+    its temperature and top-k law (top-k 5: alternatives past the fifth have none); the text is
+    what the same request draws without scoring."""
+    def make():
+        return Scheduler(engine.model, engine.drafter, max_batch=2, draft_size=engine.draft_size)
+
+    server, thread, url = start_server(create_app(engine, make, ServeOptions(NAME, KEY, 1 << 20, "processed")))
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
+        answer = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, logprobs=6,
+                                           temperature=SAMPLED["temperature"], seed=SAMPLED["seed"],
+                                           extra_body={"top_k": 5})
+    finally:
+        stop_server(server, thread)
+    expected = engine.generate(PROMPTS[0], max_new_tokens=NEW, temperature=SAMPLED["temperature"], top_k=5,
+                               seed=SAMPLED["seed"])
+    choice = answer.choices[0]
+    assert choice.text == expected.text
+    ids = engine.encode(PROMPTS[0])[0].tolist() + expected.token_ids
+    start = len(ids) - len(expected.token_ids)
+    with torch.no_grad():
+        logits = engine.model(torch.tensor([ids], device=engine.model.device)).logits[0].float().cpu()
+    law = Sampling(SAMPLED["temperature"], top_k=5).probs(logits).log()  # [len(ids), vocab]
+    for i, (logprob, top) in enumerate(zip(choice.logprobs.token_logprobs, choice.logprobs.top_logprobs)):
+        assert logprob == pytest.approx(law[start + i - 1, ids[start + i]].item(), abs=TOL)
+        assert sum(value == -9999.0 for value in top.values()) == 1  # 6 asked, 5 with mass: -inf shows as vLLM's -9999

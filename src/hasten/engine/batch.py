@@ -49,6 +49,7 @@ class Request:
     stop: StopStrings | None = None  # ends the row after the token that completes a stop string
     generator: torch.Generator | None = None  # a generator shared with other rows (hasten.generate's)
     logprobs: int | None = None  # score every generated token, with this many alternatives each (None: no scoring)
+    processed_logprobs: bool = False  # score under the request's logit rules and sampling transform (else raw)
     prompt_logprobs: int | None = None  # score the prompt's tokens from the prefill, with this many alternatives
     stop_token_ids: frozenset[int] = frozenset()  # end the row after any of these, as after EOS (vLLM's)
     ignore_eos: bool = False  # EOS does not end the row (it may still be generated; min_tokens holds it back)
@@ -294,6 +295,7 @@ class Scheduler:
             row, list(request.input_ids), prefilled, self.drafter, request.sampling, generator,
             acceptance_rule(request.sampling, self.lossy_acceptance), stops, request.max_new_tokens, stats,
             sizing, stop=request.stop, model_source=self.runtime.source, logprobs=request.logprobs,
+            processed_logprobs=request.processed_logprobs,
             suppressed_ids=self._suppressed(request), resumed=request.resumed,
         )
         stats.prefill_seconds += time.perf_counter() - clock

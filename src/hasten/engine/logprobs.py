@@ -6,9 +6,12 @@ bonus or recovered token were scored by the forward that verified them), and a p
 is asked to keeps its logits to score the prompt. No forward runs for them, so the tokens a
 generation emits are the same whether or not anyone asks.
 
-They are the model's own distribution, ``log_softmax`` of the raw logits, before temperature,
-top-k or top-p: vLLM's default (``logprobs_mode="raw_logprobs"``), which is also what makes a
-greedy and a sampled request report the same number for the same token in the same context.
+By default they are the model's own distribution, ``log_softmax`` of the raw logits, before
+temperature, top-k or top-p: vLLM's default (``logprobs_mode="raw_logprobs"``), which is also what
+makes a greedy and a sampled request report the same number for the same token in the same
+context. A request may ask for them processed instead (vLLM's ``processed_logprobs``): the law
+the token was drawn from, after the request's logit rules and sampling transform
+(``Sequence._scoring_rows``); tokens that transform rules out are -inf.
 """
 from __future__ import annotations
 

@@ -79,6 +79,7 @@ class Sequence:
         stop: StopStrings | None = None,
         model_source: str = "",  # where the target was loaded from (a drafter's corpus may need its tokenizer)
         logprobs: int | None = None,  # score each committed token, with this many alternatives (None: no scoring)
+        processed_logprobs: bool = False,  # score under the logit rules and the sampling transform (else raw)
         suppressed_ids: frozenset[int] | None = None,  # what min_tokens holds back (None: eos_token_ids)
         resumed: int = 0,  # the last ``resumed`` of ``tokens`` were generated already (a continuation)
     ):
@@ -93,6 +94,7 @@ class Sequence:
             self.stop = StopStrings(stop.tokenizer, stop.strings, sampling.min_tokens - resumed)
         self.generated: list[int] = []
         self.logprobs = logprobs
+        self.processed_logprobs = processed_logprobs
         self.scored: list[TokenLogprob] = []  # the last settle's committed tokens, scored (when logprobs is set)
         self.finish_reason: str | None = "length" if max_new_tokens == 0 else None
         self.stop_token: int | None = None  # the EOS or stop id that ended the sequence
@@ -152,6 +154,15 @@ class Sequence:
         self._start = self.cache.cache_length  # == len(tokens) - 1, before the forward caches the block
         return draft
 
+    def _scoring_rows(self, raw: torch.Tensor, ruled: torch.Tensor, blocks: list[int]) -> torch.Tensor:
+        """[len(blocks), vocab] what a committed token's log-probability is read from: the raw
+        logits, or (processed) the law it was drawn from: the logit rules, then the sampling
+        transform (temperature, top-k, top-p, min-p; greedy: the rules alone)."""
+        if not self.processed_logprobs:
+            return raw[blocks]
+        rows = ruled[blocks]
+        return rows if self.ctx.sampling.greedy else self.ctx.sampling.probs(rows).log()
+
     def block(self, draft: Draft) -> list[int]:
         return [self.tokens[-1], *draft.tokens]
 
@@ -178,7 +189,8 @@ class Sequence:
         if self.rules is not None:
             self.rules.commit(new)
         if self.logprobs is not None:  # each committed token was scored at its block index (kept_blocks)
-            self.scored = token_logprobs(out.logits[kept_blocks[: len(new)]], new, self.logprobs)
+            self.scored = token_logprobs(self._scoring_rows(out.logits, logits, kept_blocks[: len(new)]), new,
+                                         self.logprobs)
         self.tokens.extend(new)
         if cache.cache_length > len(self.tokens) - 1:  # a stop rule cut inside the accepted path
             cache.crop(len(self.tokens) - 1)

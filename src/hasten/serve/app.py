@@ -45,6 +45,9 @@ class ServeOptions:
     model_name: str  # what clients pass as "model"
     api_key: str | None = None  # None: no authentication
     max_body_bytes: int = 1 << 20
+    # "raw": the model's own log-probabilities (vLLM's default); "processed": under each request's
+    # logit rules and sampling transform, the law its tokens were drawn from
+    logprobs_mode: str = "raw"
 
 
 @dataclass
@@ -236,6 +239,7 @@ class Service:
             raise invalid(None, str(err)) from None
         request = Request(input_ids=input_ids, max_new_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop,
                           logprobs=self._scoring(params), prompt_logprobs=self._prompt_scoring(params),
+                          processed_logprobs=self.options.logprobs_mode == "processed",
                           stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos)
         queue: asyncio.Queue = asyncio.Queue()
         try:

@@ -51,6 +51,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default 2048)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                         help="largest request body accepted; larger ones get 413 (default 1 MiB)")
+    parser.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
+                        help="what logprobs report: the model's own log-probabilities (raw, vLLM's default) or "
+                        "those of the law each token was drawn from, after the request's penalties, biases and "
+                        "sampling transform (processed)")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                         help="uvicorn's log level (default warning; info logs every request)")
     parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
@@ -95,7 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
     # on llama.cpp the Scheduler's rows are sequences of one llama.cpp context (LlamaCppBatch)
     make_scheduler = scheduler_factory(engine, args.max_batch, args.max_tokens_in_flight, args.max_prefill_tokens)
     name = args.served_model_name or args.model
-    options = ServeOptions(name, args.api_key, args.max_body_bytes)
+    options = ServeOptions(name, args.api_key, args.max_body_bytes, args.logprobs_mode)
     app = create_app(engine, make_scheduler, options)
     if args.api_key is None and not is_loopback(args.host):
         print(f"hasten serve: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",

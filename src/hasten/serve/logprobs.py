@@ -9,6 +9,12 @@ from __future__ import annotations
 
 from ..engine.logprobs import TokenLogprob
 
+NO_MASS = -9999.0  # what JSON shows for -inf (a token the request's sampling rules out), as vLLM's server does
+
+
+def finite(logprob: float) -> float:
+    return max(logprob, NO_MASS)
+
 
 class TokenText:
     """Token id -> its text, decoded alone, remembered."""
@@ -40,9 +46,9 @@ def completion_logprobs(tokens: list[int], scored: list[TokenLogprob | None], k:
             out["token_logprobs"].append(None)
             out["top_logprobs"].append(None)
             continue
-        out["token_logprobs"].append(entry.logprob)
-        top = {text(t): logprob for t, logprob in entry.top[:k]}
-        top.setdefault(piece, entry.logprob)
+        out["token_logprobs"].append(finite(entry.logprob))
+        top = {text(t): finite(logprob) for t, logprob in entry.top[:k]}
+        top.setdefault(piece, finite(entry.logprob))
         out["top_logprobs"].append(top)
     return out, offset
 
@@ -51,7 +57,7 @@ def chat_logprobs(scored: list[TokenLogprob], text: TokenText) -> list[dict]:
     """OpenAI's chat ``logprobs.content`` entries: each token with its ``top_logprobs`` (k, best first)."""
     def item(token: int, logprob: float) -> dict:
         piece = text(token)
-        return {"token": piece, "logprob": logprob, "bytes": list(piece.encode("utf-8"))}
+        return {"token": piece, "logprob": finite(logprob), "bytes": list(piece.encode("utf-8"))}
 
     return [{**item(entry.token, entry.logprob), "top_logprobs": [item(t, logprob) for t, logprob in entry.top]}
             for entry in scored]
@@ -62,9 +68,9 @@ def prompt_logprobs(scored: list[TokenLogprob], k: int, text: TokenText) -> list
     ``{token id: {"logprob", "rank", "decoded_token"}}`` over the token itself and the k likeliest."""
     out: list[dict | None] = [None]
     for entry in scored:
-        ranked = {str(t): {"logprob": logprob, "rank": rank, "decoded_token": text(t)}
+        ranked = {str(t): {"logprob": finite(logprob), "rank": rank, "decoded_token": text(t)}
                   for rank, (t, logprob) in enumerate(entry.top[:k], start=1)}
-        ranked.setdefault(str(entry.token), {"logprob": entry.logprob, "rank": entry.rank,
+        ranked.setdefault(str(entry.token), {"logprob": finite(entry.logprob), "rank": entry.rank,
                                              "decoded_token": text(entry.token)})
         out.append(ranked)
     return out
