@@ -22,9 +22,12 @@ MODELS = {
     "code-tiny-long": "code-tiny continued on long files at 16k-token windows (RoPE base 320k, 16,384 positions)",
     "vlm-tiny": "small LLaVA (~6.2M params): CLIP-style tower (256 image tokens per 128x128 image) + code-tiny, "
                 "trained on procedural shape scenes (captions, QA)",
+    "gec-tiny": "mBART-style encoder-decoder (~1.5M params) that corrects grammar and spelling, trained on "
+                "synthetic corruptions of Python's documentation sentences (Aggressive Decoding's home: iad)",
 }
 # How to rebuild a model's weights, where it is not hasten.zoo.recipe
-RECIPES = {"vlm-tiny": "python -m hasten.zoo.vlm_recipe --out-root {root} --minutes 25 --threads 1"}
+RECIPES = {"vlm-tiny": "python -m hasten.zoo.vlm_recipe --out-root {root} --minutes 25 --threads 1",
+           "gec-tiny": "python -m hasten.zoo.gec_recipe --out-root {root} --minutes 14 --threads 1"}
 # Real models, installed separately (`make real`); they resolve to a .gguf file.
 PACKAGED = {name: model.description for name, model in real.MODELS.items()}
 
