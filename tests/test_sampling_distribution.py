@@ -12,6 +12,8 @@ the residual ``max(p - q, 0)`` after a rejection at depth 2.
 ``empirical_tv``/``BOUND`` (two tokens, 2500 samples; the expected TV of a correct sampler
 is about 0.4 * sqrt(64 / N)) serve the drafter tests of other files.
 """
+import sys
+
 import pytest
 import torch
 
@@ -138,6 +140,26 @@ def test_draft_model_3_deep_follows_the_target():
 
 def test_tree_with_siblings_at_depths_1_to_3_follows_the_target():
     tv, limit = deep_tv(RankedTreeDrafter(TARGET, TREE_SAMPLING), TREE_SAMPLING)
+    assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
+
+
+# a prompt that holds, once each, the target's likely continuations: iad (which copies the rest of
+# the prompt after a token found once in it) drafts 2 deep there, accepted and rejected at both depths
+IAD_PROMPT = [[4, 3, 0, 5, 3, 2, 7]]
+
+
+def test_iad_drafts_accepted_and_rejected_two_deep_follow_the_target(monkeypatch):
+    from hasten.core.stats import DecodeStats
+    from hasten.drafters import IAD
+
+    monkeypatch.setattr(sys.modules[__name__], "PROMPT", torch.tensor(IAD_PROMPT, device=DEVICE))
+    g, total = torch.Generator(device=DEVICE).manual_seed(1), DecodeStats()
+    for _ in range(100):
+        total = total + hasten.generate(TARGET, PROMPT, drafter=IAD(), max_new_tokens=4, temperature=1.0, top_k=3,
+                                        generator=g).stats
+    drafted, accepted = total.drafted_at_depth, total.accepted_at_depth
+    assert len(accepted) >= 2 and all(0 < accepted[d] < drafted[d] for d in (0, 1))  # both fates at depths 1, 2
+    tv, limit = deep_tv(IAD(), DEEP_LAW_SAMPLING)
     assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
 
 

@@ -78,22 +78,25 @@ def hasten_method(name: str, model, draft=None, draft_size: str | None = None, l
     if draft_size == "auto" and name != AUTOREGRESSIVE:
         load_or_calibrate(model)  # the machine's cost curve, measured (or read) before anything is timed
 
+    start = _new_tokens_start(model)
+
     def run(input_ids, max_new_tokens, stop_at_eos=False):
         drafter = make_drafter(name, draft, **settings)  # built outside the timed call
         clock = time.perf_counter()
         out = generate(model, input_ids, drafter=drafter, max_new_tokens=max_new_tokens,
                        eos_token_id=None if stop_at_eos else [], draft_size=draft_size)
         seconds = time.perf_counter() - clock
-        return out.sequences[0, _head_length(model, input_ids) :].tolist(), out.stats, seconds
+        return out.sequences[0, start(input_ids) :].tolist(), out.stats, seconds
 
     return Method(label or name, "hasten", run, settings, None if name == AUTOREGRESSIVE else draft_size)
 
 
-def _head_length(model, input_ids: torch.Tensor) -> int:
-    """Where the new tokens start in a generation's sequence: after the prompt, or for an
-    encoder-decoder (whose sequence is the decoder's) after the decoder's start token."""
-    config = getattr(model, "config", None)
-    return 1 if getattr(config, "is_encoder_decoder", False) else input_ids.shape[1]
+def _new_tokens_start(model) -> Callable[[torch.Tensor], int]:
+    """input_ids -> where the new tokens start in a generation's sequence: after the prompt, or
+    for an encoder-decoder (whose sequence is the decoder's) after the decoder's start token."""
+    if runtime_of(model).encoder_decoder:
+        return lambda input_ids: 1
+    return lambda input_ids: input_ids.shape[1]
 
 
 def hf_method(name: str, model, draft=None) -> Method:
@@ -107,6 +110,8 @@ def hf_method(name: str, model, draft=None) -> Method:
         kwargs["assistant_model"] = draft
     pad = model.generation_config.pad_token_id
     pad = model.generation_config.eos_token_id if pad is None else pad  # only silences a warning
+
+    start = _new_tokens_start(model)
 
     def run(input_ids, max_new_tokens, stop_at_eos=False):
         forwards = []  # target forward calls, for tau; the assistant's are not counted
@@ -124,7 +129,7 @@ def hf_method(name: str, model, draft=None) -> Method:
             seconds = time.perf_counter() - clock
         finally:
             hook.remove()
-        new = out[0, _head_length(model, input_ids) :].tolist()
+        new = out[0, start(input_ids) :].tolist()
         if len(new) != max_new_tokens and not stop_at_eos:
             raise LosslessnessError(f"{name} produced {len(new)} tokens, expected {max_new_tokens}")
         # Hugging Face's first forward is the prefill and yields the first token: every
