@@ -40,6 +40,17 @@ def test_the_dry_run_runs_every_step_and_reports_it(tmp_path):
     assert len([p for p in out.rglob("*") if p.is_file()]) <= 8  # what a GPU machine's $OUT gives back
 
 
+def test_dtype_changes_the_benches_dtype_only(tmp_path):
+    from gpu_check.main import choose_sizes
+    from gpu_check.steps import plan
+
+    steps = {s.name: s for s in plan(choose_sizes(False, "float32"), sys.executable, tmp_path, tmp_path)}
+    for bench in ("long-context", "real-model-bench"):
+        command = list(steps[bench].command)
+        assert command[command.index("--dtype") + 1] == "float32" and command[command.index("--device") + 1] == "cuda"
+    assert choose_sizes(False, None).dtype == "bfloat16" and choose_sizes(True, None).dtype == "float32"
+
+
 def sleeper(name: str, seconds: float, box_s: float, marker: Path) -> Step:
     """A step that starts a grandchild which would write ``marker`` after ``seconds``."""
     code = (f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', "

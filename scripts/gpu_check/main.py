@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from . import report
 from .model_parts import assemble
 from .prepare import prepare
 from .runner import FAILED, TIMED_OUT, load_state, run_plan, save_state
-from .steps import DRY, GPU, ROOT, plan, with_real_model, write_long_prompt
+from .steps import DRY, GPU, ROOT, Sizes, plan, with_real_model, write_long_prompt
 
 DEFAULT_WORK = Path("/tmp/hasten-gpu-check")  # kept between the commands of one warm machine
 DEFAULT_BUDGET_S = 540  # a command may run 600 s
@@ -35,6 +36,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help=f"seconds this command may spend on steps (default {DEFAULT_BUDGET_S})")
     parser.add_argument("--box", action="append", default=[], metavar="STEP=SECONDS", help="another time box")
     parser.add_argument("--again", action="store_true", help="run again the steps that already ran here")
+    parser.add_argument("--dtype", help="the benches' dtype instead of the steps' own (GPU: bfloat16), e.g. float32")
     parser.add_argument("--jobs", type=int, help="steps at a time (default 1; dry run 2: its timings mean nothing)")
     args = parser.parse_args(argv)
     if not args.prepare and args.outdir is None:
@@ -71,6 +73,12 @@ def boxed(steps, overrides: list[str]):
     return [type(step)(**{**step.__dict__, "box_s": boxes.get(step.name, step.box_s)}) for step in steps]
 
 
+def choose_sizes(dry_run: bool, dtype: str | None) -> Sizes:
+    """The GPU's sizes or the dry run's, the benches in ``dtype`` where one is given."""
+    sizes = DRY if dry_run else GPU
+    return dataclasses.replace(sizes, dtype=dtype) if dtype else sizes
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.prepare:
@@ -80,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     work = (args.work or (Path(tempfile.mkdtemp(prefix="gpu-check-")) if args.dry_run else DEFAULT_WORK)).resolve()
     out.mkdir(parents=True, exist_ok=True)
     work.mkdir(parents=True, exist_ok=True)
-    sizes = DRY if args.dry_run else GPU
+    sizes = choose_sizes(args.dry_run, args.dtype)
     if args.dry_run:
         write_long_prompt(work)
     notes = [f"work folder {work}"]
