@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.runtime import Capability, Runtime
-from . import vlm
+from . import packed, vlm
 from .adapter import ModelAdapter, decoder_start_token, vocab_size
 from .attention import MaskedTree
 from .batch import BatchAdapter
@@ -44,6 +44,9 @@ class HuggingFaceRuntime(Runtime):
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
+        # a float32 CPU model verifies blocks on packed weights (models/packed.py); before the
+        # cost key is read, since its layers' class names are part of it
+        self.packed_blocks = packed.prepare(model)
         self.label = model_name(model)
         self.source = model.config._name_or_path
         self.encoder_decoder = bool(model.config.is_encoder_decoder)

@@ -1,0 +1,132 @@
+"""Verification blocks on packed weights (models/packed.py): one-row steps and prefills keep
+``F.linear``'s bits, blocks of a decode step take the packed kernel, outputs stay the model's."""
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import hasten
+from hasten.drafters import PromptLookup
+from hasten.models import packed
+from hasten.models.adapter import ModelAdapter
+from hasten.models.hf import HuggingFaceRuntime
+from hasten.models.quantize import quantize
+from helpers import DEVICE, ScriptedDrafter, generate_exactly, hf_greedy, repetitive_prompt, tiny_model
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu" or not packed.supported(),
+                                reason="the packed path is for float32 models on a CPU with oneDNN")
+
+
+@pytest.fixture(autouse=True)
+def pack_tiny_layers(monkeypatch):
+    """The tiny models' layers are below the size worth packing; here they are packed anyway."""
+    monkeypatch.setattr(packed, "MIN_PACKED_WEIGHTS", 0)
+
+
+def linears(model):
+    return [m for m in model.modules() if isinstance(m, nn.Linear)]
+
+
+class CountPacked:
+    """Counts the packed kernel's calls."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = packed.packed_linear
+
+        def counted(*args):
+            self.calls += 1
+            return real(*args)
+
+        monkeypatch.setattr(packed, "packed_linear", counted)
+
+
+def test_a_float32_cpu_model_gets_the_packed_class_once_and_keeps_its_parameters():
+    model = tiny_model("llama")
+    before = {name: p.clone() for name, p in model.state_dict().items()}
+    assert HuggingFaceRuntime(model).packed_blocks
+    assert all(type(m) is packed.PackedLinear for m in linears(model))
+    assert packed.prepare(model)  # again: nothing changes
+    assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
+    key = HuggingFaceRuntime(model).cost_key()
+    assert key["linear"] == ["PackedLinear"]  # the cost curve is measured anew for the packed path
+
+
+def test_off_by_environment_and_for_other_dtypes_and_replaced_layers(monkeypatch):
+    monkeypatch.setenv("HASTEN_PACKED_BLOCKS", "0")
+    model = tiny_model("llama")
+    assert not HuggingFaceRuntime(model).packed_blocks and all(type(m) is nn.Linear for m in linears(model))
+    monkeypatch.delenv("HASTEN_PACKED_BLOCKS")
+    assert not packed.prepare(tiny_model("llama").to(torch.bfloat16))
+    int8 = quantize(tiny_model("llama"), "int8")
+    packed.prepare(int8)
+    assert not any(type(m) is packed.PackedLinear for m in int8.modules())
+
+
+def test_small_layers_keep_f_linear(monkeypatch):
+    monkeypatch.setattr(packed, "MIN_PACKED_WEIGHTS", 1 << 16)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 255))  # 65,536 weights and one row fewer
+    assert packed.prepare(model)
+    assert [type(m) for m in model] == [packed.PackedLinear, nn.Linear]
+    assert not packed.prepare(tiny_model("llama"))
+
+
+def test_one_row_and_outside_a_decode_step_is_f_linear_bit_for_bit_and_blocks_are_packed():
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 48)
+    reference = nn.Linear(64, 48)
+    reference.load_state_dict(layer.state_dict())
+    assert packed.prepare(layer)
+    x = torch.randn(1, 6, 64)  # [batch, rows, in]
+    with packed.decode_forward():
+        assert torch.equal(layer(x[:, :1]), F.linear(x[:, :1], reference.weight, reference.bias))
+        block = layer(x)
+    assert torch.equal(layer(x), F.linear(x, reference.weight, reference.bias))  # outside: F.linear
+    kernel = packed.packed_linear(x, layer.packed_weight(), layer.bias)
+    assert torch.equal(block, kernel)
+    assert torch.allclose(block, F.linear(x, reference.weight, reference.bias), atol=1e-5)
+
+
+def test_a_changed_weight_is_packed_again():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 8)
+    packed.prepare(layer)
+    x = torch.randn(4, 16)
+    with packed.decode_forward():
+        first = layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        second = layer(x)
+    assert torch.allclose(second - layer.bias, 2 * (first - layer.bias), atol=1e-5)
+
+
+def test_the_prefill_keeps_the_models_own_bits(monkeypatch):
+    model = tiny_model("llama")
+    HuggingFaceRuntime(model)
+    counter = CountPacked(monkeypatch)
+    prompt = repetitive_prompt(24)
+    adapter = ModelAdapter(model)
+    adapter.start(prompt, logits=True)
+    assert counter.calls == 0
+    with torch.no_grad():
+        own = model(prompt[:, :-1]).logits[0]
+    assert torch.equal(adapter.prompt_logits, own)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("mode", ["oracle", 2])  # every draft right; the third token of each wrong
+def test_greedy_output_is_the_models_with_blocks_on_packed_weights(arch, mode, monkeypatch):
+    model = tiny_model(arch)
+    prompt = repetitive_prompt(32)
+    reference = hf_greedy(model, prompt, 40)
+    counter = CountPacked(monkeypatch)
+    stats = generate_exactly(model, prompt, reference, ScriptedDrafter(reference[0].tolist(), 6, mode), 40)
+    assert counter.calls > 0 and stats.accepted_tokens > 0  # blocks went through the packed kernel and were kept
+
+
+def test_prompt_lookup_keeps_the_models_output_on_packed_weights(monkeypatch):
+    model = tiny_model("llama")
+    prompt = repetitive_prompt(32)
+    counter = CountPacked(monkeypatch)
+    out = hasten.generate(model, prompt, drafter=PromptLookup(), max_new_tokens=40, draft_size="fixed")
+    assert counter.calls > 0 and torch.equal(out.sequences, hf_greedy(model, prompt, 40))
