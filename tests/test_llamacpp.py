@@ -237,6 +237,8 @@ def test_smollm2_greedy_equals_llama_cpp_greedy(method):
         assert got == reference, task.name
 
 
+# the notice comes once per process, from whichever test loads a GGUF first; its own test checks it
+@pytest.mark.filterwarnings("ignore:the llama.cpp backend runs flash attention")
 def test_load_and_cli_run_a_gguf_on_the_llama_cpp_backend(tiny_gguf, cli):
     engine = hasten.load(tiny_gguf, "prompt_lookup", backend="llama.cpp")
     prompt = "def add(a, b):\n    return a + b\n" * 2
