@@ -114,14 +114,15 @@ def test_the_prefill_keeps_the_models_own_bits(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
-@pytest.mark.parametrize("mode", ["oracle", 2])  # every draft right; the third token of each wrong
+@pytest.mark.parametrize("mode", ["oracle", "adversarial", 2])  # every draft right, every one wrong, the third wrong
 def test_greedy_output_is_the_models_with_blocks_on_packed_weights(arch, mode, monkeypatch):
     model = tiny_model(arch)
     prompt = repetitive_prompt(32)
     reference = hf_greedy(model, prompt, 40)
     counter = CountPacked(monkeypatch)
     stats = generate_exactly(model, prompt, reference, ScriptedDrafter(reference[0].tolist(), 6, mode), 40)
-    assert counter.calls > 0 and stats.accepted_tokens > 0  # blocks went through the packed kernel and were kept
+    assert counter.calls > 0  # the blocks went through the packed kernel
+    assert (stats.accepted_tokens > 0) == (mode != "adversarial")
 
 
 def test_prompt_lookup_keeps_the_models_output_on_packed_weights(monkeypatch):
@@ -130,3 +131,29 @@ def test_prompt_lookup_keeps_the_models_output_on_packed_weights(monkeypatch):
     counter = CountPacked(monkeypatch)
     out = hasten.generate(model, prompt, drafter=PromptLookup(), max_new_tokens=40, draft_size="fixed")
     assert counter.calls > 0 and torch.equal(out.sequences, hf_greedy(model, prompt, 40))
+
+
+def test_a_model_prepared_before_stays_prepared_however_little_memory_is_left(monkeypatch):
+    model = tiny_model("llama")
+    assert packed.prepare(model)
+    monkeypatch.setattr(packed, "_available_bytes", lambda: 0)  # the copies made since took the room
+    assert packed.prepare(model) and HuggingFaceRuntime(model).packed_blocks
+    assert not packed.prepare(tiny_model("llama", seed=1))  # a new model does not fit
+
+
+def test_sampled_output_follows_the_target_with_blocks_on_packed_weights(monkeypatch):
+    """The end-to-end sampling law (test_sampling_distribution.py) with the target's blocks on
+    packed weights: a fixed tree with siblings 3 deep, so drafts are accepted and rejected at
+    depths 1 to 3; the exact law is the model's own forward (F.linear)."""
+    from test_sampling_distribution import TARGET, TREE_SAMPLING, RankedTreeDrafter, deep_tv
+
+    assert packed.prepare(TARGET)
+    try:
+        counter = CountPacked(monkeypatch)
+        tv, limit = deep_tv(RankedTreeDrafter(TARGET, TREE_SAMPLING), TREE_SAMPLING)
+        assert counter.calls > 0
+        assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
+    finally:  # TARGET is shared with other test files: give it back its own class
+        for module in TARGET.modules():
+            if type(module) is packed.PackedLinear:
+                module.__class__ = nn.Linear

@@ -94,6 +94,8 @@ def eligible(model: nn.Module) -> bool:
     if os.environ.get("HASTEN_PACKED_BLOCKS", "1") == "0" or not supported():
         return False
     layers = _layers(model)
+    if layers and all(type(m) is PackedLinear for m in layers):  # prepared before: its copies count as room taken
+        return True
     if not layers or any(m.weight.device.type != "cpu" or m.weight.dtype != torch.float32 for m in layers):
         return False
     needed = sum(m.weight.numel() * 4 for m in layers)
