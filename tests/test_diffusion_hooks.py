@@ -1,11 +1,14 @@
 """Caching hooks on unmodified models: diffusers transformers (tiny, random) and toy modules."""
 from __future__ import annotations
 
+import json
+
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
-from hasten.diffusion import (BlockAdaptive, FirstBlockCache, FixedInterval, NoCache, TaylorSeer, cached,
+from hasten.diffusion import (BlockAdaptive, Calibration, FirstBlockCache, FixedInterval, NoCache, TaylorSeer, cached,
                               calibrate, disable_cache, enable_cache)
 
 STEPS = 8
@@ -177,10 +180,18 @@ def test_bac_calibrate_save_load_and_schedule(tmp_path):
     model, call, x = tiny_dit()
     reference = sample(call, x.clone())
     calibration = calibrate(model, lambda: sample(call, x.clone()), num_steps=STEPS)
-    assert calibration.similarity.shape == (4, STEPS, STEPS)
+    assert calibration.similarity.shape == calibration.change.shape == (4, STEPS, STEPS)
     assert abs(calibration.similarity[:, 3, 3] - 1).max() < 1e-5
+    assert (calibration.change[:, 3, 3] == 0).all() and (calibration.change[:, 0, 1] > 0).all()
     path = tmp_path / "cal.json"
     calibration.save(path)
+    loaded = Calibration.load(path)
+    assert loaded.unit_blocks == calibration.unit_blocks and loaded.unit_kinds == calibration.unit_kinds
+    assert np.allclose(loaded.change, calibration.change, rtol=1e-5)
+    old = json.loads(path.read_text()) | {"format": "hasten.bac.calibration/1"}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    with pytest.raises(ValueError, match="calibrate again"):
+        Calibration.load(tmp_path / "old.json")
     with cached(model, BlockAdaptive(str(path), updates=STEPS)) as session:
         assert torch.equal(sample(call, x.clone()), reference)
     policy = BlockAdaptive(path, updates=3, union_top_k=1)

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from hasten.diffusion.bac import adaptive_schedule, bubbling_union, caching_error
+from hasten.diffusion.bac import (BlockAdaptive, Calibration, adaptive_schedule, bubbling_union, caching_error,
+                                  ffn_downstream_union, mean_change, step_change)
 from hasten.diffusion.metrics import psnr, ssim
 
 
@@ -75,10 +76,65 @@ def test_adaptive_schedule_is_optimal(seed):
     assert adaptive_schedule(sim, 1) == [0]
 
 
-def test_bubbling_union_adds_downstream_ffn_steps_to_worst_upstream_ffn():
+# Bubbling Union, hand-worked: two blocks of (self-attention, cross-attention, feed-forward).
+KINDS = ["attn", "attn", "ff", "attn", "attn", "ff"]
+BLOCKS = [0, 0, 0, 1, 1, 1]
+SLOPES = [3.0, 1.0, 0.5, 2.0, 0.0, 4.0]  # unit u's features at step t: SLOPES[u] * t in every element
+
+
+def _traces(steps):
+    return [torch.arange(steps, dtype=torch.float32).view(steps, 1, 1).expand(steps, 2, 3) * c for c in SLOPES]
+
+
+def test_step_change_is_the_mean_l1_difference_between_steps():
+    change = step_change(_traces(3)[0])  # |3i - 3j|
+    assert change.tolist() == [[0, 3, 6], [3, 0, 3], [6, 3, 0]]
+    assert mean_change(change) == pytest.approx(4.0)  # pairs (0,1) (0,2) (1,2): (3 + 6 + 3) / 3
+
+
+def test_bubbling_union_picks_any_kind_by_l1_change_and_gives_same_or_deeper_ffn_steps():
+    changes = [mean_change(step_change(t)) for t in _traces(3)]  # ranks units 5, 0, 3, 1, 2, 4
+    schedules = [[0, 5], [0, 6], [0, 2, 7], [0, 4], [0, 8], [0, 3, 9]]
+    out = bubbling_union(schedules, KINDS, BLOCKS, changes, top_k=3)  # chosen: 5 (ff), 0 (attn), 3 (attn)
+    assert out == [[0, 2, 3, 5, 7, 9],  # layer 0's attention: its own layer's ff (2) and the deeper one (5)
+                   [0, 6], [0, 2, 7],  # not chosen: unchanged, though a deeper ff updates elsewhere
+                   [0, 3, 4, 9],  # layer 1's attention: layer 1's ff only
+                   [0, 8], [0, 3, 9]]  # the chosen ff of the last layer: nothing deeper
+    two = bubbling_union(schedules, KINDS, BLOCKS, changes, top_k=2)
+    assert two == [[0, 2, 3, 5, 7, 9], *schedules[1:]]
+    assert bubbling_union(schedules, KINDS, BLOCKS, changes, top_k=1) == schedules  # one block: no union
+    assert bubbling_union(schedules, KINDS, BLOCKS, changes, top_k=0) == schedules
+    assert bubbling_union(schedules, KINDS, BLOCKS, [1.0] * 6, top_k=2)[:2] == [[0, 2, 3, 5, 7, 9], [0, 2, 3, 6, 7, 9]]
+
+
+def _phase_similarity(steps, switch):
+    """Similarity 1 within [0, switch) and within [switch, steps), 0 across: the scheduler's only
+    best 2-update schedule is [0, switch]."""
+    phase = np.arange(steps) >= switch
+    return (phase[:, None] == phase[None, :]).astype(float)
+
+
+def test_block_adaptive_schedules_with_the_reference_union_and_hasten_narrowed_one():
+    steps, switches = 6, [5, 4, 2, 3, 1, 4]
+    traces = _traces(steps)
+    calibration = Calibration([f"u{u}" for u in range(6)], KINDS, BLOCKS, "submodule",
+                              np.stack([_phase_similarity(steps, k) for k in switches]),
+                              np.stack([step_change(t) for t in traces]))
+    assert BlockAdaptive(calibration, updates=2, union_top_k=0).schedules() == {
+        f"u{u}": [0, k] for u, k in enumerate(switches)}
+    assert BlockAdaptive(calibration, updates=2, union_top_k=3).schedules() == {
+        "u0": [0, 2, 4, 5], "u1": [0, 4], "u2": [0, 2], "u3": [0, 3, 4], "u4": [0, 1], "u5": [0, 4]}
+    # hasten's narrowed rule: the worst feed-forward unit (a tie at 0 error: the first) takes later ones' steps
+    narrowed = BlockAdaptive(calibration, updates=2, union_top_k=1, union="ffn_downstream").schedules()
+    assert narrowed == {"u0": [0, 5], "u1": [0, 4], "u2": [0, 2, 4], "u3": [0, 3], "u4": [0, 1], "u5": [0, 4]}
+    with pytest.raises(ValueError, match="union"):
+        BlockAdaptive(calibration, union="ffn")
+
+
+def test_ffn_downstream_union_adds_later_ffn_steps_to_worst_earlier_ffn():
     schedules = [[0, 4], [0, 2], [0, 6], [0, 3], [0, 5]]
     kinds = ["attn", "ff", "attn", "ff", "ff"]
     errors = [0.9, 0.5, 0.9, 0.1, 0.2]
-    out = bubbling_union(schedules, kinds, errors, top_k=1)  # unit 1 is the worst feed-forward
+    out = ffn_downstream_union(schedules, kinds, errors, top_k=1)  # unit 1 is the worst feed-forward
     assert out == [[0, 4], [0, 2, 3, 5], [0, 6], [0, 3], [0, 5]]
-    assert bubbling_union(schedules, kinds, errors, top_k=0) == schedules
+    assert ffn_downstream_union(schedules, kinds, errors, top_k=0) == schedules
