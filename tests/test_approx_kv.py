@@ -7,7 +7,8 @@ import torch
 
 import hasten
 from hasten.approx import SnapKV, SpecKV, SpecPC, StreamingLLM
-from hasten.approx.kv import attention_scores, keep_entries
+from hasten.approx.kv import attention_scores, centred_max_pool, draft_lookahead, keep_entries
+from hasten.approx.specpc import select_positions
 from hasten.drafters import Lookahead, PromptLookup
 from hasten.models.adapter import ModelAdapter
 from hasten.models.compat import cache_argument
@@ -96,6 +97,72 @@ def test_specpc_keeps_the_window_and_budget_tokens_in_order():
     assert pc.compress(PROMPT[:, :15]) is not None and pc.compress(PROMPT[:, :15]).shape == (1, 15)
     out = hasten.generate(tiny_model("llama"), short, drafter=PromptLookup(), max_new_tokens=4)
     assert out.sequences.shape == (1, 24)
+
+
+def test_query_weights_scale_each_observing_query():
+    keys = torch.zeros(1, 10, 2)
+    keys[0, 1, 0] = keys[0, 3, 1] = 5.0
+    queries = torch.tensor([[[1.0, 0.0], [0.0, 1.0]]])  # [1 head, 2 queries, 2]: position 8 seeks key 1, 9 key 3
+    plain = attention_scores(queries, keys, cached=8, pool=1)[0]
+    assert float(plain[1]) > 0.75 and float(plain[3]) > 0.75
+    weighted = attention_scores(queries, keys, cached=8, pool=1, query_weights=torch.tensor([0.0, 1.0]))[0]
+    assert weighted[3] == plain[3] and float(weighted[1]) < 0.05  # only the second query still counts
+
+
+def test_centred_max_pool_of_an_even_kernel_reaches_one_further_after():
+    spike = torch.zeros(10)
+    spike[5] = 1.0
+    assert centred_max_pool(spike, 4).tolist() == [0, 0, 0, 1, 1, 1, 1, 0, 0, 0]  # entries i-1 .. i+2
+    assert centred_max_pool(spike, 3).tolist() == [0, 0, 0, 0, 1, 1, 1, 0, 0, 0]
+    assert torch.equal(centred_max_pool(spike, 1), spike)
+
+
+def test_specpc_selection_by_hand():
+    # no pooling, no neighbours: the window (8, 9), then the best others until the budget
+    scores = torch.tensor([0, 5, 0, 3, 0, 0, 4, 0, 9, 1.0])
+    assert select_positions(scores, budget=5, window=2, pool=1, neighbours=0) == [1, 3, 6, 8, 9]
+    # neighbours 4 = offsets 0, -1, 1, 2: the spike at 5 brings 4, 6, 7; the one at 12 brings 11 before the cut
+    scores = torch.zeros(20)
+    scores[5], scores[12] = 1.0, 0.5
+    assert select_positions(scores, budget=8, window=2, pool=1, neighbours=4) == [4, 5, 6, 7, 11, 12, 18, 19]
+    # an even pool spreads the spike over 3..6 (ties: earlier first), the cut falls inside it
+    scores = torch.zeros(10)
+    scores[5] = 1.0
+    assert select_positions(scores, budget=4, window=1, pool=4, neighbours=0) == [3, 4, 5, 9]
+    # the reference's Llama settings (pool 32, neighbours 32): the spike at 100 pools over 84..115; 84's
+    # neighbours (-15..16) are 69..100, then each next pick adds one more token after: 101, 102, ...
+    scores = torch.zeros(200)
+    scores[100] = 1.0
+    assert select_positions(scores, budget=48, window=4, pool=32, neighbours=32) == [*range(69, 113), 196, 197, 198, 199]
+
+
+def test_specpc_defaults_follow_the_reference_and_start_at_half_depth():
+    draft = tiny_model("llama", seed=9)
+    pc = SpecPC(draft)
+    assert (pc.window, pc.pool, pc.neighbours, pc.lookahead, pc.weighted_query) == (64, 32, 32, 1, True)
+    assert pc.first_layer == draft.config.num_hidden_layers // 2
+    assert SpecPC(draft, starting_layer=0).first_layer == 0
+    with pytest.raises(ValueError, match="starting_layer"):
+        SpecPC(draft, starting_layer=draft.config.num_hidden_layers)
+    # every layer counting scores at least as high as the top half alone (a max over more layers)
+    tokens = PROMPT[0].tolist()
+    upper, every = SpecPC(draft, window=6).scores(tokens), SpecPC(draft, window=6, starting_layer=0).scores(tokens)
+    assert every.shape == upper.shape == (60,) and (every >= upper).all() and (every > upper).any()
+
+
+def test_speckv_lookahead_defaults_to_the_answer_length():
+    model, draft = tiny_model("llama"), tiny_model("llama", seed=9)
+    tokens = PROMPT[0].tolist()
+    assert SpecKV(draft=draft, budget=24, window=8).observed(tokens, 5) == [tokens[-1], *draft_lookahead(draft, tokens, 5)]
+    caches = []
+    for policy, new in ((SpecKV(draft=draft, budget=24, window=8), 5), (SpecKV(draft=draft, budget=24, window=8,
+                                                                              lookahead=5), None)):
+        adapter = ModelAdapter(model)
+        policy.start(adapter, PROMPT, hidden=False, max_new_tokens=new)
+        caches.append(torch.cat([layer.keys for layer in adapter.cache.layers]))
+    assert torch.equal(*caches)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        SpecKV(draft=draft, budget=24, window=8).start(ModelAdapter(model), PROMPT, hidden=False)
 
 
 def test_lossy_modes_are_refused_unless_asked_for_properly():

@@ -18,6 +18,8 @@ and keeps, per layer and KV head, the most recent ``window`` prompt entries plus
 * :class:`SpecKV` (Galim et al. 2025, "Draft-based Approximate Inference for LLMs"): the
   same scores, but observed by the last window *and* a ``lookahead`` of tokens the draft
   model writes after the prompt, which approximate the queries the answer itself will make.
+  As in the reference code, the lookahead is as long as the answer (``max_new_tokens``)
+  unless set.
 
 Full-attention targets only (a kept entry's position is not its cache index, which a
 sliding-window mask would need).
@@ -52,7 +54,7 @@ class KVCompression:
     def describe(self) -> str:
         return f"{self.name}(budget={self.budget})"
 
-    def observed(self, tokens: list[int]) -> list[int]:
+    def observed(self, tokens: list[int], max_new_tokens: int | None) -> list[int]:
         """Tokens run after the prompt's cached part, observed but never kept: none."""
         return []
 
@@ -65,17 +67,18 @@ class KVCompression:
                 for layer in range(len(cache.layers))}
 
     @torch.no_grad()
-    def start(self, target: ModelAdapter, input_ids: torch.Tensor, hidden: bool) -> tuple[list[int],
-                                                                                          torch.Tensor | None]:
+    def start(self, target: ModelAdapter, input_ids: torch.Tensor, hidden: bool,
+              max_new_tokens: int | None = None) -> tuple[list[int], torch.Tensor | None]:
         """Prefill ``input_ids`` ([1, T]) and leave ``target`` holding the compressed cache of
-        its first T - 1 tokens; returns the tokens and, if asked, the prefilled features."""
+        its first T - 1 tokens; returns the tokens and, if asked, the prefilled features.
+        ``max_new_tokens``: the answer's length, which SpecKV's default lookahead needs."""
         check_full_attention(target.model)
         self.check(target)
         tokens = input_ids[0].tolist()
         cached = len(tokens) - 1
         if cached <= self.budget:  # nothing to drop
             return target.start(input_ids, hidden=hidden)
-        extra = self.observed(tokens)
+        extra = self.observed(tokens, max_new_tokens)
         sequence = tokens[:-1] + extra
         model = target.model
         cache = DynamicCache()
@@ -96,11 +99,13 @@ def check_full_attention(model: PreTrainedModel) -> None:
         raise ValueError(f"KV compression needs a full-attention causal LM; {model_name(model)!r} is not one")
 
 
-def attention_scores(queries: torch.Tensor, keys: torch.Tensor, cached: int, pool: int) -> torch.Tensor:
+def attention_scores(queries: torch.Tensor, keys: torch.Tensor, cached: int, pool: int,
+                     query_weights: torch.Tensor | None = None) -> torch.Tensor:
     """queries [heads, n, dim] of the last n positions of a sequence whose keys are
     ``keys`` [kv_heads, T, dim] -> [kv_heads, cached]: the largest softmax weight any observed
     query (and any query head sharing the KV head) gives each of the first ``cached`` keys,
-    max-pooled over ``pool`` neighbours."""
+    each query's weights first multiplied by its ``query_weights`` ([n]) if given, then
+    max-pooled over ``pool`` neighbours (odd ``pool``: centred)."""
     heads, count, dim = queries.shape
     kv_heads, length = keys.shape[0], keys.shape[1]
     group = heads // kv_heads
@@ -109,10 +114,20 @@ def attention_scores(queries: torch.Tensor, keys: torch.Tensor, cached: int, poo
     query_pos = torch.arange(length - count, length, device=keys.device)
     future = torch.arange(length, device=keys.device)[None] > query_pos[:, None]  # [n, T]
     weights = logits.masked_fill(future, float("-inf")).softmax(-1)[..., :cached]  # [heads, n, cached]
+    if query_weights is not None:
+        weights = weights * query_weights.to(weights)[None, :, None]
     scores = weights.amax(1).view(kv_heads, group, cached).amax(1)  # [kv_heads, cached]
-    if pool > 1:
-        scores = F.max_pool1d(scores[:, None], pool, stride=1, padding=pool // 2)[:, 0, :cached]
-    return scores
+    return centred_max_pool(scores, pool)
+
+
+def centred_max_pool(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    """[..., T] -> [..., T]: each entry the largest of the ``kernel`` entries from ``(kernel - 1) // 2``
+    before it to ``kernel // 2`` after it (the reference's centring, which even kernels need)."""
+    if kernel <= 1:
+        return scores
+    left = (kernel - 1) // 2
+    padded = F.pad(scores.unsqueeze(-2), (left, kernel - 1 - left), value=float("-inf"))  # [..., 1, T + kernel - 1]
+    return F.max_pool1d(padded, kernel, stride=1).squeeze(-2)
 
 
 def keep_entries(cache: DynamicCache, scores: dict[int, torch.Tensor], cached: int, budget: int,
@@ -159,7 +174,7 @@ class SpecKV(KVCompression):
     budget: int = 256
     window: int = 32
     pool: int = 7
-    lookahead: int = 16  # tokens the draft model writes after the prompt (greedy)
+    lookahead: int | None = None  # tokens the draft writes after the prompt (greedy); None: max_new_tokens
     name = "speckv"
 
     def __post_init__(self) -> None:
@@ -171,16 +186,20 @@ class SpecKV(KVCompression):
             raise ValueError(f"SpecKV's draft model has a vocabulary of {vocab_size(self.draft)} tokens, the target "
                              f"{target.vocab_size}: they must share one tokenizer")
 
-    def observed(self, tokens: list[int]) -> list[int]:
-        """The prompt's last token, then the draft model's greedy continuation (its last
-        token needs no query of its own)."""
-        return [tokens[-1], *draft_lookahead(self.draft, tokens, self.lookahead)[:-1]]
+    def observed(self, tokens: list[int], max_new_tokens: int | None) -> list[int]:
+        """The prompt's last token, then the draft model's greedy continuation, every token of
+        it observed (the reference's window is ``window + lookahead + 1`` queries)."""
+        count = self.lookahead if self.lookahead is not None else max_new_tokens
+        if count is None:
+            raise ValueError("SpecKV(lookahead=None) writes a lookahead as long as the answer, but was not told "
+                             "max_new_tokens; set lookahead=N")
+        return [tokens[-1], *draft_lookahead(self.draft, tokens, count)]
 
 
-def check_draft(name: str, draft, lookahead: int) -> None:
+def check_draft(name: str, draft, lookahead: int | None) -> None:
     if not isinstance(draft, PreTrainedModel):
         raise TypeError(f"{name} needs a draft model (a transformers PreTrainedModel), got {draft!r}")
-    if lookahead < 1:
+    if lookahead is not None and lookahead < 1:
         raise ValueError(f"{name}: lookahead must be >= 1, got {lookahead}")
 
 
