@@ -76,27 +76,32 @@ def test_partial_forward_equals_full_forward_when_cached_kv_are_fresh(arch):
 
 def two_blocks_of_8(model):
     """cache -> the generation of 16 tokens after a 16-token prompt, in 2 blocks of 8, 16 steps."""
-    return lambda cache: generate(model, prompt(16), mask_token_id=MASK, gen_length=16, block_length=8,
-                                  steps=16, cache=cache)
+    return lambda cache, remasking="low_confidence": generate(model, prompt(16), mask_token_id=MASK, gen_length=16,
+                                                              block_length=8, steps=16, cache=cache,
+                                                              remasking=remasking)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_dkv_cache_runs_fewer_tokens_and_refresh_every_step_is_exact(arch):
+def test_dkv_cache_runs_fewer_tokens_and_reloading_every_step_is_exact(arch):
     model = tiny_model(arch)
     run = two_blocks_of_8(model)
     reference = run(NoCache())
-    assert torch.equal(run(DKVCache(refresh=1)).sequences, reference.sequences)
-    for variant in ("decode", "prefill", "greedy"):
-        out = run(DKVCache(variant=variant))
+    assert torch.equal(run(DKVCache(cache_reloading_step=1)).sequences, reference.sequences)
+    for cache, remasking in ((DKVCache(), "low_confidence"), (DKVCache(variant="prefill"), "low_confidence"),
+                             (DKVCache(variant="greedy"), "random_order")):
+        out = run(cache, remasking)
         assert out.stats.forwards == reference.stats.forwards == 16
         assert out.stats.tokens_recomputed < reference.stats.tokens_recomputed
         assert out.stats.attention_flops_skipped > 0
         assert (out.sequences != MASK).all()
-    # decode: the first step runs all 32 positions; then every step at least every masked position
-    # (16 + 15 + ... masked, minus one per step) and the token decoded the step before
-    decode = run(DKVCache(variant="decode"))
-    masked_after = [16 - s for s in range(1, 16)]
-    assert decode.stats.tokens_recomputed == 32 + sum(m + 1 for m in masked_after)
+    # decode, the reference's schedule: each block's steps 0 and 1 run all 32 positions; its steps 2-7 every
+    # masked position (block 0: 16 - s, block 1: 8 - s) and the token decoded the step before
+    decode = run(DKVCache())
+    assert decode.stats.tokens_recomputed == 4 * 32 + sum(16 - s + 1 for s in range(2, 8)) \
+        + sum(8 - s + 1 for s in range(2, 8))
+    # hasten's whole-generation schedule without reloading: only the generation's first step in full
+    once = run(DKVCache(schedule="whole_generation", cache_reloading_step=None))
+    assert once.stats.tokens_recomputed == 32 + sum(16 - s + 1 for s in range(1, 16))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -109,13 +114,12 @@ def test_dkv_cache_fresh_before_block_recomputes_the_neighbourhood_and_at_its_ex
     everything = run(DKVCache(fresh_before_block=24))
     assert torch.equal(everything.sequences, reference.sequences)
     assert everything.stats.tokens_recomputed == reference.stats.tokens_recomputed == 16 * 32
-    # 8 back: step 0 runs all 32; block 0's steps 1-7 run prompt positions 8-15, the block's decoded tokens
-    # and every masked position (8 + s + 16 - s = 24); block 1's steps run positions 16-31 (16), and no
-    # prompt position (its K/V come from step 0's forward)
+    # 8 back: each block's steps 0-1 run all 32; block 0's steps 2-7 run prompt positions 8-15, the block's
+    # decoded tokens and every masked position (8 + s + 16 - s = 24); block 1's steps 2-7 run positions 16-31
     near = run(DKVCache(fresh_before_block=8))
-    assert near.stats.tokens_recomputed == 32 + 7 * 24 + 8 * 16
+    assert near.stats.tokens_recomputed == 4 * 32 + 6 * 24 + 6 * 16
     assert (near.sequences != MASK).all()
-    # None is the paper's rule (what DKVCache() ran before the knob existed: see the count test above)
+    # None is the reference's rule
     assert run(DKVCache(fresh_before_block=None)).stats.tokens_recomputed == run(DKVCache()).stats.tokens_recomputed
 
 
@@ -142,13 +146,6 @@ def test_block_sparse_attention_keeping_every_block_is_full_attention(block):
     torch.testing.assert_close(block_sparse_attention(query, key, value, pattern, block, 0.3), probs @ full_values)
 
 
-def test_patterns_keep_the_blocks_holding_the_attention():
-    probs = torch.full((1, 8, 8), 0.01)
-    probs[0, :4, 6:] = 1.0  # the first query block looks at the last key block
-    probs[0, 4:, :2] = 1.0  # the second at the first
-    assert pick_patterns(probs, 2, 0.25)[0, :, 0].tolist() == [3, 3, 0, 0]
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_sparsed_with_select_one_equals_full_attention(arch):
     model = tiny_model(arch)
@@ -168,7 +165,7 @@ def test_partial_block_sparse_attention_equals_the_full_one_at_its_rows():
     query = torch.randn(4, 30, 8, generator=g)  # [heads, length, dim]
     key, value = torch.randn(2, 30, 8, generator=g), torch.randn(2, 30, 8, generator=g)  # [kv_heads, length, dim]
     probs = torch.softmax(query @ key.repeat_interleave(2, 0).transpose(1, 2) * 0.3, -1)  # [4, 30, 30]
-    pattern = pick_patterns(probs, 7, 0.5)  # [4, 5, 3]
+    pattern = pick_patterns(probs, 7, 0.5, 3)  # [4, 5, 5] bool, rows of 3 to 5 kept blocks
     full = block_sparse_attention(query, key, value, pattern, 7, 0.3)  # [4, 30, 8]
     rows = torch.tensor([2, 3, 9, 20, 29])
     order = torch.cat([context_positions(rows, 30), rows])  # [30] key positions as the partial forward sees them
@@ -180,16 +177,17 @@ def test_partial_block_sparse_attention_equals_the_full_one_at_its_rows():
     torch.testing.assert_close(block_mass(probs[:, rows][:, :, order], 7, rows, order), block_mass(only_rows, 7))
 
 
-CACHES = [DKVCache(), DKVCache(variant="prefill"), DKVCache(variant="greedy", refresh=4),
-          DKVCache(fresh_before_block=4), FastDLLMPrefix(), FastDLLMDual()]
+CACHES = [DKVCache(), DKVCache(variant="prefill"), DKVCache(variant="greedy", cache_reloading_step=4),
+          DKVCache(fresh_before_block=4), DKVCache(schedule="whole_generation"), FastDLLMPrefix(), FastDLLMDual()]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("cache", CACHES, ids=describe)
 def test_sparsed_on_a_cache_with_select_one_equals_the_cache_alone(arch, cache):
     model = tiny_model(arch)
+    remasking = "random_order" if getattr(cache, "variant", None) == "greedy" else "low_confidence"
     run = lambda policy: generate(model, prompt(20), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
-                                  steps=16, cache=policy)
+                                  steps=16, cache=policy, remasking=remasking, generator=torch.Generator())
     alone = run(cache)
     dense = run(SparseD(skip=0.25, select=1.0, block=6, cache=cache))
     assert torch.equal(dense.sequences, alone.sequences)
@@ -202,20 +200,33 @@ def test_sparsed_on_a_cache_with_select_one_equals_the_cache_alone(arch, cache):
     assert model.config._attn_implementation == "sdpa"  # put back after the generation
 
 
-def test_sparsed_counts_follow_the_rule_alone_and_on_the_dual_cache():
+def test_sparsed_counts_follow_the_rule_alone_and_on_the_dual_cache(monkeypatch):
+    from hasten.dlm import sparse
+
+    picked = []  # every pattern pick, in call order (one per layer and choosing forward)
+    pick = sparse.pick_patterns
+    monkeypatch.setattr(sparse, "pick_patterns", lambda *args: picked.append(pick(*args)) or picked[-1])
     model = tiny_model("llama")
+    layers = model.config.num_hidden_layers
     per_pair = attention_flops_per_pair(model.config)
     run = lambda policy: generate(model, prompt(16), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
                                   steps=8, cache=policy).stats
-    # 32 positions in 4 query blocks of 8; select 0.5 keeps 2 of 4 key blocks; skip 0.25 of 8 steps: 2 dense steps
+    # 32 positions in 4 query blocks of 8, key blocks 0-1 prompt, 2-3 generated; skip 0.25 of 8 steps chooses
+    # at step int(2) + 1 = 3: steps 0-3 dense (step 3 picks), 4-7 sparse, keeping the picked blocks of 4
     alone = run(SparseD(skip=0.25, select=0.5, block=8))
-    # steps 0-1 dense, step 2 dense and picks every block's pattern, steps 3-7 sparse
-    assert alone.attention_flops == per_pair * 32 * 32 * (3 + 5 * 0.5)
+    fraction = sum(float(p.sum(-1).float().mean()) / 4 for p in picked) / layers  # p: [heads, 4, 4] per layer
+    assert len(picked) == layers
+    assert all(bool(p[..., 2:].sum(-1).ge(1).all()) for p in picked)  # every row keeps a generated block
+    assert alone.attention_flops == pytest.approx(per_pair * 32 * 32 * (4 + 4 * fraction), abs=4)
+    picked.clear()
     dual = run(SparseD(skip=0.25, select=0.5, block=8, cache=FastDLLMDual()))
-    # block 0 (positions 16-23): full forward, then 3 forwards of its 8 positions; block 1 (24-31) the same.
-    # Step 2 is the first run of query block 2 (dense, picks it), step 3 sparse; step 4, block 1's full
-    # forward, meets query blocks 0, 1 and 3 for the first time (dense); steps 5-7 sparse.
-    assert dual.attention_flops == per_pair * (32 * 32 + 8 * 32 + 8 * 32 + 8 * 32 * 0.5 + 32 * 32 + 3 * 8 * 32 * 0.5)
+    # block 0 (positions 16-23, query block 2): full forward, then 3 forwards of its 8 positions, dense up to
+    # step 3, which picks query block 2; step 4, block 1's full forward, meets query blocks 0, 1 and 3 for the
+    # first time (dense, picks them); steps 5-7 run query block 3 (positions 24-31) sparse
+    assert len(picked) == 2 * layers
+    fraction = sum(float(p[:, 3].sum(-1).float().mean()) / 4 for p in picked[layers:]) / layers
+    assert dual.attention_flops == pytest.approx(per_pair * (32 * 32 + 3 * 8 * 32 + 32 * 32 + 3 * 8 * 32 * fraction),
+                                                 abs=4)
     assert dual.tokens_recomputed == run(FastDLLMDual()).tokens_recomputed == 2 * 32 + 6 * 8
 
 
@@ -231,10 +242,10 @@ def test_sampling_and_random_remasking_are_reproducible_and_cache_independent():
     model = tiny_model("qwen2")
     run = lambda cache, **kw: generate(model, prompt(), mask_token_id=MASK, gen_length=8, block_length=4,  # noqa: E731
                                        steps=8, cache=cache, generator=torch.Generator().manual_seed(3), **kw)
-    for kw in ({"temperature": 1.0}, {"remasking": "random"}):
+    for kw in ({"temperature": 1.0}, {"remasking": "random"}, {"remasking": "random_order"}):
         first = run(None, **kw).sequences
         assert torch.equal(first, run(None, **kw).sequences)
-        assert torch.equal(first, run(DKVCache(refresh=1), **kw).sequences)
+        assert torch.equal(first, run(DKVCache(cache_reloading_step=1), **kw).sequences)
 
 
 def test_mask_token_comes_from_the_config():
@@ -259,23 +270,31 @@ def test_errors_name_the_argument(kwargs, word):
 def test_policy_settings_are_checked():
     with pytest.raises(ValueError, match="variant"):
         DKVCache(variant="lazy")
-    with pytest.raises(ValueError, match="refresh"):
-        DKVCache(refresh=0)
+    with pytest.raises(ValueError, match="schedule"):
+        DKVCache(schedule="never")
+    with pytest.raises(ValueError, match="cache_reloading_step"):
+        DKVCache(cache_reloading_step=0)
     with pytest.raises(ValueError, match="fresh_before_block"):
         DKVCache(fresh_before_block=-1)
     with pytest.raises(ValueError, match="fresh_before_block"):
         DKVCache(fresh_before_block=True)
-    assert describe(DKVCache()) == "DKVCache(variant=decode, window=8)"  # knobs that are off are left out
-    assert describe(DKVCache(refresh=4, fresh_before_block=16)) == \
-        "DKVCache(variant=decode, refresh=4, window=8, fresh_before_block=16)"
+    assert describe(DKVCache()) == "DKVCache(variant=decode, cache_reloading_step=8, window=4, schedule=reference)"
+    assert describe(DKVCache(cache_reloading_step=None, fresh_before_block=16)) == \
+        "DKVCache(variant=decode, cache_reloading_step=None, window=4, schedule=reference, fresh_before_block=16)"
+    assert "fresh_before_block" not in describe(DKVCache())  # a knob off by default is left out
     with pytest.raises(ValueError, match="select"):
         SparseD(select=0.0)
     with pytest.raises(ValueError, match="block"):
         SparseD(block=True)
+    with pytest.raises(ValueError, match="selection"):
+        SparseD(selection="top")
     with pytest.raises(ValueError, match="cache"):
         SparseD(cache=SparseD())
-    assert describe(SparseD(cache=FastDLLMDual())) == "SparseD(skip=0.2, select=0.3, block=32, cache=FastDLLMDual())"
-    assert describe(SparseD()) == "SparseD(skip=0.2, select=0.3, block=32)"
+    assert describe(SparseD(cache=FastDLLMDual())) == "SparseD(skip=0.2, selection=isolated, cache=FastDLLMDual())"
+    assert describe(SparseD(select=0.3, block=32)) == "SparseD(skip=0.2, select=0.3, block=32, selection=isolated)"
+    with pytest.raises(ValueError, match="threshold"):
+        generate(tiny_model("llama"), prompt(), mask_token_id=MASK, gen_length=4, block_length=4, steps=4,
+                 remasking="random_order", threshold=0.5)
 
 
 @pytest.mark.parametrize("body, parses", [("\n    return 1\n", 1.0), ("\n    return (\n", 0.0)])

@@ -8,7 +8,8 @@ same run (settings run one after another for each prompt, so load drifts hit all
 
 * ``speedup``: total wall time of ``NoCache`` / total wall time of the setting;
 * ``token_forward_ratio``: positions run through the model / positions ``NoCache`` runs;
-* ``agreement``: fraction of generated tokens equal to ``NoCache``'s;
+* ``agreement``: fraction of generated tokens equal to ``NoCache``'s at the same position (NoCache run with
+  the same remasking rule: the first setting of each rule is its reference);
 * ``reference_match``: fraction of the reference's tokens generated at their position;
 * ``exact``: fraction of completions equal to the reference once trimmed;
 * ``parses``: fraction of completions whose completed function ``ast.parse`` accepts;
@@ -25,6 +26,7 @@ from tqdm import tqdm
 
 from ..zoo import WEIGHTS_DIR, corpus
 from ..zoo.packing import unpacked
+from .heldout import SOURCES as HELDOUT
 from .policies import DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, describe
 from .sampler import generate
 from .sparse import SparseD
@@ -37,46 +39,69 @@ JUDGE_WEIGHTS = WEIGHTS_DIR / "code-tiny"
 
 @dataclass(frozen=True)
 class Setting:
-    """A policy plus the parallel-decoding threshold it runs with."""
+    """A policy plus the parallel-decoding threshold and the remasking rule it runs with."""
 
     policy: object
     threshold: float | None = None
+    remasking: str = "low_confidence"
 
     @property
     def label(self) -> str:
-        return describe(self.policy) + ("" if self.threshold is None else f" + threshold {self.threshold:g}")
+        return describe(self.policy) + ("" if self.threshold is None else f" + threshold {self.threshold:g}") + \
+            ("" if self.remasking == "low_confidence" else f" + {self.remasking}")
+
+
+# dKV-Cache-Greedy as the reference runs it: the order drawn at the block's start, its README's command line
+# (--cache-steps 2 --window-size 4), against NoCache with the same order
+GREEDY = [Setting(NoCache(), remasking="random_order"),
+          Setting(DKVCache(variant="greedy", cache_reloading_step=2, window=4), remasking="random_order")]
+# hasten's earlier dKV-Cache default (one cache, no reloading) and its neighbourhood knob on that schedule
+WHOLE_GENERATION = [Setting(DKVCache(schedule="whole_generation", cache_reloading_step=None)),
+                    Setting(DKVCache(schedule="whole_generation", cache_reloading_step=None, fresh_before_block=16))]
 
 
 def default_settings() -> list[Setting]:
     return [
         Setting(NoCache()),
-        Setting(DKVCache(variant="decode")),
-        Setting(DKVCache(variant="decode", refresh=16)),
-        # the decode variant keeping the neighbourhood of the decoding fresh (docs/dlm.md gives its measured agreement)
-        Setting(DKVCache(variant="decode", fresh_before_block=16)),
-        Setting(DKVCache(variant="decode", fresh_before_block=32)),
+        Setting(DKVCache()),  # the reference's schedule, cache_reloading_step 8 (its README's LLaDA example)
+        Setting(DKVCache(cache_reloading_step=2)),  # llada_generate.py's default
+        Setting(DKVCache(fresh_before_block=16)),  # + hasten's neighbourhood knob
+        *WHOLE_GENERATION,
         Setting(DKVCache(variant="prefill")),
-        Setting(DKVCache(variant="greedy", refresh=16)),
-        Setting(SparseD(skip=0.2, select=0.5, block=32)),
-        Setting(SparseD(skip=0.2, select=0.3, block=32)),
+        Setting(SparseD()),  # the reference's short-context preset: select 0.5, block 32
+        Setting(SparseD(select=0.3, block=32)),
+        Setting(SparseD(selection="single")),  # hasten's earlier selection, for comparison
         Setting(FastDLLMPrefix()),
         Setting(FastDLLMDual()),
-        Setting(SparseD(skip=0.2, select=0.3, block=32, cache=DKVCache(variant="decode"))),
-        Setting(SparseD(skip=0.2, select=0.3, block=32, cache=FastDLLMDual())),
+        Setting(SparseD(select=0.3, block=32, cache=DKVCache())),
+        Setting(SparseD(select=0.3, block=32, cache=FastDLLMDual())),
         Setting(NoCache(), threshold=0.9),
         Setting(FastDLLMDual(), threshold=0.9),
-        Setting(DKVCache(variant="decode"), threshold=0.9),
+        Setting(DKVCache(), threshold=0.9),
+        *GREEDY,
     ]
 
 
 def long_context_settings() -> list[Setting]:
-    return [Setting(NoCache()), Setting(SparseD(skip=0.2, select=0.3, block=64)),
-            Setting(SparseD(skip=0.2, select=0.5, block=64)), Setting(DKVCache(variant="decode")),
-            Setting(DKVCache(variant="decode", fresh_before_block=32)),
-            Setting(FastDLLMDual()),
+    return [Setting(NoCache()), Setting(SparseD()), Setting(SparseD(selection="single")),
+            Setting(SparseD(select=0.3, block=64)), Setting(SparseD(select=0.3, block=64, selection="single")),
+            Setting(DKVCache()), Setting(DKVCache(fresh_before_block=32)), Setting(FastDLLMDual()),
             # on a cache, SparseD blocks of 32 line up with the generation blocks, so a block's queries fill one tile
-            Setting(SparseD(skip=0.2, select=0.3, block=32, cache=DKVCache(variant="decode"))),
-            Setting(SparseD(skip=0.2, select=0.3, block=32, cache=FastDLLMDual()))]
+            Setting(SparseD(select=0.3, block=32, cache=DKVCache()))]
+
+
+def heldout_settings() -> list[Setting]:
+    """The settings of the held-out agreement check (docs/dlm.md): dKV-Cache by the reference's schedule and with
+    hasten's knobs, SparseD's isolated selection against hasten's earlier single top-k."""
+    return [Setting(NoCache()), Setting(DKVCache()), Setting(DKVCache(cache_reloading_step=2)),
+            Setting(DKVCache(fresh_before_block=16)), *WHOLE_GENERATION,
+            Setting(SparseD()), Setting(SparseD(selection="single")),
+            Setting(SparseD(select=0.3, block=32)), Setting(SparseD(select=0.3, block=32, selection="single"))]
+
+
+def heldout_long_settings() -> list[Setting]:
+    return [Setting(NoCache()), Setting(DKVCache()), Setting(DKVCache(fresh_before_block=32)),
+            Setting(SparseD(select=0.3, block=64)), Setting(SparseD(select=0.3, block=64, selection="single"))]
 
 
 def load_models(weights: Path = DLM_WEIGHTS, judge: Path = JUDGE_WEIGHTS):
@@ -94,6 +119,11 @@ def completion_tasks(tokenizer, samples: int, prompt_length: int, gen_length: in
                           read=corpus.read_text)
 
 
+def heldout_tasks(tokenizer, samples: int, prompt_length: int, gen_length: int, seed: int = 0) -> list[dict]:
+    """Function completions from the held-out modules of ``heldout.py``, written for the agreement check."""
+    return function_tasks(tokenizer, list(HELDOUT), samples, prompt_length, gen_length, seed, read=HELDOUT.get)
+
+
 @torch.no_grad()
 def judge_nll(judge, prompt: torch.Tensor, generated: torch.Tensor) -> float:
     """Mean NLL of ``generated`` [gen] after ``prompt`` [1, T] under the autoregressive judge."""
@@ -105,20 +135,21 @@ def judge_nll(judge, prompt: torch.Tensor, generated: torch.Tensor) -> float:
 
 def run_settings(model, judge, tasks: list[dict], settings: list[Setting], gen_length: int, block_length: int,
                  steps: int, decode, progress: bool = True) -> dict:
-    """Every setting on every task; the first setting is the reference (NoCache). ``decode``: token ids
-    (a list) -> text, to trim and parse the completions."""
+    """Every setting on every task; the first setting is the speed reference (NoCache) and the first of each
+    remasking rule its agreement reference. ``decode``: token ids (a list) -> text, to trim and parse the
+    completions. Random remasking draws from a generator seeded 0 afresh for every run."""
     per_setting = [{"seconds": 0.0, "tokens": 0, "full_tokens": 0, "forwards": 0, "steps": 0, "agree": 0,
                     "match": 0, "exact": 0, "parses": 0, "nll": 0.0, "flops": 0, "flops_skipped": 0}
                    for _ in settings]
     for task in tqdm(tasks, desc="prompts", disable=not progress):
         prompt_length = task["prompt"].shape[1]
-        reference_output = None
+        reference_outputs = {}  # remasking rule -> NoCache's generated tokens
         for setting, acc in zip(settings, per_setting):
             out = generate(model, task["prompt"], gen_length=gen_length, block_length=block_length, steps=steps,
-                           cache=setting.policy, threshold=setting.threshold)
+                           cache=setting.policy, threshold=setting.threshold, remasking=setting.remasking,
+                           generator=torch.Generator().manual_seed(0))
             generated = out.sequences[0, prompt_length:]
-            if reference_output is None:
-                reference_output = generated
+            reference_output = reference_outputs.setdefault(setting.remasking, generated)
             s = out.stats
             acc["seconds"] += s.seconds
             acc["tokens"] += s.tokens_recomputed

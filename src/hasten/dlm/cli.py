@@ -30,6 +30,9 @@ def _add(parser: argparse.ArgumentParser) -> None:
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     bench.add_argument("--weights", type=Path, help="folder of the diffusion LM (default: zoo:dlm-tiny)")
+    bench.add_argument("--heldout", action="store_true",
+                       help="the held-out agreement check: prompts from hasten/dlm/heldout.py (written for it, never "
+                            "tuned on) and its settings (dKV-Cache's schedules, SparseD's selections)")
     bench.add_argument("--no-progress", action="store_true")
 
 
@@ -47,14 +50,17 @@ def _run(args: argparse.Namespace) -> int:
     common = dict(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                   decode=tokenizer.decode, progress=not args.no_progress)
     report = {"model": str(weights.name), "machine": machine_info()}
+    draw = bench.heldout_tasks if args.heldout else bench.completion_tasks
+    main_settings = bench.heldout_settings() if args.heldout else bench.default_settings()
+    long_settings = bench.heldout_long_settings() if args.heldout else bench.long_context_settings()
+    report["prompt_set"] = "heldout" if args.heldout else "zoo corpus held-out stdlib files"
     with torch.no_grad():
         if args.prompts:
-            tasks = bench.completion_tasks(tokenizer, args.prompts, args.prompt_length, args.gen_length, args.seed)
-            report["main"] = bench.run_settings(model, judge, tasks, bench.default_settings(), **common)
+            tasks = draw(tokenizer, args.prompts, args.prompt_length, args.gen_length, args.seed)
+            report["main"] = bench.run_settings(model, judge, tasks, main_settings, **common)
         if args.long_prompt_length and args.long_prompts:
-            long_tasks = bench.completion_tasks(tokenizer, args.long_prompts, args.long_prompt_length,
-                                                args.gen_length, args.seed + 1)
-            report["long"] = bench.run_settings(model, judge, long_tasks, bench.long_context_settings(), **common)
+            long_tasks = draw(tokenizer, args.long_prompts, args.long_prompt_length, args.gen_length, args.seed + 1)
+            report["long"] = bench.run_settings(model, judge, long_tasks, long_settings, **common)
     (args.out / "results.json").write_text(json.dumps(report, indent=1))
     table = bench.markdown(report)
     (args.out / "results.md").write_text(table)

@@ -7,14 +7,19 @@ and counts what it ran. The sampler never asks a policy's name.
 * ``NoCache``: every step runs every position (the reference).
 * ``DKVCache`` (Ma et al. 2025, dKV-Cache): keys and values are cached per position; a token's
   K/V enter the cache one step *after* it is decoded (the step it is decoded its input was still
-  the mask token), every masked position is recomputed every step, and a full forward refreshes
-  everything every ``refresh`` steps. Variants: ``decode`` (prompt and decoded tokens cached,
-  delayed), ``prefill`` (only the prompt is cached), ``greedy`` (decoded tokens cached at once,
-  with their mask-input K/V, and only a ``window`` of masked positions at the front of the
-  current block recomputed). ``fresh_before_block=W`` (ours, any variant) also recomputes every
-  unmasked position from ``W`` before the current block to its end at every step: the keys and
-  values that drift most when a token is decoded are its neighbours' (measured on zoo:dlm-tiny),
-  so the cache keeps only the far ones, which barely move.
+  the mask token). ``schedule="reference"`` (the default) is the reference code's LLaDA rule: the
+  cache starts afresh at every block, the block's first steps are full forwards (decode: steps 0
+  and 1; greedy: step 0) and so is every step of the block whose index is a multiple of
+  ``cache_reloading_step``. ``schedule="whole_generation"`` (hasten's own) keeps one cache for the
+  whole generation and counts ``cache_reloading_step`` over the generation's steps. Variants:
+  ``decode`` (masked positions and the tokens decoded at the previous step run; prompt and older
+  decoded tokens cached), ``prefill`` (only the prompt cached, made once at the first step, as the
+  reference's Dream ``--prefill``), ``greedy`` (the reference's dKV-Cache-Greedy: with the decoding
+  order drawn at the block's start, a step runs only the positions it decodes, the ones decoded at
+  the previous step and ``window`` masked neighbours of the first; every other position keeps its
+  K/V). ``fresh_before_block=W`` (hasten's own addition, any variant) also recomputes every unmasked
+  position from ``W`` before the current block to its end at every cached step: the keys and values
+  that drift most when a token is decoded are its neighbours' (measured on zoo:dlm-tiny).
 * ``FastDLLMPrefix`` and ``FastDLLMDual`` (Wu et al. 2025, Fast-dLLM): a full forward at the first
   step of every block; then the prefix before the block is cached (prefix) and the suffix after
   it too (dual), and only the rest is recomputed until the next block.
@@ -50,9 +55,16 @@ class StepView:
     step: int  # from 0, over the whole generation
     block_start: int
     block_end: int
-    first_in_block: bool
+    step_in_block: int  # from 0 at each block
     masked: torch.Tensor  # [length] bool: still the mask token
     rows: torch.Tensor  # [rows] sorted positions whose logits the sampler needs
+    # [n] the positions this step decodes, in the order drawn at the block's start (remasking="random_order");
+    # None when the sampler chooses them from the forward's confidences
+    decoding: torch.Tensor | None = None
+
+    @property
+    def first_in_block(self) -> bool:
+        return self.step_in_block == 0
 
 
 class DenseAttention:
@@ -147,36 +159,80 @@ def _fresh_near_block(positions, before: int):
     return with_neighbourhood
 
 
+def add_window(chosen: list[bool], centres: list[int], masked: list[bool], size: int) -> None:
+    """Mark ``size`` masked, not yet chosen positions around each centre in turn, looking left and right
+    alternately one position at a time (the reference's ``find_window_tokens``, in place)."""
+    length = len(chosen)
+    for centre in centres:
+        left, right, found, look_left = centre - 1, centre + 1, 0, True
+        while found < size and (left >= 0 or right < length):
+            if look_left:
+                if left >= 0 and not chosen[left] and masked[left]:
+                    chosen[left], found = True, found + 1
+                left -= 1
+            else:
+                if right < length and not chosen[right] and masked[right]:
+                    chosen[right], found = True, found + 1
+                right += 1
+            look_left = not look_left
+
+
 def _greedy_positions(window: int):
+    """dKV-Cache-Greedy: the positions this step decodes, those decoded at the previous step (their token
+    changed since their K/V were stored) and ``window`` masked neighbours of each position decoded now."""
     def positions(runtime: _CachedRuntime, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
-        in_block = view.masked & (runtime.index >= view.block_start) & (runtime.index < view.block_end)
-        first = int(in_block.nonzero()[0]) if bool(in_block.any()) else view.block_start
-        return view.masked & (runtime.index >= first) & (runtime.index < first + window)
+        if view.decoding is None:
+            raise ValueError("DKVCache(variant='greedy') runs only the positions a step decodes, so it needs them "
+                             "before the forward: generate(..., remasking='random_order'), the reference's order "
+                             "drawn at each block's start")
+        run = tokens != runtime.store.computed_from  # [length]
+        run[view.decoding] = True
+        chosen = run.tolist()
+        add_window(chosen, view.decoding.tolist(), view.masked.tolist(), window)
+        return torch.tensor(chosen, device=tokens.device)
     return positions
 
 
 DKV_VARIANTS = ("decode", "prefill", "greedy")
+DKV_SCHEDULES = ("reference", "whole_generation")
+
+
+def _reloads(variant: str, schedule: str, interval: int | None):
+    """view -> whether this step is a full forward (which refills the whole cache)."""
+    if variant == "prefill":  # the reference's Dream --prefill: the prompt's cache is made once
+        return lambda view: view.step == 0
+    if schedule == "whole_generation":
+        return lambda view: view.step == 0 or (interval is not None and view.step % interval == 0)
+    opening = 2 if variant == "decode" else 1  # LLaDA decode: step 0 without a cache, step 1 building it
+    return lambda view: view.step_in_block < opening or (interval is not None and view.step_in_block % interval == 0)
 
 
 @dataclass(frozen=True)
 class DKVCache(CachePolicy):
-    """dKV-Cache: delayed caching of decoded tokens' keys and values (see the module docstring)."""
+    """dKV-Cache: delayed caching of decoded tokens' keys and values, by the reference's LLaDA schedule unless
+    ``schedule="whole_generation"`` (see the module docstring)."""
 
-    variant: str = "decode"  # decode | prefill | greedy
-    refresh: int | None = None  # full forward every this many steps (None: only at the first step)
-    window: int = 8  # greedy only: masked positions recomputed per step, from the block's first masked one
-    # every step also recompute the unmasked positions from this many before the current block to its end
-    # (None: none, the paper's rule; reaching position 0 from the last block recomputes everything, as NoCache)
+    variant: str = "decode"  # decode | prefill | greedy (greedy needs remasking="random_order")
+    # a full forward at each step of a block whose index is a multiple of this (None: only the block's opening
+    # steps); the reference's --cache-steps, 8 in its README's LLaDA example (llada_generate.py defaults to 2)
+    cache_reloading_step: int | None = 8
+    window: int = 4  # greedy only: masked neighbours run per decoded position (the reference README's 4)
+    # reference: a fresh cache and full forwards at each block's start; whole_generation (hasten's own): one cache
+    schedule: str = "reference"
+    # hasten's own addition: at every cached step also recompute the unmasked positions from this many before the
+    # current block to its end (None: none, as the reference; reaching position 0 from the last block is NoCache)
     fresh_before_block: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.variant not in DKV_VARIANTS:
             raise ValueError(f"DKVCache: variant must be one of {DKV_VARIANTS}, got {self.variant!r}")
-        if self.refresh is not None and self.refresh < 1:
-            raise ValueError(f"DKVCache: refresh must be >= 1 or None, got {self.refresh}")
-        if self.window < 1:
-            raise ValueError(f"DKVCache: window must be >= 1, got {self.window}")
+        if self.schedule not in DKV_SCHEDULES:
+            raise ValueError(f"DKVCache: schedule must be one of {DKV_SCHEDULES}, got {self.schedule!r}")
+        if self.cache_reloading_step is not None and self.cache_reloading_step < 1:
+            raise ValueError(f"DKVCache: cache_reloading_step must be >= 1 or None, got {self.cache_reloading_step}")
+        if self.window < 0:
+            raise ValueError(f"DKVCache: window must be >= 0, got {self.window}")
         if self.fresh_before_block is not None and self.fresh_before_block < 0:
             raise ValueError(f"DKVCache: fresh_before_block must be >= 0 or None, got {self.fresh_before_block}")
 
@@ -185,11 +241,8 @@ class DKVCache(CachePolicy):
                      "greedy": _greedy_positions(self.window)}[self.variant]
         if self.fresh_before_block is not None:
             positions = _fresh_near_block(positions, self.fresh_before_block)
-        interval = self.refresh
-
-        def refresh_now(view: StepView) -> bool:
-            return interval is not None and view.step % interval == 0
-        return _CachedRuntime(model, layout, attention, refresh_now, positions)
+        reload = _reloads(self.variant, self.schedule, self.cache_reloading_step)
+        return _CachedRuntime(model, layout, attention, reload, positions)
 
 
 # ---------------------------------------------------------------- Fast-dLLM (the peers)
@@ -222,8 +275,8 @@ class FastDLLMDual(CachePolicy):
 
 
 def describe(policy) -> str:
-    """Short label, e.g. ``DKVCache(variant=decode, refresh=8, window=8)``; a policy inside a policy
-    (SparseD's ``cache``) is described the same way. A knob that is off (None, its default) is left out."""
+    """Short label, e.g. ``DKVCache(variant=decode, cache_reloading_step=8, window=4, schedule=reference)``; a
+    policy inside a policy (SparseD's ``cache``) is described the same way. A knob that is off (None, its default) is left out."""
     values = [(f.name, getattr(policy, f.name), f.default) for f in fields(policy)]
     parts = [f"{name}={describe(value) if isinstance(value, Settings) else value}" for name, value, default in values
              if value is not None or default is not None]

@@ -6,7 +6,9 @@ position of the block (``x0``: argmax, or a Gumbel-max sample when ``temperature
 positions the remasking rule is most sure of keep their prediction: the scheduled number (the
 block's mask count split evenly over its steps, earlier steps taking the remainder) or, with
 ``threshold``, also every one whose confidence exceeds it (Fast-dLLM's parallel decoding). The
-rest stay masked. Vocabulary: *masked* positions, *decoded* tokens, *confidence* of a prediction.
+rest stay masked. ``remasking="random_order"`` (dKV-Cache-Greedy's rule) instead draws the block's
+decoding order at the block's start, so each step knows before its forward which positions it
+decodes and asks for their logits only. Vocabulary: *masked* positions, *decoded* tokens, *confidence* of a prediction.
 
 How each step's forward is computed (in full, with cached keys/values, with sparse attention) is
 the cache policy's business, chosen once; the sampler never asks its name.
@@ -32,6 +34,15 @@ def _random(probs_of_x0: torch.Tensor, generator: torch.Generator | None) -> tor
 
 # remasking rule -> confidence of each prediction; the least confident stay masked
 REMASKING = {"low_confidence": _low_confidence, "random": _random}
+# the rule whose order is drawn at each block's start (no confidence: the step decodes the next in order)
+RANDOM_ORDER = "random_order"
+
+
+def draw_order(block_positions: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """block_positions [n] -> the same positions in a uniformly random decoding order (dKV-Cache-Greedy's,
+    drawn once at the block's start: the reference sorts one uniform draw per position, descending)."""
+    priority = torch.rand(len(block_positions), generator=generator, device=block_positions.device)  # [n]
+    return block_positions[priority.argsort(descending=True)]
 
 
 @dataclass
@@ -87,10 +98,13 @@ def _check(input_ids, gen_length: int, block_length: int, steps: int, temperatur
                          f"= {gen_length // block_length}")
     if not temperature >= 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if remasking not in REMASKING:
-        raise ValueError(f"remasking must be one of {sorted(REMASKING)}, got {remasking!r}")
+    if remasking not in REMASKING and remasking != RANDOM_ORDER:
+        raise ValueError(f"remasking must be one of {sorted([*REMASKING, RANDOM_ORDER])}, got {remasking!r}")
     if threshold is not None and not 0 < threshold <= 1:
         raise ValueError(f"threshold must be in (0, 1] or None, got {threshold}")
+    if threshold is not None and remasking == RANDOM_ORDER:
+        raise ValueError("threshold compares confidences; remasking='random_order' decodes in an order drawn at "
+                         "the block's start and has none: pass threshold=None")
 
 
 def split_evenly(total: int, parts: int) -> list[int]:
@@ -117,7 +131,9 @@ def generate(model, input_ids: torch.Tensor, *, mask_token_id: int | None = None
              remasking: str = "low_confidence", generator: torch.Generator | None = None,
              threshold: float | None = None, shifted_logits: bool | None = None, tokenizer=None) -> DLMOutput:
     """Denoise ``gen_length`` mask tokens after ``input_ids`` [1, T] in ``gen_length / block_length`` blocks
-    and ``steps`` steps in all. ``cache``: a policy (``NoCache()`` when None). ``threshold``: also decode
+    and ``steps`` steps in all. ``remasking``: ``"low_confidence"`` (LLaDA's), ``"random"`` (a fresh uniform
+    draw per step, LLaDA's) or ``"random_order"`` (the order drawn at each block's start, dKV-Cache-Greedy's;
+    ``DKVCache(variant="greedy")`` needs it). ``cache``: a policy (``NoCache()`` when None). ``threshold``: also decode
     every prediction more confident than this (parallel decoding). ``shifted_logits`` (Dream-style: the
     output at position i - 1 predicts token i) defaults to ``model.config.dlm_shifted_logits``."""
     _check(input_ids, gen_length, block_length, steps, temperature, remasking, threshold)
@@ -128,7 +144,7 @@ def generate(model, input_ids: torch.Tensor, *, mask_token_id: int | None = None
                          "pass mask_token_id= (a diffusion LM needs one)")
     if shifted_logits is None:
         shifted_logits = bool(getattr(model.config, "dlm_shifted_logits", False))
-    confidence_of = REMASKING[remasking]
+    confidence_of = REMASKING.get(remasking)  # None: random_order
     policy = NoCache() if cache is None else cache
     shift = 1 if shifted_logits else 0
 
@@ -147,13 +163,26 @@ def generate(model, input_ids: torch.Tensor, *, mask_token_id: int | None = None
             start = prompt_length + block * block_length
             end = start + block_length
             schedule = split_evenly(block_length, min(steps_here, block_length))
+            order = draw_order(torch.arange(start, end, device=tokens.device), generator) \
+                if confidence_of is None else None  # [block_length] the block's decoding order (random_order)
             for i, scheduled in enumerate(schedule):
                 masked = tokens == mask_token_id  # [length]
-                pending = masked[start:end].nonzero().squeeze(1) + start  # [pending] masked positions in the block
+                if order is not None:  # the next `scheduled` masked positions in the drawn order
+                    upcoming = order[masked[order]]  # [pending] in decoding order
+                    decoding = upcoming[:scheduled]  # [scheduled]
+                    pending = decoding.sort().values  # [scheduled] ascending
+                else:
+                    decoding = None
+                    pending = masked[start:end].nonzero().squeeze(1) + start  # [pending] masked positions in the block
                 if len(pending) == 0:
                     break  # parallel decoding finished the block early
-                view = StepView(step, start, end, i == 0, masked, pending - shift)
+                view = StepView(step, start, end, i, masked, pending - shift, decoding)
                 logits = runtime.logits(tokens, view)  # [pending, vocab]
+                if confidence_of is None:
+                    x0, _ = predict(logits, temperature, _low_confidence, generator)
+                    tokens[pending] = x0
+                    step += 1
+                    continue
                 x0, confidence = predict(logits, temperature, confidence_of, generator)
                 count = scheduled
                 if threshold is not None:
