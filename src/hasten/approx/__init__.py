@@ -5,6 +5,7 @@ Each mode says what it trades and is off unless asked for by name.
 """
 from .kv import SnapKV, SpecKV, StreamingLLM
 from .specpc import SpecPC
+from .gadpp import GADPlusPlus
 from .typical import TypicalAcceptance
 
-__all__ = ["SnapKV", "SpecKV", "SpecPC", "StreamingLLM", "TypicalAcceptance"]
+__all__ = ["GADPlusPlus", "SnapKV", "SpecKV", "SpecPC", "StreamingLLM", "TypicalAcceptance"]

@@ -11,6 +11,10 @@ be neither a correction nor a copy.
 """
 from __future__ import annotations
 
+import time
+
+import torch
+
 from ..zoo import gec
 from .heldout import Task, token_count
 
@@ -27,3 +31,111 @@ def gec_tasks(tokenizer, per_task: int = 2) -> list[Task]:
     return [Task(f"gec-{j + 1}", "gec", pair["source"], f"{SOURCE}:{j + 1}", token_count(tokenizer, pair["source"]),
                  expected=pair["target"], stop_at_eos=True)
             for j, pair in enumerate(pairs[:per_task])]
+
+
+# ---- the Aggressive Decoding bench: plain, IAD, GAD, GAD++ on the gec tasks ----------------------
+def gadpp_method(model, weights: str, beta: int, tau: float) -> "Method":
+    """GAD's drafts verified by GAD++ (:class:`hasten.approx.GADPlusPlus`, lossy): its outputs
+    that differ from plain decoding are counted (``identical``), not fatal."""
+    from ..approx.gadpp import GADPlusPlus, generate
+    from ..drafters import GAD
+    from .runner import Method
+
+    rule = GADPlusPlus(beta=beta, tau=tau)
+
+    def run(input_ids, max_new_tokens, stop_at_eos=False):
+        drafter = GAD(weights=weights, require_weights=True)
+        clock = time.perf_counter()
+        out = generate(model, input_ids, drafter=drafter, rule=rule, max_new_tokens=max_new_tokens,
+                       eos_token_id=None if stop_at_eos else [])
+        seconds = time.perf_counter() - clock
+        return out.sequences[0, 1:].tolist(), out.stats, seconds
+
+    return Method(f"gad++ (beta {beta}, tau {tau:g})", "hasten", run, {"weights": weights, "beta": beta, "tau": tau},
+                  "fixed", exact=False)
+
+
+def aggressive_methods(model, weights: str, beta: int, tau: float) -> list:
+    """Plain decoding, iad, gad (the trained drafter in ``weights``) and GAD++, fixed sizing
+    (each drafter's own depth: the papers' rule)."""
+    from .runner import AUTOREGRESSIVE, hasten_method
+
+    return [hasten_method(AUTOREGRESSIVE, model), hasten_method("iad", model, draft_size="fixed"),
+            hasten_method("gad", model, draft_size="fixed", weights=weights, require_weights=True),
+            gadpp_method(model, weights, beta, tau)]
+
+
+def copy_bound_speedup(model, input_ids: list[torch.Tensor], outputs: list[list[int]]) -> float:
+    """The replay's copy bound (:func:`hasten.bench.replay.copy_bound`) over these sentences: plain
+    decoding's forward seconds on the model's cost curve over an oracle copier's, which drafts at
+    each step the longest stretch of the true output found in the source and the output so far."""
+    from ..engine.calibration import load_or_calibrate
+    from .replay import Recorded, Recording, copy_bound
+
+    curve = load_or_calibrate(model)
+    entries = [Recorded("gec", ids[0].tolist(), out) for ids, out in zip(input_ids, outputs)]
+    recording = Recording("gec", "torch", model.config.vocab_size, False, curve, entries)
+    plain = sum(len(e.output) * curve(1) for e in entries)
+    return plain / sum(copy_bound(recording, e) for e in entries)
+
+
+def correct_share(tokenizer, tasks: list[Task], outputs: list[list[int]]) -> float:
+    """Share of outputs equal to the clean sentence (the task's ``expected``)."""
+    return sum(tokenizer.decode(o, skip_special_tokens=True) == t.expected for o, t in zip(outputs, tasks)) / len(tasks)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m hasten.bench.gec_tasks --gad DIR``: the table of docs/benchmarks.md's GEC section."""
+    import argparse
+    import json
+
+    from transformers import AutoTokenizer
+
+    from .. import zoo
+    from ..approx.gadpp import GADPlusPlus, generate as generate_gadpp
+    from ..engine.loop import generate
+    from ..drafters import GAD
+    from ..loading import load_model
+    from ..machine import machine_info
+    from .runner import OVERALL, run_bench
+
+    p = argparse.ArgumentParser(prog="python -m hasten.bench.gec_tasks", description=main.__doc__)
+    p.add_argument("--gad", required=True, help="the trained gad drafter's directory (hasten train gad --out)")
+    p.add_argument("--per-task", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--beta", type=int, default=5)
+    p.add_argument("--tau", type=float, default=3.0)
+    p.add_argument("--max-new-tokens", type=int, default=96)
+    p.add_argument("--out", help="write the results (JSON) here")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    model = load_model("zoo:gec-tiny")
+    tokenizer = AutoTokenizer.from_pretrained(zoo.resolve("gec-tiny"))
+    tasks = gec_tasks(tokenizer, args.per_task)
+    input_ids = [tokenizer(t.prompt, return_tensors="pt").input_ids for t in tasks]
+    results = run_bench(aggressive_methods(model, args.gad, args.beta, args.tau), tasks, input_ids,
+                        args.max_new_tokens, args.repeats, progress="lines")
+    rule = GADPlusPlus(beta=args.beta, tau=args.tau)
+    outputs = {"plain": [generate(model, ids, max_new_tokens=args.max_new_tokens).sequences[0, 1:].tolist()
+                         for ids in input_ids],
+               "gad++": [generate_gadpp(model, ids, drafter=GAD(weights=args.gad), rule=rule,
+                                        max_new_tokens=args.max_new_tokens).sequences[0, 1:].tolist()
+                         for ids in input_ids]}
+    results["correct"] = {name: round(correct_share(tokenizer, tasks, out), 4) for name, out in outputs.items()}
+    results["copy_bound_speedup"] = round(copy_bound_speedup(model, input_ids, outputs["plain"]), 3)
+    results["machine"] = machine_info()
+    print("| method | tok/s | speed-up | tau | identical to plain |\n|---|---|---|---|---|")
+    for row in results["by_category"][OVERALL]:
+        print(f"| {row['method']} | {row['tokens_per_second']:,.0f} | {row['speedup_vs_ar']:.2f}x | {row['tau']:.2f} "
+              f"| {row['identical']} |")
+    print(f"copy bound (replay, oracle copier on the cost curve): {results['copy_bound_speedup']:.2f}x; "
+          f"equal to the clean sentence: plain {results['correct']['plain']:.1%}, "
+          f"GAD++ {results['correct']['gad++']:.1%}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

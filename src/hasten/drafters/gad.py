@@ -7,11 +7,14 @@ tokens (the target's frozen embeddings, plus the target's newest feature ``f_{r-
 the root's slot), and a few transformer layers attend bidirectionally over window and
 slots. Slot ``i`` guesses ``x_{r+1+i}`` through the target's frozen LM head.
 
-For encoder-decoder targets the drafter also reads the encoder input (a window of the
-source around the current output position, tagged as source). The default draft is a
-chain (the block, as in the paper); ``top_k > 1`` drafts a tree of top-k combinations of
-the slots instead, which encoder-decoder targets (chains only) cut to its best path.
-Drafts are deterministic (``probs=None``).
+For encoder-decoder targets (the papers' home: grammar correction, translation) every layer
+also cross-attends to the target's encoder states of the **whole source**, computed once per
+generation (:mod:`.gad_seq2seq`), and window and slots sit at their absolute output positions,
+so a slot knows which part of the source it is guessing; ``hasten train gad`` trains it on the
+target's own corrections of :mod:`hasten.zoo.gec` sentences. The default draft is a chain (the
+block, as in the paper); ``top_k > 1`` drafts a tree of top-k combinations of the slots
+instead, which encoder-decoder targets (chains only) cut to its best path. Drafts are
+deterministic (``probs=None``).
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from transformers import PreTrainedModel
 from ..core.settings import option
 from .base import DraftContext, register
 from .candidates import TreeSettings
+from .gad_seq2seq import CorrectionPairs, CrossAttention, Seq2SeqBatch, encoder_size, encoder_states, gec_pairs, sinusoid
 from .nn import Block, heads_for, inner_size
 from .trainable import Batch, LevelTrainOptions, TrainedTraining, anchors, check_inner_ratio, decayed_cross_entropy
 from .trained import ModuleConfig, TopKTreeDrafter, TrainedModule, WeightsSetting, at_least_one
@@ -38,7 +42,7 @@ class GADConfig(ModuleConfig):
     layers: int = 2
     block: int = 4  # mask slots: tokens guessed per forward
     window: int = 8  # newest committed tokens read (the root included)
-    source_window: int = 16  # encoder-input tokens read, for encoder-decoder targets
+    encoder_size: int = 0  # > 0: cross-attends to the target's encoder states (this wide) of the whole source
 
 
 class GADModel(TrainedModule):
@@ -51,9 +55,12 @@ class GADModel(TrainedModule):
         self.embed_in = nn.Linear(config.embed_size, D)
         self.feature_in = nn.Linear(H, D)
         self.mask = nn.Parameter(torch.randn(config.block, D) * 0.02)  # one learned embedding per slot
-        self.source_tag = nn.Parameter(torch.zeros(D))
+        self.source_tag = nn.Parameter(torch.zeros(D))  # the bias of the encoder states' projection
         self.layers = nn.ModuleList(Block(D, config.heads, 2 * D) for _ in range(config.layers))
         self.out = nn.Linear(D, H)
+        if config.encoder_size:
+            self.encoder_in = nn.Linear(config.encoder_size, D, bias=False)
+            self.cross = nn.ModuleList(CrossAttention(D, config.heads) for _ in range(config.layers))
 
     @classmethod
     def for_target(cls, target: PreTrainedModel, block: int = 4, window: int = 8, layers: int = 2,
@@ -62,30 +69,37 @@ class GADModel(TrainedModule):
         inner = inner_size(sizes["hidden_size"], inner_ratio)
         embed = int(target.get_input_embeddings().weight.shape[1])
         return cls(GADConfig(**sizes, embed_size=embed, inner_size=inner, heads=heads_for(inner), layers=layers,
-                             block=block, window=window))
+                             block=block, window=window, encoder_size=encoder_size(target)))
 
     @property
     def levels(self) -> int:
         return self.config.block
 
     def forward(self, window: torch.Tensor, present: torch.Tensor, feature: torch.Tensor,
-                source: torch.Tensor | None = None, source_present: torch.Tensor | None = None) -> torch.Tensor:
+                positions: torch.Tensor | None = None, source: torch.Tensor | None = None,
+                source_present: torch.Tensor | None = None) -> torch.Tensor:
         """window: [B, w, E] embeddings of the newest tokens, right-aligned (the root last);
         present: [B, w] bool (False: padding before the start); feature: [B, H] f_{r-1}
-        (zeros when unknown); source: [B, s, E] encoder-input embeddings or None.
-        Returns [B, block, H] features, one per slot, for the target's LM head."""
+        (zeros when unknown); positions: [B, w + block] the window's and slots' output
+        positions (None: 0 .. w + block - 1, the decoder-only drafter's); source: [B, s, He]
+        the target's encoder states (read when the module has ``encoder_size``), source_present
+        [B, s] bool. Returns [B, block, H] features, one per slot, for the target's LM head."""
         batch, width = present.shape
         x = self.embed_in(window.to(self.mask.dtype))  # [B, w, D]
         x = torch.cat([x[:, :-1], x[:, -1:] + self.feature_in(feature.to(x.dtype))[:, None]], 1)
-        parts, seen = [x, self.mask.expand(batch, -1, -1)], [present, present.new_ones(batch, self.config.block)]
-        if source is not None:
-            parts.insert(0, self.embed_in(source.to(x.dtype)) + self.source_tag)
-            seen.insert(0, source_present)
-        x, seen = torch.cat(parts, 1), torch.cat(seen, 1)  # [B, n, D], [B, n]
-        positions = torch.arange(x.shape[1], device=x.device).expand(batch, -1)
-        visible = seen[:, None, :].expand(-1, x.shape[1], -1)  # bidirectional over everything present
-        for layer in self.layers:
+        x = torch.cat([x, self.mask.expand(batch, -1, -1)], 1)  # [B, n, D]
+        seen = torch.cat([present, present.new_ones(batch, self.config.block)], 1)  # [B, n]
+        if positions is None:
+            positions = torch.arange(x.shape[1], device=x.device).expand(batch, -1)
+        visible = seen[:, None, :].expand(-1, x.shape[1], -1)  # [B, n, n] bidirectional over what is present
+        cross = self.config.encoder_size and source is not None
+        if cross:  # where each position is in the output, for aligning it with the source
+            x = x + sinusoid(positions, x.shape[-1]).to(x.dtype)
+        memory = self.encoder_in(source.to(x.dtype)) + self.source_tag if cross else None  # [B, s, D]
+        for i, layer in enumerate(self.layers):
             x = layer(x, positions, visible)
+            if cross:
+                x = self.cross[i](x, memory, source_present)
         return self.out(x[:, -self.config.block:])
 
 
@@ -107,29 +121,47 @@ class GADTrainOptions(LevelTrainOptions):  # decay: far slots matter less
 class GADTraining(TrainedTraining):
     Options = GADTrainOptions
 
+    @staticmethod
+    def seq2seq_data(model: PreTrainedModel, tokenizer, settings, work_dir, resume: bool = False) -> CorrectionPairs:
+        """On an encoder-decoder target, ``hasten train gad`` trains on ``settings.samples``
+        corrupted :mod:`hasten.zoo.gec` sentences and the target's own greedy corrections
+        (at most ``settings.gen_tokens`` tokens), instead of text cut into prompts."""
+        return gec_pairs(model, tokenizer, settings.samples, settings.gen_tokens, settings.seed, work_dir,
+                         resume=resume)
+
     def build(self) -> GADModel:
         o = self.options
         return GADModel.for_target(self.target, o.block, o.window, o.layers, o.inner_ratio)
 
     def loss(self, module: GADModel, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Slot i (0-based) after root position a (window x_{a-w+1} .. x_a, feature f_{a-1})
-        against x_{a+1+i}; roots are drawn where the first slot has a label."""
+        against x_{a+1+i}; roots are drawn where the first slot has a label. On an
+        encoder-decoder (a :class:`Seq2SeqBatch`) the decoder's start token is a root too (its
+        feature zeros, as at a generation's first step), positions are absolute and the
+        module reads the source's encoder states."""
         config = module.config
         lm_head, embed = self.target.get_output_embeddings(), self.target.get_input_embeddings()
         ids, labels_ok = batch.ids, batch.label_mask  # [B, T]
+        seq2seq = isinstance(batch, Seq2SeqBatch)
+        first = 0 if seq2seq else 1  # the first root: a decoder-only root needs a feature f_{a-1}
         length = ids.shape[1]
-        if length <= 2:
+        if length <= first + 1:
             return torch.zeros(()), {}
-        roots = anchors(labels_ok[:, 2:], self.options.anchors) + 1  # [B, A]: a >= 1 with a label at a + 1
+        roots = anchors(labels_ok[:, first + 1:], self.options.anchors) + first  # [B, A] with a label at a + 1
         batch_size, count = roots.shape
         rows = torch.arange(batch_size, device=ids.device)[:, None, None]
         offsets = torch.arange(-config.window + 1, 1, device=ids.device)  # [w]
         where = roots[:, :, None] + offsets  # [B, A, w]
         window = embed(ids[rows, where.clamp(min=0)])  # [B, A, w, E]
         present = where >= 0
-        feature = batch.hidden[rows[:, :, 0], roots - 1]  # [B, A, H]
-        slots = module(window.flatten(0, 1), present.flatten(0, 1), feature.flatten(0, 1))  # [B * A, block, H]
-        slots = slots.view(batch_size, count, config.block, -1)
+        feature = batch.hidden[rows[:, :, 0], (roots - 1).clamp(min=0)] * (roots >= 1)[..., None]  # [B, A, H]
+        inputs = [window.flatten(0, 1), present.flatten(0, 1), feature.flatten(0, 1)]
+        if seq2seq:
+            slot_at = roots[:, :, None] + torch.arange(1, config.block + 1, device=ids.device)  # [B, A, block]
+            positions = torch.cat([where.clamp(min=0), slot_at], -1).flatten(0, 1)  # [B * A, w + block]
+            source = batch.source.repeat_interleave(count, 0)  # [B * A, s, He]
+            inputs += [positions, source, batch.source_present.repeat_interleave(count, 0)]
+        slots = module(*inputs).view(batch_size, count, config.block, -1)  # [B, A, block, H]
 
         def levels():
             for i in range(config.block):
@@ -163,24 +195,31 @@ class GAD(TopKTreeDrafter):
 
     untrained_sizes = ("block",)
 
+    def start(self, ctx: DraftContext) -> torch.Tensor | None:
+        """[1, s, He] the target's encoder states of the whole source, once per generation
+        (an encoder-decoder target and a module that reads them), else None."""
+        if ctx.source is None or not self.module.config.encoder_size:
+            return None
+        return encoder_states(ctx.target.modules, ctx.source).to(self.lm_head.weight.dtype)
+
     def level_logits(self, ctx: DraftContext, depth: int) -> torch.Tensor:
         config = self.module.config
         device = self.lm_head.weight.device
         recent = ctx.tokens[-config.window:]
-        pad = config.window - len(recent)
-        window = self.embed(torch.tensor([0] * pad + recent, device=device))[None]  # [1, w, E]
-        present = torch.tensor([[False] * pad + [True] * len(recent)], device=device)
         features = ctx.features
         if features is not None and len(features):
             feature = features[-1][None]  # [1, H]
         else:  # no feature yet (one-token prompt, or an encoder-decoder's first step)
-            feature = window.new_zeros(1, config.hidden_size)
-        source = source_present = None
-        if ctx.source is not None:  # the source window around the current output position
-            start = max(0, len(ctx.tokens) - 1 - config.source_window // 2)
-            part = ctx.source[start : start + config.source_window]
-            pad_source = config.source_window - len(part)
-            source = self.embed(torch.tensor(part + [0] * pad_source, device=device))[None]
-            source_present = torch.tensor([[True] * len(part) + [False] * pad_source], device=device)
-        slots = self.module(window, present, feature, source, source_present)[0]  # [block, H]
+            feature = self.lm_head.weight.new_zeros(1, config.hidden_size)
+        if ctx.state is not None:  # seq2seq: the window and slots at their output positions, no padding
+            first = len(ctx.tokens) - len(recent)
+            positions = torch.arange(first, len(ctx.tokens) + config.block, device=device)[None]  # [1, w + block]
+            window = self.embed(torch.tensor(recent, device=device))[None]  # [1, w, E]
+            present = torch.ones(1, len(recent), dtype=torch.bool, device=device)
+            slots = self.module(window, present, feature, positions, ctx.state)[0]  # [block, H]
+        else:
+            pad = config.window - len(recent)
+            window = self.embed(torch.tensor([0] * pad + recent, device=device))[None]  # [1, w, E]
+            present = torch.tensor([[False] * pad + [True] * len(recent)], device=device)
+            slots = self.module(window, present, feature)[0]  # [block, H]
         return self.lm_head(slots[:depth]).float()  # [depth, V]

@@ -41,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         sub.add_argument("--out", required=True, type=Path, metavar="DIR",
                          help="directory the trained drafter is written to (checked writable before training)")
         if training.data_source is None:
-            source = sub.add_mutually_exclusive_group(required=True)
+            # gad on an encoder-decoder trains on the target's own task (seq2seq_data) and takes no text
+            source = sub.add_mutually_exclusive_group(required=not hasattr(training, "seq2seq_data"))
             source.add_argument("--data", type=Path, help="text to cut prompts from: .txt (one document) or .jsonl "
                                 '(one JSON string or {"text": ...} object per line)')
             source.add_argument("--zoo-corpus", action="store_true", help="cut prompts from the zoo's training corpus")
@@ -77,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
         os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # the tokenizers' thread pool
     documents, source = None, training.data_source
-    if not online:
+    text_given = bool(getattr(args, "data", None) or getattr(args, "zoo_corpus", False)
+                      or getattr(args, "pydoc_topics", False))
+    if not online and text_given:
         documents, source = (
             (read_documents(args.data), str(args.data.resolve())) if args.data
             else (pydoc_documents(), "pydoc-topics") if args.pydoc_topics
@@ -86,8 +89,14 @@ def run(args: argparse.Namespace) -> int:
     writable_directory(args.out)  # before distilling and training, not after
 
     model = load_model(args.model, device=args.device)
-    if model.config.is_encoder_decoder:
-        raise UserError(f"hasten train supports causal LMs; {args.model!r} is an encoder-decoder")
+    seq2seq = bool(model.config.is_encoder_decoder)
+    if seq2seq and not hasattr(training, "seq2seq_data"):
+        raise UserError(f"hasten train {args.drafter} supports causal LMs; {args.model!r} is an encoder-decoder")
+    if seq2seq and text_given:
+        raise UserError(f"hasten train {args.drafter} on an encoder-decoder trains on its own task's data; "
+                        "drop --data, --zoo-corpus and --pydoc-topics")
+    if not online and not seq2seq and not text_given:
+        raise UserError("one of --data, --zoo-corpus or --pydoc-topics is required for a causal LM")
     work_dir = args.work_dir or args.out / "work"
 
     started = time.monotonic()
@@ -97,6 +106,13 @@ def run(args: argparse.Namespace) -> int:
         except ValueError as err:
             raise UserError(f"{args.drafter}: {err}") from None
         data_report = {**dataclasses.asdict(data_settings), "source": source, "online": True}
+    elif seq2seq:  # gad: corrupted gec sentences and the target's own corrections
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
+        data = training.seq2seq_data(model, tokenizer, data_settings, work_dir, resume=args.resume)
+        data_report = {**dataclasses.asdict(data_settings), "source": "hasten.zoo.gec", "sequences": len(data),
+                       "held_out": data.held_out, "generated_tokens": sum(len(o) - 1 for o in data.outputs)}
     else:
         from transformers import AutoTokenizer
 
