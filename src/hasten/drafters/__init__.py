@@ -3,6 +3,7 @@ from .base import REGISTRY, Draft, DraftContext, Drafter, StepResult, create, re
 from .chimera import Chimera, ChimeraSettings
 from .draft_model import DraftModel, DraftModelSettings
 from .eagle import Eagle, EagleSettings
+from .eagle3 import Eagle3, Eagle3Settings
 from .eagle_vlm import EagleVlm, EagleVlmSettings
 from .easyspec import EasySpec, EasySpecSettings
 from .gad import GAD, GADSettings
@@ -22,6 +23,8 @@ __all__ = [
     "EasySpecSettings",
     "Eagle",
     "EagleSettings",
+    "Eagle3",
+    "Eagle3Settings",
     "EagleVlm",
     "EagleVlmSettings",
     "GAD",

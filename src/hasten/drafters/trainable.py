@@ -51,6 +51,10 @@ class Trainable:
     def __init__(self, target: PreTrainedModel, options: Any):
         self.target, self.options = target, options
 
+    def prepare(self, data: Any) -> None:
+        """Called with the training data before :meth:`build` (e.g. to pick a draft vocabulary
+        from the target's own answers); the default needs nothing."""
+
     def build(self) -> nn.Module:
         """A freshly initialised module for ``self.target`` (the global RNG is seeded)."""
         raise NotImplementedError

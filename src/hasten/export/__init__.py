@@ -7,7 +7,7 @@ declares) before a file is written: vLLM's and SGLang's loaders skip names they 
 without an error, which a user only sees as drafts that are never accepted. A pair hasten cannot
 express is refused with what is missing (:data:`REFUSALS`).
 """
-from .export import FORMATS, REFUSALS, WRITERS, Exported, export, medusa_for_vllm, write
+from .export import FORMATS, REFUSALS, WRITERS, Exported, eagle3_for, export, medusa_for_vllm, write
 from .layout import ExportError
 
-__all__ = ["FORMATS", "REFUSALS", "WRITERS", "ExportError", "Exported", "export", "medusa_for_vllm", "write"]
+__all__ = ["FORMATS", "REFUSALS", "WRITERS", "ExportError", "Exported", "eagle3_for", "export", "medusa_for_vllm", "write"]

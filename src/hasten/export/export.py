@@ -9,9 +9,10 @@ from typing import Callable
 import torch
 from safetensors.torch import load_file, save_file
 
+from ..drafters.eagle3_layer import Eagle3Layer
 from ..drafters.medusa import MedusaHeads
 from ..zoo.packing import unpacked
-from . import medusa
+from . import eagle3, medusa
 from .layout import ExportError, Shape, check
 
 FORMATS = ("vllm", "speculators", "sglang")
@@ -25,6 +26,8 @@ class Exported:
     engine: str  # whose loader the layout is checked against
     layout: dict[str, Shape]  # the parameters that engine's module declares: name -> shape
     usage: str  # how the engine is told to load it
+    # the strict check of the tensors (default: :func:`~.layout.check` against ``layout``, floating only)
+    verify: Callable[[dict[str, torch.Tensor]], None] | None = None
 
 
 def medusa_for_vllm(heads: MedusaHeads, target_lm_head: torch.Tensor | None,
@@ -56,16 +59,32 @@ def _medusa_vllm(directory: Path, target: str | None, dtype: torch.dtype) -> Exp
     return medusa_for_vllm(heads, lm_head, dtype)
 
 
+def eagle3_for(layer: Eagle3Layer, format: str, dtype: torch.dtype = torch.float32) -> Exported:
+    """``layer`` in ``format``'s (vllm, sglang) EAGLE-3 layout."""
+    config = eagle3.config(layer, format, dtype)
+    tensors, engine = eagle3.tensors(layer, dtype), eagle3.ENGINES[format]
+    usage = {"vllm": 'speculative_config={"method": "eagle3", "model": OUT, "num_speculative_tokens": 3}',
+             "sglang": "--speculative-algorithm EAGLE3 --speculative-draft-model-path OUT"}[format]
+    return Exported(config, tensors, engine, {**eagle3.layout(config), **eagle3.index_layout(config)}, usage,
+                    verify=lambda written: eagle3.check_strictly(written, config, engine))
+
+
+def _eagle3(format: str) -> Callable[[Path, str | None, torch.dtype], Exported]:
+    return lambda directory, target, dtype: eagle3_for(Eagle3Layer.load(directory), format, dtype)
+
+
 # (drafter, format) -> writer(drafter directory, --target, dtype)
 WRITERS: dict[tuple[str, str], Callable[[Path, str | None, torch.dtype], Exported]] = {
     ("medusa", "vllm"): _medusa_vllm,
+    ("eagle3", "vllm"): _eagle3("vllm"),
+    ("eagle3", "sglang"): _eagle3("sglang"),
 }
 # what keeps a drafter out of every engine's layout
 REFUSALS = {
     "eagle": "hasten's EAGLE layer is not the layer vLLM and SGLang load: its MLP is GELU(up) then down, with "
              "biases, where theirs is a SwiGLU (gate, up, down) without biases, and it reads one top-layer "
              "feature, where EAGLE-3 reads three layers' features through `fc` and drafts over a draft vocabulary "
-             "(d2t/t2d); no renaming makes one the other, and hasten has no EAGLE-3 drafter yet",
+             "(d2t/t2d); no renaming makes one the other: train an EAGLE-3 layer instead (`hasten train eagle3`)",
 }
 
 
@@ -105,10 +124,11 @@ def export(directory: str | Path, format: str, out: str | Path, target: str | No
 
 def write(exported: Exported, out: str | Path) -> Path:
     """``config.json`` and ``model.safetensors`` into ``out``, checked strictly before and after writing."""
-    check(exported.tensors, exported.layout, exported.engine)
+    verify = exported.verify or (lambda tensors: check(tensors, exported.layout, exported.engine))
+    verify(exported.tensors)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     save_file(exported.tensors, out / WEIGHTS_FILE)
     (out / CONFIG_FILE).write_text(json.dumps(exported.config, indent=2) + "\n")
-    check(load_file(out / WEIGHTS_FILE), exported.layout, exported.engine)  # what landed on disk, read back
+    verify(load_file(out / WEIGHTS_FILE))  # what landed on disk, read back
     return out

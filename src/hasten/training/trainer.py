@@ -84,6 +84,7 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
     """Train ``trainable``'s module on ``data`` (a :class:`hasten.training.distill.Distilled`),
     checkpointing under ``work_dir``; with ``resume`` continue from the checkpoint there."""
     target = trainable.target.requires_grad_(False).eval()
+    trainable.prepare(data)
     torch.manual_seed(settings.seed)
     module = trainable.build().to(device).train()
     optimizer = adamw([{"params": [p for p in module.parameters() if p.requires_grad], "lr": settings.lr,

@@ -1,0 +1,269 @@
+"""EAGLE-3 (Li et al. 2025) in hasten's loop, and ``hasten train eagle3``.
+
+The layer (:mod:`.eagle3_layer`) reads three of the target's layers, where hasten's loop
+keeps only the last one (``ctx.features``). :class:`LayerTaps` adds forward hooks to the
+target that keep, for its latest forwards, the residual stream entering the ``aux_layers``
+and the last hidden state of every row. A committed feature row of ``ctx.features`` is a
+copy of one such last-hidden row (prefill or accepted draft node), so its three-layer
+features are found by matching it exactly; the hooks change nothing the target computes.
+Rows that cannot be found (the prompt of the first generation, whose prefill ran before the
+drafter met the target, or a forward older than the taps keep) are recomputed by one
+forward of the target over the committed tokens, outside the loop's cache.
+
+Drafting is a **chain**, as vLLM drafts EAGLE-3 (``num_speculative_tokens``): from the
+newest committed pair ``(aux_{r-1}, x_r)``, the layer's pre-norm output and the guessed
+token are fed back ``depth - 1`` times, greedily (argmax of the draft vocabulary), so
+hasten's per-position acceptance and vLLM's measure the same drafts. Drafts are
+deterministic (``probs=None``): the verifier keeps sampling exact.
+
+Training (``hasten train eagle3``): the EAGLE-3 paper's training-time test. Step 0 reads
+``fc(aux_t)`` and ``embed(x_{t+1})`` for every t of a distilled sequence (causal); step j
+reads step j-1's own outputs and ``embed(x_{t+1+j})`` at position ``t + j`` and attends to
+step 0's keys up to t and to its own chain's keys of steps 1..j (what drafting depth j+1
+sees). Each step is scored by cross-entropy against the target's greedy next token
+(mapped into the draft vocabulary), weighted ``decay ** j``. The draft vocabulary is the
+``draft_vocab`` most frequent tokens of the target's own answers in the training rows.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PreTrainedModel
+
+from ..core.settings import Settings, option
+from ..core.stats import allocated_bytes
+from ..models.layers import decoder_layers
+from .base import Draft, DraftContext, EMPTY_DRAFT, register
+from .eagle3_layer import Eagle3Layer
+from .nn import CommittedRun
+from .trainable import Batch, TrainedTraining, rank_hits, valid_positions
+from .trained import TrainedDrafter, WeightsSetting, at_least_one
+
+KEPT_FORWARDS = 16  # forwards of the target whose taps are kept (a batch step is one forward)
+
+
+# ---- the target's low/mid/high features -------------------------------------------------------------
+class MissingFeatures(LookupError):
+    """A committed row's three-layer features are no longer among the tapped forwards."""
+
+
+class LayerTaps:
+    """Forward hooks on ``model``: for each of its latest forwards, the last hidden state and
+    the residual stream entering each of ``layers`` (concatenated), every row flattened."""
+
+    def __init__(self, model: PreTrainedModel, layers: tuple[int, ...]):
+        self.records: deque[tuple[torch.Tensor, torch.Tensor, dict]] = deque(maxlen=KEPT_FORWARDS)
+        self._inputs: dict[int, torch.Tensor] = {}
+        blocks = decoder_layers(model)
+
+        def tap(layer: int):
+            def hook(module, args, kwargs):
+                self._inputs[layer] = args[0] if args else kwargs["hidden_states"]  # [B, T, H]
+            return hook
+
+        def close(module, args, output):
+            last = output[0] if isinstance(output, tuple) else output.last_hidden_state  # [B, T, H]
+            if len(self._inputs) == len(set(layers)):
+                aux = torch.cat([self._inputs[k] for k in layers], -1)  # [B, T, 3H] low, mid, high
+                self.records.append((last.reshape(-1, last.shape[-1]), aux.reshape(-1, aux.shape[-1]), {}))
+            self._inputs = {}
+
+        self.handles = [blocks[k].register_forward_pre_hook(tap(k), with_kwargs=True) for k in set(layers)]
+        self.handles.append(model.base_model.register_forward_hook(close))
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def features(self, last: torch.Tensor) -> torch.Tensor:
+        """[m, H] committed last-layer rows -> their [m, 3H] features (newest forwards first)."""
+        found: list[torch.Tensor | None] = [None] * len(last)
+        keys = [tuple(row) for row in last[:, :4].tolist()]
+        for hidden, aux, index in reversed(self.records):
+            if not index:  # built once per forward, on first use
+                index.update({tuple(row): i for i, row in enumerate(hidden[:, :4].tolist())})
+            for j, key in enumerate(keys):
+                i = index.get(key)
+                if found[j] is None and i is not None and torch.equal(hidden[i], last[j]):
+                    found[j] = aux[i]
+            if all(row is not None for row in found):
+                return torch.stack(found)
+        raise MissingFeatures(f"{sum(row is None for row in found)} of {len(last)} rows not tapped")
+
+
+# ---- training (``hasten train eagle3``) ---------------------------------------------------------------
+@dataclass(frozen=True)
+class Eagle3TrainOptions(Settings):
+    draft_vocab: int = option(4096, "draft vocabulary: the most frequent tokens of the target's answers")
+    intermediate_size: int = option(0, "MLP width of the layer (0: the target's)")
+    ttt_steps: int = option(3, "training-time test: steps the layer runs on its own outputs (1: none)")
+    decay: float = option(0.8, "loss weight of training-time-test step j is decay**j")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        at_least_one(self, "draft_vocab", "ttt_steps")
+        if self.intermediate_size < 0 or not 0 < self.decay <= 1:
+            raise ValueError("intermediate_size must be >= 0 and decay in (0, 1]")
+
+
+class Eagle3Training(TrainedTraining):
+    Options = Eagle3TrainOptions
+
+    def __init__(self, target: PreTrainedModel, options: Eagle3TrainOptions):
+        super().__init__(target, options)
+        self.vocabulary: tuple[int, ...] = ()
+        self._targets: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # row tokens -> (aux, greedy next)
+
+    def prepare(self, data) -> None:
+        """The draft vocabulary: the most frequent answer tokens of the training rows (prompt
+        tokens break ties), ascending."""
+        vocab = self.target.get_output_embeddings().weight.shape[0]
+        rows = data.split()[0]
+        ids, lengths, prompts = data.ids[rows], data.lengths[rows], data.prompt_lengths[rows]  # [N, L], [N], [N]
+        position = torch.arange(ids.shape[1])[None]
+        answers = (position >= prompts[:, None]) & (position < lengths[:, None])  # [N, L]
+        anywhere = position < lengths[:, None]
+        counts = (torch.bincount(ids[answers], minlength=vocab).double() * 1000
+                  + torch.bincount(ids[anywhere], minlength=vocab).double())
+        keep = min(self.options.draft_vocab, vocab)
+        self.vocabulary = tuple(sorted(counts.argsort(descending=True, stable=True)[:keep].tolist()))
+
+    def build(self) -> Eagle3Layer:
+        return Eagle3Layer.for_target(self.target, self.vocabulary, self.options.intermediate_size)
+
+    def measured_levels(self, module: Eagle3Layer) -> int:
+        return self.options.ttt_steps
+
+    @torch.no_grad()
+    def target_outputs(self, module: Eagle3Layer, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's [B, T, 3H] low/mid/high features and [B, T] greedy next tokens of the batch's
+        rows, each row run once and kept (in memory) for the rest of training."""
+        B, T = batch.ids.shape
+        lengths = valid_positions(batch).sum(1).tolist()
+        aux = torch.zeros(B, T, len(module.config.aux_layers) * module.config.hidden_size)
+        greedy = torch.zeros(B, T, dtype=torch.long)
+        for b, length in enumerate(lengths):
+            row = batch.ids[b, :length]
+            key = row.cpu().numpy().tobytes()
+            if key not in self._targets:
+                out = self.target(row[None].to(self.target.device), output_hidden_states=True)
+                features = torch.cat([out.hidden_states[k][0] for k in module.config.aux_layers], -1)  # [n, 3H]
+                self._targets[key] = (features.half().cpu(), out.logits[0].argmax(-1).cpu())
+            aux[b, :length], greedy[b, :length] = self._targets[key][0].float(), self._targets[key][1]
+        return aux.to(batch.ids.device), greedy.to(batch.ids.device)
+
+    def loss(self, module: Eagle3Layer, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        aux, greedy = self.target_outputs(module, batch)  # [B, T, 3H], [B, T]
+        valid = valid_positions(batch)  # [B, T]
+        embeds = self.target.get_input_embeddings()(batch.ids).detach()  # [B, T, H]
+        draft_index = torch.full((module.config.vocab_size,), -1, dtype=torch.long, device=batch.ids.device)
+        draft_index[module.to_target(torch.arange(module.draft_vocab_size, device=batch.ids.device))] = \
+            torch.arange(module.draft_vocab_size, device=batch.ids.device)
+        n = batch.ids.shape[1] - 1  # pairs (aux_t, x_{t+1}), t < n
+        hidden, steps = module.fuse(aux[:, :n]), TrainingTimeTest(n)
+        total, metrics = torch.zeros((), device=hidden.device), {}
+        for j in range(min(self.options.ttt_steps, n)):
+            ahead = (torch.arange(n, device=hidden.device) + 1 + j).clamp(max=n)  # [n] index of x_{t+1+j}
+            positions = (torch.arange(n, device=hidden.device) + j).expand(len(hidden), -1)  # [B, n]
+            hidden = module.attend_and_mix(hidden, embeds[:, ahead], positions, steps.attend)  # [B, n, H]
+            labels = draft_index[greedy[:, ahead]]  # [B, n] the target's next token, in the draft vocabulary
+            scored = valid[:, ahead] & (torch.arange(n, device=hidden.device) + 1 + j <= n)  # [B, n]
+            logits = module.logits(hidden)[scored].float()  # [M, Vd]
+            learnable = labels[scored] >= 0
+            if learnable.any():
+                total = total + self.options.decay**j * F.cross_entropy(logits[learnable], labels[scored][learnable])
+            if len(logits):
+                rank_hits(logits, labels[scored], j + 1, metrics)  # out-of-vocabulary labels (-1) count as misses
+        if "head1_rank0" in metrics:
+            metrics["top1"] = metrics["head1_rank0"]
+        return total, metrics
+
+
+class TrainingTimeTest:
+    """The attention of the training-time test: step 0 is causal over the pairs; step j's
+    query at pair t sees step 0's keys at pairs <= t and the keys of steps 1..j at pair t."""
+
+    def __init__(self, n: int):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.causal = torch.ones(n, n, dtype=torch.bool).tril()  # [n, n]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [B, heads, n, d]; k, v: [B, kv, n, d] this step's -> [B, heads, n, d]."""
+        groups = q.shape[1] // k.shape[1]
+        self.keys.append(k.repeat_interleave(groups, 1))
+        self.values.append(v.repeat_interleave(groups, 1))
+        scale = q.shape[-1] ** -0.5
+        first = (q @ self.keys[0].transpose(-1, -2) * scale).masked_fill(~self.causal.to(q.device), float("-inf"))
+        own = [(q * key).sum(-1, keepdim=True) * scale for key in self.keys[1:]]  # [B, heads, n, 1] each
+        weights = torch.cat([first, *own], -1).softmax(-1)  # [B, heads, n, n + steps so far - 1]
+        n = q.shape[2]
+        out = weights[..., :n] @ self.values[0]
+        for i, value in enumerate(self.values[1:]):
+            out = out + weights[..., n + i, None] * value
+        return out
+
+
+# ---- the drafter ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Eagle3Settings(WeightsSetting):
+    depth: int = 3  # tokens per draft chain (vLLM's num_speculative_tokens)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        at_least_one(self, "depth")
+
+
+@register
+class Eagle3(TrainedDrafter):
+    name = "eagle3"
+    Settings = Eagle3Settings
+    Module = Eagle3Layer
+    Training = Eagle3Training  # how `hasten train eagle3` builds, trains and saves the layer
+
+    taps: LayerTaps | None = None
+
+    def setup(self, model: PreTrainedModel) -> None:
+        if self.taps is not None:
+            self.taps.remove()
+        self.taps = LayerTaps(model, tuple(self.module.config.aux_layers))
+
+    def start(self, ctx: DraftContext) -> CommittedRun:
+        return CommittedRun()
+
+    def cache_bytes(self, state: CommittedRun) -> int:
+        return allocated_bytes(state.cache.view())
+
+    @torch.no_grad()
+    def features(self, ctx: DraftContext, start: int, end: int) -> torch.Tensor:
+        """[end - start, 3H] the target's low/mid/high features at committed positions [start, end)."""
+        try:
+            return self.taps.features(ctx.features[start:end])
+        except MissingFeatures:  # one forward over the committed tokens, without the loop's cache
+            ids = torch.tensor([ctx.tokens[:end]], device=self.module.fc.weight.device)
+            hidden = self._target(ids, output_hidden_states=True, logits_to_keep=1).hidden_states
+            return torch.cat([hidden[k][0, start:end] for k in self.module.config.aux_layers], -1)
+
+    def draft(self, ctx: DraftContext) -> Draft:
+        state: CommittedRun = ctx.state
+        module, device = self.module, self.module.fc.weight.device
+
+        def pairs(start: int, end: int, *args) -> torch.Tensor:  # (aux_t, x_{t+1}) for t in [start, end)
+            embeds = self.embed(torch.tensor(ctx.tokens[start + 1 : end + 1], device=device))  # [new, H]
+            return module(module.fuse(self.features(ctx, start, end))[None], embeds[None], *args)
+
+        newest = state.catch_up(0 if ctx.features is None else len(ctx.features), pairs, device)  # [H] pre-norm
+        if newest is None:  # no committed feature yet (one-token prompt)
+            return EMPTY_DRAFT
+        cache, tokens = state.cache, []
+        hidden = newest[None, None]  # [1, 1, H]
+        for d in range(min(self.settings.depth, ctx.max_depth)):
+            if d:  # feed (pre-norm output, guessed token) back at position r + d - 1, after the chain so far
+                position = torch.tensor([[cache.length + d - 1]], device=device)
+                hidden = module(hidden, self.embed(torch.tensor([[tokens[-1]]], device=device)), position, None,
+                                cache, cache.length + d - 1)
+            tokens.append(int(module.to_target(module.logits(hidden[0, -1]).argmax(-1))))
+        return Draft.chain(tokens)

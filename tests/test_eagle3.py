@@ -1,0 +1,255 @@
+"""EAGLE-3 (drafters/eagle3.py, export/eagle3.py): lossless in hasten's loop (greedy equality
+at several depths, untrained and trained; the sampling law with chains 3 deep), the
+training-time test's attention equals drafting's, and the export computes in vLLM's layout
+what hasten drafts: vLLM's llama_eagle3 forward is written out here from
+vllm/model_executor/models/llama_eagle3.py and llama.py (fused-add RMSNorms, the aux layers
+as the residual entering layer k, concatenated low to high) and run from the exported files
+alone. The real vLLM round trip is tests/test_eagle3_vllm.py (``-m vllm``)."""
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import hasten
+from hasten.core.sampling import Sampling
+from hasten.drafters.eagle3 import Eagle3, Eagle3Training, Eagle3TrainOptions, TrainingTimeTest
+from hasten.drafters.eagle3_layer import Eagle3Layer, default_aux_layers
+from hasten.drafters.nn import causal
+from hasten.export import ExportError, export
+from hasten.export.eagle3 import check_strictly
+
+from helpers import distill_tiny, hf_greedy, repetitive_prompt, tiny_model, train_briefly
+from test_sampling_distribution import DEEP_LAW_SAMPLING, TARGET, deep_tv
+
+NEW = 24
+
+
+def randomised(layer: Eagle3Layer, seed: int = 0, scale: float = 0.3) -> Eagle3Layer:
+    """Weights a training run could leave (norms away from one), deterministic."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            p.copy_(1 + 0.2 * noise if name.endswith("norm.weight") else noise * scale / p.shape[-1] ** 0.5)
+    return layer.eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", num_hidden_layers=6)
+
+
+@pytest.fixture(scope="module")
+def trained(target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle3")
+    data = distill_tiny(target, root / "work")
+    training = Eagle3Training(target, Eagle3TrainOptions(draft_vocab=40, ttt_steps=3))
+    return train_briefly(training, data, root / "eagle3", steps=2), training
+
+
+# ---- lossless in hasten's loop ---------------------------------------------------------------------
+def test_greedy_output_is_the_targets_untrained_at_several_depths(target):
+    prompt = repetitive_prompt(20, seed=1)
+    reference = hf_greedy(target, prompt, NEW)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "untrained eagle3"
+        for depth in (1, 2, 4):
+            out = hasten.generate(target, prompt, drafter=Eagle3(depth=depth), max_new_tokens=NEW, draft_size="fixed")
+            assert out.sequences.tolist() == reference.tolist()
+            assert len(out.stats.drafted_at_depth) == depth and min(out.stats.drafted_at_depth) > 0  # chains of depth
+
+
+def test_greedy_output_is_the_targets_trained_with_a_draft_vocabulary(target, trained):
+    directory, training = trained
+    layer = Eagle3Layer.load(directory)
+    assert len(layer.config.draft_tokens) == 40 and list(layer.config.draft_tokens) == sorted(training.vocabulary)
+    assert layer.config.accuracy is not None and len(layer.config.accuracy) == 3  # one row per TTT step
+    for seed in (1, 2):
+        prompt = repetitive_prompt(20, seed=seed)
+        reference = hf_greedy(target, prompt, NEW)
+        for depth in (2, 3):
+            out = hasten.generate(target, prompt, drafter=Eagle3(weights=str(directory), depth=depth),
+                                  max_new_tokens=NEW, draft_size="fixed")
+            assert out.sequences.tolist() == reference.tolist()
+
+
+def test_drafts_come_from_the_tapped_features_after_the_first_prompt(target, tmp_path, monkeypatch):
+    """The first prompt is recomputed (its prefill ran before the drafter met the target);
+    every later row is found among the target's tapped forwards."""
+    from hasten.drafters import eagle3 as module
+
+    randomised(Eagle3Layer.for_target(target)).save(tmp_path)
+    misses = []
+    found = module.LayerTaps.features
+
+    def counted(self, last):
+        try:
+            return found(self, last)
+        except module.MissingFeatures:
+            misses.append(len(last))
+            raise
+
+    monkeypatch.setattr(module.LayerTaps, "features", counted)
+    drafter = Eagle3(weights=str(tmp_path), depth=3)
+    for seed in (1, 2):
+        hasten.generate(target, repetitive_prompt(20, seed=seed), drafter=drafter, max_new_tokens=NEW,
+                        draft_size="fixed")
+    assert misses == [19]  # the first prompt's 19 features, once
+
+
+@pytest.mark.heavy  # about 25 s on one idle thread
+def test_sampled_continuations_follow_the_target_three_deep(tmp_path):
+    randomised(Eagle3Layer.for_target(TARGET), seed=3, scale=3.0).save(tmp_path)
+    tv, limit = deep_tv(Eagle3(weights=str(tmp_path), depth=3), DEEP_LAW_SAMPLING, samples=600)
+    assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
+
+
+# ---- the training-time test ---------------------------------------------------------------------------
+def test_training_time_test_attention_is_what_drafting_sees(target):
+    """Step j of the training-time test at pair t computes what the drafting chain computes at
+    depth j + 1 after the committed pairs 0..t (cache, positions t + j, attention over both)."""
+    layer = randomised(Eagle3Layer.for_target(target), seed=5)
+    g = torch.Generator().manual_seed(0)
+    n, H = 7, layer.config.hidden_size
+    fused = torch.randn(1, n, H, generator=g)  # fc(aux_t)
+    tokens = torch.randn(1, n + 2, H, generator=g)  # token embeddings x_1 .. x_{n+2}
+    steps, hidden, outputs = TrainingTimeTest(n), fused, []
+    for j in range(3):
+        hidden = layer.attend_and_mix(hidden, tokens[:, j : j + n], (torch.arange(n) + j)[None], steps.attend)
+        outputs.append(hidden)
+    from hasten.drafters.nn import KVCache
+
+    for t in (0, 3, n - 1):
+        cache = KVCache()
+        out = layer(fused[:, : t + 1], tokens[:, : t + 1], torch.arange(t + 1)[None], causal(t + 1), cache, 0)
+        cache.commit(t + 1)
+        torch.testing.assert_close(out[:, t], outputs[0][:, t])
+        hidden = out[:, t : t + 1]
+        for j in (1, 2):
+            hidden = layer(hidden, tokens[:, t + j : t + j + 1], torch.tensor([[t + j]]), None, cache, t + j)
+            torch.testing.assert_close(hidden[:, 0], outputs[j][:, t], rtol=1e-5, atol=1e-5)
+
+
+# ---- the export --------------------------------------------------------------------------------------
+def rms(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def vllm_eagle3_chain(config: dict, tensors: dict, aux: torch.Tensor, tokens: list[int], embed: torch.Tensor,
+                      depth: int) -> list[int]:
+    """vLLM's llama_eagle3 from the exported files alone: the first pass over every committed
+    pair (aux [r, 3H] of the target's layers, tokens x_1..x_r), then ``depth - 1`` steps feeding the
+    pre-norm output back; drafts are argmax of the draft vocabulary mapped through d2t."""
+    eps, heads, kv, hd = config["rms_norm_eps"], config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]
+    w = {k.replace("midlayer.", "layers.0."): v for k, v in tensors.items()}
+    qkv = torch.cat([w["layers.0.self_attn.q_proj.weight"], w["layers.0.self_attn.k_proj.weight"],
+                     w["layers.0.self_attn.v_proj.weight"]])  # vLLM's QKVParallelLinear
+    gate_up = torch.cat([w["layers.0.mlp.gate_proj.weight"], w["layers.0.mlp.up_proj.weight"]])
+    inverse = 1.0 / config["rope_parameters"]["rope_theta"] ** (torch.arange(0, hd, 2).float() / hd)
+    keys, values = [], []
+
+    def layer(hidden, ids, positions):  # [n, H], [n], [n] -> (normed, prenorm)
+        embeds = rms(embed[ids], w["layers.0.input_layernorm.weight"], eps)
+        residual = hidden
+        x = torch.cat([embeds, rms(hidden, w["layers.0.hidden_norm.weight"], eps)], -1)
+        q, k, v = F.linear(x, qkv).split([heads * hd, kv * hd, kv * hd], -1)
+        angles = positions[:, None].float() * inverse  # neox-style rotary
+        cos, sin = angles.cos().repeat(1, 2)[:, None], angles.sin().repeat(1, 2)[:, None]
+        rot = lambda t: t * cos + torch.cat([-t[..., hd // 2:], t[..., : hd // 2]], -1) * sin  # noqa: E731
+        q, k, v = rot(q.view(-1, heads, hd)), rot(k.view(-1, kv, hd)), v.view(-1, kv, hd)
+        keys.append(k), values.append(v)
+        K, V = torch.cat(keys).repeat_interleave(heads // kv, 1), torch.cat(values).repeat_interleave(heads // kv, 1)
+        past = len(K) - len(q)
+        mask = torch.ones(len(q), len(K), dtype=torch.bool).tril(past)
+        scores = torch.einsum("qhd,khd->hqk", q, K) / hd**0.5
+        attended = torch.einsum("hqk,khd->qhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), V)
+        residual = F.linear(attended.reshape(len(q), -1), w["layers.0.self_attn.o_proj.weight"]) + residual
+        gate, up = F.linear(rms(residual, w["layers.0.post_attention_layernorm.weight"], eps), gate_up).chunk(2, -1)
+        prenorm = F.linear(F.silu(gate) * up, w["layers.0.mlp.down_proj.weight"]) + residual
+        return rms(prenorm, w["norm.weight"], eps), prenorm
+
+    def draft(normed):
+        index = F.linear(normed, w["lm_head.weight"]).argmax(-1)
+        return int(index + (w["d2t"][index] if "d2t" in w else 0))
+
+    r = len(aux)
+    normed, prenorm = layer(F.linear(aux, w["fc.weight"]), torch.tensor(tokens[1 : r + 1]), torch.arange(r))
+    out = [draft(normed[-1])]
+    hidden = prenorm[-1:]
+    for d in range(1, depth):
+        normed, hidden = layer(hidden, torch.tensor([out[-1]]), torch.tensor([r - 1 + d]))
+        out.append(draft(normed[-1]))
+    return out
+
+
+@pytest.mark.parametrize("format", ["vllm", "sglang"])
+def test_exported_eagle3_drafts_in_vllms_layout_what_hasten_drafts(target, trained, tmp_path, format):
+    directory, _ = trained
+    layer = randomised(Eagle3Layer.load(directory), seed=7)  # trained two steps: still near its start
+    layer.save(tmp_path / "drafter")
+    exported = export(tmp_path / "drafter", format, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    tensors = load_file(tmp_path / "out" / "model.safetensors")
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 40
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    layers = config.get("eagle_aux_hidden_state_layer_ids") or [
+        k + 1 for k in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]  # SGLang counts outputs
+    assert layers == list(default_aux_layers(6)) == [2, 3, 3]
+    assert exported.usage
+    prompt = repetitive_prompt(20, seed=3)[0].tolist()
+    with torch.no_grad():
+        states = target(torch.tensor([prompt]), output_hidden_states=True).hidden_states  # residual entering layer k
+        aux = torch.cat([states[k][0, :-1] for k in layers], -1)  # [r, 3H]: the pairs before the root
+        expected = vllm_eagle3_chain(config, tensors, aux, prompt, target.get_input_embeddings().weight, 4)
+    drafts = hasten_chain(target, Eagle3(weights=str(tmp_path / "drafter"), depth=4), prompt)
+    assert drafts == expected
+
+
+def hasten_chain(target, drafter, tokens: list[int]) -> list[int]:
+    """The first chain hasten's drafter proposes after the prompt ``tokens`` (its last token is the root)."""
+    captured = []
+    propose = drafter.propose
+
+    def spy(ctx):
+        draft = propose(ctx)
+        if not captured:
+            captured.append(list(draft.tokens))
+        return draft
+
+    drafter.propose = spy
+    hasten.generate(target, torch.tensor([tokens]), drafter=drafter, max_new_tokens=8, draft_size="fixed")
+    return captured[0]
+
+
+def test_the_strict_check_names_what_is_wrong(target, tmp_path):
+    layer = randomised(Eagle3Layer.for_target(target, draft_tokens=tuple(range(0, 96, 2))))
+    layer.save(tmp_path / "drafter")
+    export(tmp_path / "drafter", "vllm", tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    good = load_file(tmp_path / "out" / "model.safetensors")
+    check_strictly(good, config, "vLLM")
+    cases = {
+        "missing: midlayer.hidden_norm.weight": {k: v for k, v in good.items() if k != "midlayer.hidden_norm.weight"},
+        "unexpected: layers.0.mlp.up_proj.weight": {**good, "layers.0.mlp.up_proj.weight": good["midlayer.mlp.up_proj.weight"]},
+        "wrong shape: fc.weight": {**good, "fc.weight": good["fc.weight"][:, :64]},
+        "d2t .* torch.int32": {**good, "d2t": good["d2t"].int()},
+        "d2t and t2d disagree": {**good, "d2t": good["d2t"] + 1},
+        "t2d missing": {k: v for k, v in good.items() if k != "t2d"},
+    }
+    for message, tensors in cases.items():
+        with pytest.raises(ExportError, match=message):
+            check_strictly(tensors, config, "vLLM")
+
+
+def test_export_refuses_eagle_naming_what_is_missing(target, tmp_path):
+    from hasten.drafters.eagle import EagleLayer
+
+    EagleLayer.for_target(target).save(tmp_path / "eagle")
+    with pytest.raises(ExportError, match="SwiGLU.*three layers.*d2t/t2d.*hasten train eagle3"):
+        export(tmp_path / "eagle", "vllm", tmp_path / "out")
+    Eagle3Layer.for_target(target).save(tmp_path / "e3")
+    with pytest.raises(ExportError, match="hasten exports eagle3 as vllm, sglang"):
+        export(tmp_path / "e3", "speculators", tmp_path / "out")
