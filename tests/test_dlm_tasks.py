@@ -61,3 +61,12 @@ def test_metric_on_a_split_of_real_text(completion, valid):
     head = text[split.start:split.split]
     assert completes_function(head, text[split.split:])  # the real continuation always parses
     assert completes_function(head, completion) is valid
+
+
+def test_heldout_modules_parse_and_offer_functions_to_complete():
+    from hasten.dlm.heldout import SOURCES
+
+    for name, text in SOURCES.items():  # the agreement check's prompts (docs/dlm.md) draw from these
+        splits = function_splits(text)
+        assert len(splits) >= 8, name
+        assert all(text[split.split] == "\n" and split.start < split.split < split.end for split in splits)
