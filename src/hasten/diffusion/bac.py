@@ -149,7 +149,7 @@ def adaptive_schedule(similarity: np.ndarray, updates: int) -> list[int]:
     for m in range(updates, 1, -1):
         j = parent[m, j]
         chosen.append(j)
-    return [0] + sorted(chosen)
+    return [0] + sorted(int(step) for step in chosen)
 
 
 def caching_error(similarity: np.ndarray, update_steps: Sequence[int]) -> float:
