@@ -261,12 +261,13 @@ def hasten_draft(tokens: list[int], depth: int) -> list[int]:
 
 def test_the_vllm_proposer_drafts_what_hastens_prompt_lookup_drafts():
     """Row by row and step by step, as vLLM calls it: rows growing, a row taken over by a new
-    request, a row still prefilling (nothing sampled), a row with no room left."""
+    request, a row still prefilling (nothing sampled), a row with no room left (at a fixed
+    depth: tests/test_vllm_proposers.py sizes it)."""
     import numpy as np
 
-    from hasten.vllm import PromptLookup
+    from hasten.vllm import FixedPromptLookup
 
-    proposer = PromptLookup(vllm_config(depth=4, max_model_len=40))
+    proposer = FixedPromptLookup(vllm_config(depth=4, max_model_len=40))
     proposer.load_model()
     rng = np.random.default_rng(0)
     story = [int(t) for t in rng.integers(5, 12, size=40)]  # a small alphabet: many repeats
@@ -292,14 +293,17 @@ def test_the_vllm_proposer_drafts_what_hastens_prompt_lookup_drafts():
 
 
 @pytest.mark.vllm
-def test_real_vllm_with_hastens_proposer_decodes_as_vllm_alone(tmp_path):
-    """vLLM verifies hasten's drafts itself: its greedy output is its plain decoding's, and
-    drafts were accepted (a repeating prompt)."""
+def test_real_vllm_with_hastens_proposers_decodes_as_vllm_alone(tmp_path):
+    """vLLM verifies hasten's drafts itself: with each of hasten's proposers (prompt lookup sized
+    per request and at a fixed depth, lookahead's chain) its greedy output is its plain
+    decoding's, and drafts were accepted (a repeating prompt)."""
     _, model = vllm_sized_model(tmp_path)
     ids = repetitive_prompt(24)
-    outputs = run_vllm(model, ["vllm", "vllm_prompt_lookup"], ids, 24)
-    assert outputs["vllm_prompt_lookup"][0] == outputs["vllm"][0] == reference_tokens(model, ids, 24)
-    assert outputs["vllm_prompt_lookup"][1].steps < 24  # some drafts were accepted
+    proposers = ["vllm_prompt_lookup", "vllm_prompt_lookup_fixed", "vllm_lookahead"]
+    outputs = run_vllm(model, ["vllm", *proposers], ids, 24)
+    for name in proposers:
+        assert outputs[name][0] == outputs["vllm"][0] == reference_tokens(model, ids, 24), name
+        assert outputs[name][1].steps < 24, name  # some drafts were accepted
 
 
 @pytest.mark.vllm

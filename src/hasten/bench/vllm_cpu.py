@@ -11,8 +11,13 @@ at a time, interleaved with every other method as usual. The worker times
 * ``vllm_ngram``: vLLM's n-gram speculation (its prompt lookup): 5 speculative tokens,
   n-grams of 2 to 4 tokens;
 * ``vllm_prompt_lookup``: vLLM with hasten's prompt lookup as its proposer
-  (:class:`hasten.vllm.PromptLookup`), 5 speculative tokens: the same depth as ``vllm_ngram``,
-  hasten's matching rule. vLLM verifies; only the drafts are hasten's.
+  (:class:`hasten.vllm.PromptLookup`), each request's depth chosen by hasten's cost-aware
+  sizing, up to 10 tokens (hasten's own ``prompt_lookup`` depth). vLLM verifies; only the
+  drafts are hasten's.
+* ``vllm_prompt_lookup_fixed``: the same rule at vLLM's fixed depth of 5
+  (:class:`hasten.vllm.FixedPromptLookup`): the same depth as ``vllm_ngram``, hasten's matching.
+* ``vllm_lookahead``: hasten's lookahead trie's likeliest chain (:class:`hasten.vllm.Lookahead`),
+  sized as ``vllm_prompt_lookup``, up to 10 tokens.
 * ``vllm_medusa``: vLLM with hasten's trained Medusa heads for the model (found as hasten's
   ``medusa`` method finds them), exported into vLLM's layout (:mod:`hasten.export`) in a
   temporary folder; as many speculative tokens as heads. Asked for by name only (not in
@@ -45,14 +50,21 @@ from .runner import Method
 VLLM = "vllm"
 VLLM_NGRAM = "vllm_ngram"
 VLLM_PROMPT_LOOKUP = "vllm_prompt_lookup"
+VLLM_PROMPT_LOOKUP_FIXED = "vllm_prompt_lookup_fixed"
+VLLM_LOOKAHEAD = "vllm_lookahead"
 VLLM_MEDUSA = "vllm_medusa"
-BASELINES = (VLLM, VLLM_NGRAM, VLLM_PROMPT_LOOKUP, VLLM_MEDUSA)
-ON_REQUEST = (VLLM_MEDUSA,)  # not in --baselines auto: it needs trained heads and writes an export
+BASELINES = (VLLM, VLLM_NGRAM, VLLM_PROMPT_LOOKUP, VLLM_PROMPT_LOOKUP_FIXED, VLLM_LOOKAHEAD, VLLM_MEDUSA)
+# not in --baselines auto: medusa needs trained heads and writes an export; the fixed-depth and lookahead
+# proposers are comparisons for those who ask (each baseline is one more vLLM engine to load)
+ON_REQUEST = (VLLM_PROMPT_LOOKUP_FIXED, VLLM_LOOKAHEAD, VLLM_MEDUSA)
 # each baseline's speculative_config (None: plain decoding)
 SPECULATIVE = {
     VLLM: None,
     VLLM_NGRAM: {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
-    VLLM_PROMPT_LOOKUP: {"method": "custom_class", "model": "hasten.vllm.PromptLookup", "num_speculative_tokens": 5},
+    VLLM_PROMPT_LOOKUP: {"method": "custom_class", "model": "hasten.vllm.PromptLookup", "num_speculative_tokens": 10},
+    VLLM_PROMPT_LOOKUP_FIXED: {"method": "custom_class", "model": "hasten.vllm.FixedPromptLookup",
+                               "num_speculative_tokens": 5},
+    VLLM_LOOKAHEAD: {"method": "custom_class", "model": "hasten.vllm.Lookahead", "num_speculative_tokens": 10},
 }
 ENV_PYTHON = "HASTEN_VLLM_PYTHON"
 DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"

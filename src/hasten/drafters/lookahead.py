@@ -23,6 +23,7 @@ from functools import lru_cache
 
 from ..core.settings import Settings
 from ..core.tree import TokenTree
+from ..core.trie import NgramTrie, TrieNode, evidence
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
 
 
@@ -41,51 +42,6 @@ class LookaheadSettings(Settings):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prefix < self.min_prefix:
             raise ValueError(f"max_prefix ({self.max_prefix}) must be >= min_prefix ({self.min_prefix})")
-
-
-class _Node:
-    __slots__ = ("count", "children")
-
-    def __init__(self) -> None:
-        self.count = 0
-        self.children: dict[int, _Node] = {}
-
-    def child(self, token: int) -> "_Node":
-        node = self.children.get(token)
-        if node is None:
-            node = self.children[token] = _Node()
-        node.count += 1
-        return node
-
-
-class NgramTrie:
-    """Windows of ``window`` tokens, inserted incrementally as a token stream grows."""
-
-    def __init__(self, window: int):
-        self.root = _Node()
-        self.window = window
-        self._open: list[tuple[_Node, int]] = []  # (end node, depth) of windows still growing
-        self.fed = 0  # tokens of the committed sequence fed so far (the corpus and source excluded)
-        self.found: tuple[int, _Node | None, int] | None = None  # (len(tokens), anchor, suffix length) last found
-
-    def feed(self, tokens) -> None:
-        for token in tokens:
-            # every open window grows by this token, and a new window starts at it
-            grown = [(node.child(token), depth + 1) for node, depth in self._open]
-            grown.append((self.root.child(token), 1))
-            self._open = [(node, depth) for node, depth in grown if depth < self.window]
-
-    def close(self) -> None:
-        """End of a document: no window spans into what is fed next."""
-        self._open = []
-
-    def find(self, suffix: list[int]) -> _Node | None:
-        node = self.root
-        for token in suffix:
-            node = node.children.get(token)
-            if node is None:
-                return None
-        return node
 
 
 @lru_cache(maxsize=4)
@@ -123,42 +79,24 @@ class Lookahead(Drafter):
         return trie
 
     def evidence(self, ctx: DraftContext) -> int:
-        """0: no suffix found; else 2 per suffix token, minus 1 when the likeliest first token
-        followed it only once (1 .. 2 * max_prefix)."""
-        anchor, length = self.anchor(ctx)
-        if anchor is None:
-            return 0
-        return 2 * length - (max(child.count for child in anchor.children.values()) < 2)
+        """See :func:`hasten.core.trie.evidence` (1 .. 2 * max_prefix; 0: no suffix found)."""
+        return evidence(*self.anchor(ctx))
 
     def propose(self, ctx: DraftContext) -> Draft:
         depth_limit = min(self.settings.branch_length, ctx.max_depth)
         anchor, _ = self.anchor(ctx) if depth_limit >= 1 else (None, 0)
         return EMPTY_DRAFT if anchor is None else _best_first(anchor, self.settings.draft_tokens, depth_limit)
 
-    def anchor(self, ctx: DraftContext) -> tuple[_Node | None, int]:
-        """The trie node of the longest recent suffix that has continuations, and its length;
-        remembered until the tokens change."""
-        s, trie = self.settings, ctx.state
-        if trie.found is not None and trie.found[0] == len(ctx.tokens):
-            return trie.found[1:]
-        trie.feed(ctx.tokens[trie.fed :])
-        trie.fed = len(ctx.tokens)
-        found: tuple[_Node | None, int] = (None, 0)
-        for length in range(min(s.max_prefix, len(ctx.tokens)), s.min_prefix - 1, -1):
-            anchor = trie.find(ctx.tokens[-length:])
-            if anchor is not None and anchor.children:
-                found = (anchor, length)
-                break
-        trie.found = (len(ctx.tokens), *found)
-        return found
+    def anchor(self, ctx: DraftContext) -> tuple[TrieNode | None, int]:
+        return ctx.state.anchor(ctx.tokens, self.settings.max_prefix, self.settings.min_prefix)
 
 
-def _best_first(anchor: _Node, budget: int, depth_limit: int) -> Draft:
+def _best_first(anchor: TrieNode, budget: int, depth_limit: int) -> Draft:
     """The ``budget`` most frequent nodes under ``anchor`` (ties: first seen), as a tree."""
     tokens: list[int] = []
     parents: list[int] = []
     order = 0  # tie-breaker keeping the heap deterministic
-    heap: list[tuple[int, int, int, int, _Node, int]] = []
+    heap: list[tuple[int, int, int, int, TrieNode, int]] = []
     for token, node in anchor.children.items():
         heapq.heappush(heap, (-node.count, order, -1, token, node, 1))
         order += 1

@@ -15,51 +15,18 @@ import os
 import platform
 import statistics
 import time
-from bisect import bisect_left
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from ..core.cost import CostCurve
 from ..models.gguf import cache_root
 from ..models.hf import runtime_of
 
 CALIBRATION_CONTEXT = 96  # cached tokens before each timed block
 CALIBRATION_REPS = 5  # timed reps per size (median kept), after one warm-up round
-
-
-@dataclass(frozen=True)
-class CostCurve:
-    """Seconds of one target forward over ``sizes[i]`` positions (after a cached context)."""
-
-    sizes: tuple[int, ...]
-    seconds: tuple[float, ...]
-
-    def __post_init__(self) -> None:
-        if not self.sizes or len(self.sizes) != len(self.seconds) or list(self.sizes) != sorted(set(self.sizes)):
-            raise ValueError(f"CostCurve needs increasing sizes, one time each: {self.sizes}, {self.seconds}")
-
-    def __call__(self, positions: float) -> float:
-        """Linear interpolation; linear extrapolation from the last two points past the end."""
-        return _interpolate(self, positions)  # memoised: the sizing rule prices the same sizes every step
-
-    def interpolate(self, positions: float) -> float:
-        sizes, seconds = self.sizes, self.seconds
-        if len(sizes) == 1 or positions <= sizes[0]:
-            return seconds[0]
-        i = min(max(bisect_left(sizes, positions), 1), len(sizes) - 1)
-        x0, x1, y0, y1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
-        return max(y0 + (y1 - y0) * (positions - x0) / (x1 - x0), seconds[0])
-
-    @classmethod
-    def flat(cls) -> "CostCurve":
-        return cls((1,), (1.0,))
-
-
-@functools.lru_cache(maxsize=8192)
-def _interpolate(curve: CostCurve, positions: float) -> float:
-    return curve.interpolate(positions)
 
 
 @functools.lru_cache(maxsize=1)

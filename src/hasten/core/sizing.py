@@ -1,0 +1,395 @@
+"""Sizing rules: how deep each step's draft may go.
+
+Cutting a draft's depth is always lossless (the loop verifies whatever is left), so the
+depth is purely a speed decision. :class:`FixedSize` lets every drafter draft as deep as
+it likes (the token budget permitting). :class:`CostAwareSize` picks, each step, the depth
+``k`` that maximises expected tokens per second::
+
+    (1 + sum_{d<=k} prod_{i<=d} a_i) / (forward(nodes at depth <= k, + 1) + draft(k))
+
+from the target's forward cost per block size *on this machine* (a short calibration,
+cached on disk per model, device, dtype, threads and machine; a llama.cpp model times its own
+``llama_decode``), the drafter's acceptance
+per depth (``a_d``: P(depth d accepted | depth d drafted and depth d - 1 accepted),
+measured online per generation, apart for each class of the drafter's own evidence: see
+``Drafter.evidence``) and its measured drafting seconds. ``k = 0`` (a plain
+step, no proposal at all) is allowed when drafting does not pay; a small probe now and
+then re-measures acceptance.
+
+Exploring: a single early failure must not silence a drafter for a whole generation (one
+rejected first draft put lookahead's estimate at 0.25 and ~20 plain steps followed where a
+fixed size accepted 3 tokens a step). So among the depths whose failure costs at most one
+plain step more than a plain step (on a flat or nearly flat curve), each step lets its
+estimates, shifted by a normal draw times their own uncertainty, choose (Thompson-style: an
+uncertain estimate is sometimes tried as if better); on a steep curve (llama.cpp on a CPU) exploring costs more than it finds, and only
+the probes remain. A class of evidence graded above every class drafted so far is tried at
+once (the start of a copy stretch is worth a probe). Replayed on recorded SmolLM2 outputs
+(tokens per unit of forward cost; tables in ``docs/benchmarks.md``), this took prompt lookup's auto sizing from
+0.96x to 1.06x of its fixed size on PyTorch and from 1.06x to 1.08x of plain decoding on llama.cpp
+(replays of November 2026; ``hasten replay`` measures it again).
+
+A rule is chosen once per generation (like the acceptance rule); its per-generation
+state comes from ``begin`` and lives with the loop.
+The rule itself touches no model (it lives on the ground floor, so :mod:`hasten.vllm` sizes
+vLLM's drafts with it); :mod:`hasten.engine.sizing` gives it the calibrated curve of
+hasten's own runtimes and resolves the ``draft_size`` setting.
+"""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+from itertools import zip_longest
+from typing import Any
+
+from .cost import CostCurve
+from .tree import TokenTree
+
+# depths priced before a drafter has drafted (a drafter with no match proposes nothing, so this
+# can repeat for many steps: pricing a whole long budget each time would cost more than a step)
+FIRST_DEPTHS = 32
+
+
+class SizingRule:
+    """Decides each step's deepest usable draft node. ``begin`` returns per-generation state."""
+
+    name: str = "fixed"
+    uses_evidence: bool = False  # asks the drafter's evidence (Drafter.evidence) before each step
+
+    def begin(self, target: Any) -> Any:
+        return None
+
+    def depth(self, state: Any, limit: int, evidence: int | None = None) -> int:
+        """The max draft depth for this step, at most ``limit`` (0: do not draft);
+        ``evidence``: the drafter's class for this step's draft, when it grades them."""
+        return limit
+
+    def observe(self, state: Any, tree: TokenTree, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
+        """The step's verified (already cut) draft tree, its accepted path length and timings."""
+
+    def share(self, state: Any, rows: int) -> None:
+        """The next step's forward is shared by ``rows`` sequences (a batch)."""
+
+    def plan(self, states: list[Any], limits: list[int], evidence: list[int | None]) -> None:
+        """Before a batch's step: choose jointly for its rows (``limits``: each row's deepest
+        usable depth; ``evidence``: each row's drafter's class). Fixed sizes need no plan."""
+
+
+class FixedSize(SizingRule):
+    """Today's behaviour: each drafter drafts as deep as its own settings say (budget permitting)."""
+
+    name = "fixed"
+
+
+# ---- the cost-aware rule ------------------------------------------------------------------------
+@dataclass
+class SizingState:
+    """One generation's measurements (counts decay, so the rule follows drift within a generation)."""
+
+    curve: CostCurve
+    # per evidence class (None: the drafter does not grade its drafts), index d - 1: steps that
+    # drafted depth d with d - 1 accepted, and of those, the steps that accepted depth d
+    trials_by: dict[int | None, list[float]] = field(default_factory=dict)
+    hits_by: dict[int | None, list[float]] = field(default_factory=dict)
+    evidence: int | None = None  # the class of the step under way
+    top_grade: int | None = None  # the highest evidence class drafted so far
+    floor: list[float] = field(default_factory=list)  # per depth: the best estimate of a lower class (see depth)
+    draws: random.Random = field(default_factory=lambda: random.Random(0))  # exploration (reproducible)
+    width: list[float] = field(default_factory=list)  # index d - 1: mean nodes at depth d when drafted
+    reach: int | None = None  # deepest depth the drafter has drafted (None: not yet known)
+    most_nodes: int = 0  # largest draft seen: drafters with a node budget never exceed it, however deep
+    # drafting seconds ~ fixed + per_depth * depth, fitted by decayed least squares over
+    # (depth drafted, seconds) of the steps that proposed: [weight, sum k, sum k^2, sum t, sum k t]
+    draft_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    scale: float | None = None  # observed verify seconds / calibrated forward seconds
+    skipped: int = 0  # plain steps in a row since the last draft
+    probe_gap: int = 0  # plain steps before the next probe (at least; doubled after each failed probe)
+    probing: bool = False  # this step is a probe
+    chosen: int = 0  # the depth chosen for the step under way
+    rows: int = 1  # sequences sharing the target's forward (a batch): its cost is split among them
+    cap: int | None = None  # in a batch: the depth the batch's plan chose for every row
+    timed: bool = False  # a step's verify time has been seen (the first is not used: see observe)
+
+    @property
+    def trials(self) -> list[float]:
+        """The current evidence class's trials per depth."""
+        return self.trials_by.setdefault(self.evidence, [])
+
+    @property
+    def hits(self) -> list[float]:
+        return self.hits_by.setdefault(self.evidence, [])
+
+    def forward_seconds(self, positions: float) -> float:
+        """This sequence's share of a forward in which every row runs ``positions``
+        positions: a batch of B rows runs B times as many, so a row's extra draft tokens cost
+        what B extra positions cost (on a CPU that is far from free; on a GPU, at small
+        batches, nearly). The calibrated curve, rescaled by the measured verify times."""
+        return self.curve(positions * self.rows) * (self.scale or 1.0) / self.rows
+
+
+class CostAwareSize(SizingRule):
+    """Pick each step's depth to maximise expected tokens per second (see the module doc).
+
+    ``curve``: the target's forward cost (None: measured on first use via
+    :func:`load_or_calibrate`). For trees, the node count at each depth is estimated from
+    recent drafts (a decaying mean of the nodes proposed at that depth, when it was reached),
+    capped by the largest draft seen, since tree drafters with a node budget (lookahead,
+    eagle) spend it whatever the depth. The measured verify time rescales the calibrated
+    curve (a longer context, a busier machine), so forward and drafting seconds stay comparable.
+    """
+
+    name = "auto"
+    uses_evidence = True
+
+    def __init__(self, curve: CostCurve | None = None, prior: float = 0.5, prior_weight: float = 1.0,
+                 decay: float = 0.9, probe_gap: int = 4, max_probe_gap: int = 64, probe_share: float = 0.03,
+                 explore_scale: float = 1.0):
+        self.curve, self.prior, self.prior_weight, self.decay = curve, prior, prior_weight, decay
+        self.explore_scale = explore_scale  # standard deviation of the exploration draw (0: none)
+        self.probe_share = probe_share
+        self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
+
+    def begin(self, target: Any) -> SizingState:
+        curve = self.curve if self.curve is not None else self.curve_for(target)
+        return SizingState(curve, probe_gap=self.first_probe_gap)
+
+    def curve_for(self, target: Any) -> CostCurve:
+        """The target's cost curve when none was given (:mod:`hasten.engine.sizing` calibrates
+        hasten's runtimes on this machine; here there is nothing to measure with)."""
+        raise ValueError("CostAwareSize needs a cost curve: pass curve=")
+
+    # estimates ----------------------------------------------------------------------------------
+    def acceptances(self, state: SizingState, deepest: int, optimism: float = 0.0) -> list[float]:
+        """a_1 .. a_deepest, each with a prior worth ``prior_weight`` steps: ``prior`` at depth
+        1, deeper the larger of ``prior`` and the estimate one level up (once a draft has
+        matched for a while, the next token tends to match as well, so unexplored depths get
+        tried). Real counts decay and the prior does not, so a drafter that is never right
+        keeps an estimate of ``prior * prior_weight / (prior_weight + 1 / (1 - decay))``
+        (0.045 by default). The prior weighs one step (it weighed 3): where only a deep,
+        mostly accepted draft pays (llama.cpp on a CPU: a block of 4 costs 3 steps), one
+        fully accepted probe must be enough to start drafting, or a copy stretch is over
+        before the rule believes in it. ``optimism``: each estimate moves by that many of its
+        standard deviations (exploration; see the module doc)."""
+        found, prior, floor = [], self.prior, state.floor
+        certainty = self.prior_weight
+        measured_trials, measured_hits = state.trials, state.hits
+        for d in range(deepest):
+            trials = measured_trials[d] if d < len(measured_trials) else 0.0
+            hits = measured_hits[d] if d < len(measured_hits) else 0.0
+            weight = trials + self.prior_weight
+            if d < len(floor):  # a higher grade is at least as good as a lower one
+                prior = max(prior, floor[d])
+            estimate = (hits + prior * self.prior_weight) / weight if weight > 0 else prior
+            prior = max(estimate, self.prior)
+            if trials > 0:
+                certainty = weight  # an unmeasured depth is as certain as the measured one above it
+            if optimism:  # once per depth: the prior passed down stays the plain estimate
+                estimate = min(max(estimate + optimism * math.sqrt(estimate * (1.0 - estimate) / (certainty + 1.0)),
+                                   0.0), 1.0)
+            found.append(estimate)
+        return found
+
+    def grade(self, state: SizingState, evidence: int | None) -> None:
+        """Make ``evidence`` the current class; its prior at each depth becomes at least the
+        best estimate of any lower class measured there (computed once a step)."""
+        state.evidence = evidence
+        state.floor = []
+        if evidence is None:
+            return
+        for grade, trials in state.trials_by.items():
+            if grade is not None and grade < evidence:
+                hits = state.hits_by[grade]
+                measured = [(h + self.prior * self.prior_weight) / (t + self.prior_weight) if t > 0 else 0.0
+                            for t, h in zip(trials, hits)]
+                state.floor = [max(a, b) for a, b in zip_longest(state.floor, measured, fillvalue=0.0)]
+
+    def rates(self, state: SizingState, deepest: int, optimism: float = 0.0) -> list[float]:
+        """Expected tokens per second when drafting k = 0 .. ``deepest`` deep."""
+        tokens, nodes = self.expected(state, deepest, optimism)
+        return [t / seconds for t, seconds in zip(tokens, self.seconds_of(state, nodes))]
+
+    def seconds_of(self, state: SizingState, nodes: list[float]) -> list[float]:
+        """Seconds of a step drafting k = 0 .. len(nodes) - 1 deep (``nodes[k]`` draft nodes)."""
+        fixed, per_depth = self.draft_cost(state)
+        return [state.forward_seconds(count + 1) + (fixed + per_depth * d if d else 0.0)
+                for d, count in enumerate(nodes)]
+
+    def expected(self, state: SizingState, deepest: int, optimism: float = 0.0) -> tuple[list[float], list[float]]:
+        """For k = 0 .. ``deepest``: the expected tokens a step commits drafting k deep, and
+        the draft nodes it verifies."""
+        tokens, survive, nodes = [1.0], 1.0, [0.0]
+        count = 0.0
+        for d, accept in enumerate(self.acceptances(state, deepest, optimism), start=1):
+            survive *= accept
+            tokens.append(tokens[-1] + survive)
+            count += state.width[d - 1] if d <= len(state.width) else (state.width[-1] if state.width else 1.0)
+            nodes.append(min(count, max(state.most_nodes, d)))
+        return tokens, nodes
+
+    def affordable_gap(self, state: SizingState, depth: int) -> int:
+        """Plain steps between probes ``depth`` deep such that failed probes cost at most
+        ``probe_share`` of the time (a probe whose first token is accepted is no loss, so
+        the extra cost is weighed by the estimated chance that it is not)."""
+        fixed, per_depth = self.draft_cost(state)
+        plain = state.forward_seconds(1)
+        nodes = min(sum(state.width[:depth]) + max(depth - len(state.width), 0), max(state.most_nodes, depth))
+        extra = state.forward_seconds(nodes + 1) + fixed + per_depth * depth - plain
+        miss = 1.0 - self.acceptances(state, 1)[0]
+        return min(int(extra * miss / (self.probe_share * plain)), self.max_probe_gap)
+
+    def drafting_seconds(self, state: SizingState, depth: int) -> float:
+        fixed, per_depth = self.draft_cost(state)
+        return fixed + per_depth * depth if depth else 0.0
+
+    @staticmethod
+    def draft_cost(state: SizingState) -> tuple[float, float]:
+        """(fixed seconds, seconds per depth) of one proposal. Until depths have varied,
+        all of it is charged per depth (a guess that errs towards shallower drafts, which
+        then vary the depth and reveal the fixed part)."""
+        weight, k, kk, t, kt = state.draft_sums
+        if weight <= 0:
+            return 0.0, 0.0
+        spread = weight * kk - k * k
+        if spread > 1e-6 * weight * weight:
+            slope = max((weight * kt - k * t) / spread, 0.0)
+            fixed = max((t - slope * k) / weight, 0.0)
+            return fixed, slope
+        return 0.0, t / k
+
+    # the rule ------------------------------------------------------------------------------------
+    def plan(self, states: list[SizingState], limits: list[int], evidence: list[int | None]) -> None:
+        """A batch pads every row's block to the widest one, so rows cannot choose alone: one
+        depth ``W`` for all rows, maximising the batch's expected tokens per second, where the
+        forward runs ``rows x (widest block)`` positions and every row drafts up to ``W``
+        (padding would cost as much)."""
+        rows = len(states)
+        for state, grade in zip(states, evidence):
+            self.grade(state, grade)
+        if any(state.reach is None for state in states):  # someone has not drafted yet: all draft fully
+            for state in states:
+                state.cap = None
+            return
+        top = max(self.top(state, limit) for state, limit in zip(states, limits))
+        per_row = [self.expected(state, self.top(state, limit)) for state, limit in zip(states, limits)]
+        scale = sum(state.scale or 1.0 for state in states) / rows
+        curve = states[0].curve
+        best, best_rate = 0, 0.0
+        for depth in range(top + 1):
+            tokens = sum(row_tokens[min(depth, len(row_tokens) - 1)] for row_tokens, _ in per_row)
+            widest = max(row_nodes[min(depth, len(row_nodes) - 1)] for _, row_nodes in per_row)
+            drafting = sum(self.drafting_seconds(state, depth) for state in states)
+            rate = tokens / (curve(rows * (widest + 1)) * scale + drafting)
+            if rate > best_rate * (1 + 1e-9):
+                best, best_rate = depth, rate
+        for state in states:
+            state.cap = best
+
+    def top(self, state: SizingState, limit: int) -> int:
+        """The deepest depth worth pricing: up to twice the deepest drafted so far, so that
+        reach can grow past a depth that costs more than the next (llama.cpp's kernels take
+        rows four at a time: a block of 5 can cost more than one of 4, which drafting one
+        level deeper at a time would never cross)."""
+        return min(limit, 2 * state.reach + 1)
+
+    def probe_depth(self, state: SizingState, limit: int) -> int:
+        """The shallowest depth at which a fully accepted draft beats a plain step (drafting
+        cost included): a shallower probe could never show that drafting pays (on a flat
+        curve that is 1; on SmolLM2 Q4_0 under llama.cpp, 3: a block of 2 costs two steps).
+        0 when no depth up to ``limit`` could pay: then there is nothing to probe for."""
+        _, nodes = self.expected(state, limit)
+        seconds = self.seconds_of(state, nodes)
+        return next((depth for depth in range(1, limit + 1) if (depth + 1) / seconds[depth] > 1.0 / seconds[0]), 0)
+
+    def depth(self, state: SizingState, limit: int, evidence: int | None = None) -> int:
+        if state.rows > 1 and state.cap is not None:  # a batch: the plan (which graded every row) chose
+            state.chosen = min(state.cap, limit)
+            return state.chosen
+        self.grade(state, evidence)
+        state.probing = False
+        if state.reach is None and state.rows > 1:  # a batch plans once every row has drafted: see how deep
+            state.chosen = limit
+            return limit
+        higher = evidence is not None and (state.top_grade is None or evidence > state.top_grade)
+        if state.reach is None or higher:
+            # nothing drafted yet (or evidence above any drafted so far): the prior's best, at least a probe's
+            first = min(limit, FIRST_DEPTHS)
+            rates = self.rates(state, first)
+            best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+            state.chosen = max(best, self.probe_depth(state, first))
+            return state.chosen
+        top = self.top(state, limit)
+        tokens, nodes = self.expected(state, top)
+        seconds = self.seconds_of(state, nodes)
+        rates = [t / s for t, s in zip(tokens, seconds)]
+        best = max(range(len(rates)), key=lambda k: (rates[k], -k))
+        draw, cap = self.exploring(state, seconds)
+        if draw:  # the optimistic (or pessimistic) view picks among depths a failure would not cost much
+            hoped_tokens, _ = self.expected(state, cap, draw)
+            hopes = [t / s for t, s in zip(hoped_tokens, seconds)]
+            hoped = max(range(len(hopes)), key=lambda k: (hopes[k], -k))
+            best = hoped if hopes[hoped] > hopes[min(best, cap)] else best
+        if best == 0:
+            state.skipped += 1
+            # now and then a probe re-measures acceptance, as shallow as could show a gain
+            probe = self.probe_depth(state, top) if top else 0
+            if probe and state.skipped > max(state.probe_gap, self.affordable_gap(state, probe)):
+                best, state.probing = probe, True
+        state.chosen = best
+        return best
+
+    def exploring(self, state: SizingState, seconds: list[float]) -> tuple[float, int]:
+        """This step's exploration draw (normal, ``explore_scale`` wide) and the deepest depth
+        it may choose: the depths whose failure costs at most one plain step more than a plain
+        step (``seconds[k]``: a step drafting k deep; none on llama.cpp's steep CPU curve:
+        then no draw, 0)."""
+        if not self.explore_scale:
+            return 0.0, 0
+        cap = max((k for k in range(1, len(seconds)) if seconds[k] <= 2 * seconds[0]), default=0)
+        return (state.draws.gauss(0.0, self.explore_scale), cap) if cap else (0.0, 0)
+
+    def share(self, state: SizingState, rows: int) -> None:
+        state.rows = rows
+
+    def observe(self, state: SizingState, tree: TokenTree, accepted: int, draft_seconds: float,
+                verify_seconds: float) -> None:
+        depths = tree.depths
+        drafted = max(depths, default=0)
+        positions = len(tree) + 1
+        # the first step's timing is left out: on llama.cpp its block reuses the prompt's last
+        # position (computed by the prefill), so it runs one position short of the curve
+        if verify_seconds > 0 and state.timed:
+            ratio = verify_seconds / state.curve(positions * state.rows)  # the whole batch's forward
+            state.scale = ratio if state.scale is None else 0.8 * state.scale + 0.2 * ratio
+        state.timed = True
+        if state.chosen and not drafted:  # no proposal (prompt lookup without a match): a plain step,
+            # and the probe waits; but time passes, so old evidence fades as it would over a draft
+            state.trials[:] = [trials * self.decay for trials in state.trials]
+            state.hits[:] = [hits * self.decay for hits in state.hits]
+        if state.chosen == 0 or drafted == 0:
+            return
+        state.skipped = 0
+        if state.probing:  # a failed probe doubles the wait for the next one
+            state.probe_gap = self.first_probe_gap if accepted else min(2 * state.probe_gap, self.max_probe_gap)
+        first, state.reach = state.reach is None, max(state.reach or 0, drafted)
+        if state.evidence is not None:
+            state.top_grade = max(state.top_grade if state.top_grade is not None else state.evidence, state.evidence)
+        state.most_nodes = max(state.most_nodes, len(tree))
+        if not first:  # a drafter's first proposal may catch up with the whole prompt: not a
+            sums = state.draft_sums  # step's drafting cost (lookahead's long-prompt loss came from it)
+            for i, value in enumerate((1.0, drafted, drafted * drafted, draft_seconds, drafted * draft_seconds)):
+                sums[i] = sums[i] * self.decay + value
+        counts = [0] * drafted
+        for depth in depths:
+            counts[depth - 1] += 1
+        trials, hits = state.trials, state.hits
+        trials.extend([0.0] * (drafted - len(trials)))
+        hits.extend([0.0] * (drafted - len(hits)))
+        for d in range(1, drafted + 1):
+            if len(state.width) < d:
+                state.width.append(float(counts[d - 1]))
+            state.width[d - 1] = 0.8 * state.width[d - 1] + 0.2 * counts[d - 1]
+            if accepted >= d - 1:  # depth d was tried: its parent was accepted
+                trials[d - 1] = trials[d - 1] * self.decay + 1.0
+                hits[d - 1] = hits[d - 1] * self.decay + (1.0 if accepted >= d else 0.0)
+
+
