@@ -39,7 +39,7 @@ def randomised(layer: Eagle3Layer, seed: int = 0, scale: float = 0.3) -> Eagle3L
 
 @pytest.fixture(scope="module")
 def target():
-    return tiny_model("llama", num_hidden_layers=6)
+    return tiny_model("llama", num_hidden_layers=8)
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +197,7 @@ def test_exported_eagle3_drafts_in_vllms_layout_what_hasten_drafts(target, train
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     layers = config.get("eagle_aux_hidden_state_layer_ids") or [
         k + 1 for k in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]]  # SGLang counts outputs
-    assert layers == list(default_aux_layers(6)) == [2, 3, 3]
+    assert layers == list(default_aux_layers(8)) == [2, 4, 5]
     assert exported.usage
     prompt = repetitive_prompt(20, seed=3)[0].tolist()
     with torch.no_grad():

@@ -42,8 +42,11 @@ class Eagle3Config(ModuleConfig):
 
 
 def default_aux_layers(layers: int) -> tuple[int, ...]:
-    """vLLM's default (2, N // 2, N - 3), each kept inside [1, N - 1] for very shallow targets."""
-    return tuple(min(max(k, 1), layers - 1) for k in (2, layers // 2, layers - 3))
+    """vLLM's default (2, N // 2, N - 3) from 7 layers on; below, where that repeats a layer (vLLM
+    concatenates the features of distinct layers in layer order), the last three (N - 3, N - 2, N - 1)."""
+    if layers >= 7:
+        return 2, layers // 2, layers - 3
+    return max(layers - 3, 0), max(layers - 2, 0), layers - 1
 
 
 def rope_theta(target: PreTrainedModel) -> float:

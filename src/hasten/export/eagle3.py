@@ -30,6 +30,10 @@ INDEX_TENSORS = {"d2t": torch.int64, "t2d": torch.bool}  # not floating: checked
 def config(layer: Eagle3Layer, format: str, dtype: torch.dtype) -> dict:
     c = layer.config
     aux = list(c.aux_layers)
+    if aux != sorted(set(aux)) or len(aux) != 3 or aux[0] < 1:
+        # both engines collect the features of distinct layers in layer order (SGLang's ids count from -1)
+        raise ExportError(f"the layer reads target layers {aux}: the engines read three distinct layers, ascending, "
+                          "from layer 1 on; train one for a target of 4 layers or more")
     written = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
         "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,

@@ -1,0 +1,123 @@
+"""hasten's EAGLE-3 drafter in hasten and, exported, in vLLM's CPU build, on the same prompts
+(docs/scale-out.md, "EAGLE-3"): greedy tokens checked equal, per-position acceptance side by
+side, tokens per second of each engine plain and speculative (and vLLM's n-gram).
+
+    python scripts/eagle3_vllm.py --model ~/.cache/hasten/gguf/SmolLM2-135M-Instruct.Q4_1-* \\
+        --drafter smollm2-eagle3 --per-task 1 --max-new-tokens 96 --threads 1 --out eagle3-vllm.json
+
+vLLM runs from its own environment (``make vllm``), one engine per configuration, through
+``hasten.bench.vllm_cpu.Worker`` (greedy, EOS ignored, float32, eager, no prefix caching);
+hasten runs in this process with the same number of threads and a fixed chain of ``--depth``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from hasten.bench import vllm_cpu
+from hasten.drafters.eagle3 import Eagle3
+from hasten.engine.loop import generate
+from hasten.export import export
+
+
+def hasten_run(model, prompts: list[list[int]], drafter, new_tokens: int) -> dict:
+    """Tokens per prompt, seconds, and per-position drafted/accepted counts of hasten's loop."""
+    tokens, seconds, drafted, accepted = [], 0.0, [], []
+    for prompt in prompts:
+        clock = time.perf_counter()
+        out = generate(model, torch.tensor([prompt]), drafter=drafter, max_new_tokens=new_tokens, eos_token_id=[],
+                       draft_size="fixed" if drafter is not None else None)
+        seconds += time.perf_counter() - clock
+        tokens.append(out.sequences[0, len(prompt):].tolist())
+        drafted = add(drafted, out.stats.drafted_at_depth)
+        accepted = add(accepted, out.stats.accepted_at_depth)
+    return {"tokens": tokens, "seconds": seconds, "drafted": drafted, "accepted": accepted}
+
+
+def vllm_run(model_dir: str, speculative: dict | None, prompts: list[list[int]], new_tokens: int,
+             threads: int, max_model_len: int) -> dict:
+    python = vllm_cpu.vllm_python()
+    if python is None:
+        raise SystemExit(f"vLLM is not installed: {vllm_cpu.INSTALL}")
+    worker = vllm_cpu.Worker(python, {"model": model_dir, "dtype": "float32", "max_model_len": max_model_len,
+                                      "speculative": speculative}, threads)
+    tokens, seconds, drafts, accepted = [], 0.0, 0, []
+    try:
+        for prompt in prompts:
+            answer = worker.ask({"prompt": prompt, "max_tokens": new_tokens})
+            tokens.append(answer["tokens"])
+            seconds += answer["seconds"]
+            drafts += answer.get("drafts", 0)
+            accepted = add(accepted, answer.get("accepted_per_position") or [])
+    finally:
+        worker.close()
+    return {"tokens": tokens, "seconds": seconds, "drafted": [drafts] * len(accepted), "accepted": accepted}
+
+
+def add(a: list[int], b: list[int]) -> list[int]:
+    return [x + y for x, y in zip(a + [0] * (len(b) - len(a)), b + [0] * (len(a) - len(b)))]
+
+
+def rates(run: dict) -> list[float]:
+    return [round(a / d, 4) if d else 0.0 for a, d in zip(run["accepted"], run["drafted"])]
+
+
+def roundtrip(model, model_dir: str, drafter_dir: str, prompts: list[list[int]], new_tokens: int, depth: int = 3,
+              threads: int = 1, max_model_len: int = 2048, ngram: bool = False) -> dict:
+    """Every engine's run on ``prompts``; the drafter exported for vLLM into a temporary folder."""
+    runs = {"hasten": hasten_run(model, prompts, None, new_tokens),
+            "hasten_eagle3": hasten_run(model, prompts, Eagle3(weights=drafter_dir, depth=depth), new_tokens)}
+    with tempfile.TemporaryDirectory(prefix="hasten-eagle3-") as out:
+        export(drafter_dir, "vllm", out)
+        runs["vllm"] = vllm_run(model_dir, None, prompts, new_tokens, threads, max_model_len)
+        runs["vllm_eagle3"] = vllm_run(model_dir, {"method": "eagle3", "model": out, "num_speculative_tokens": depth},
+                                       prompts, new_tokens, threads, max_model_len)
+    if ngram:
+        runs["vllm_ngram"] = vllm_run(model_dir, vllm_cpu.SPECULATIVE[vllm_cpu.VLLM_NGRAM], prompts, new_tokens,
+                                      threads, max_model_len)
+    total = len(prompts) * new_tokens
+    for run in runs.values():
+        run["tok_s"] = round(total / run["seconds"], 2)
+        run["acceptance_by_position"] = rates(run)
+        run["identical"] = sum(a == b for a, b in zip(run["tokens"], runs["vllm"]["tokens"]))
+    return runs
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, help="the target's Hugging Face directory")
+    parser.add_argument("--drafter", required=True, help="a directory `hasten train eagle3 --out` wrote")
+    parser.add_argument("--per-task", type=int, default=1, help="Spec-Bench questions per category")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--depth", type=int, default=3, help="draft chain length (vLLM's num_speculative_tokens)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ngram", action="store_true", help="also vLLM's n-gram proposer")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    from transformers import AutoTokenizer
+
+    from hasten.bench.spec_bench import spec_bench_tasks
+    from hasten.loading import load_model
+
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(args.model), AutoTokenizer.from_pretrained(args.model)
+    tasks = spec_bench_tasks(tokenizer, args.per_task)
+    prompts = [tokenizer(task.prompt, add_special_tokens=False)["input_ids"] for task in tasks]
+    runs = roundtrip(model, str(Path(args.model).resolve()), args.drafter, prompts, args.max_new_tokens, args.depth,
+                     args.threads, ngram=args.ngram)
+    summary = {name: {k: run[k] for k in ("tok_s", "acceptance_by_position", "identical", "seconds")}
+               for name, run in runs.items()}
+    print(json.dumps({"prompts": len(prompts), "new_tokens": args.max_new_tokens, **summary}, indent=1))
+    if args.out:
+        args.out.write_text(json.dumps({"tasks": [t.name for t in tasks], "runs": runs}, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
