@@ -163,6 +163,12 @@ def test_speckv_lookahead_defaults_to_the_answer_length():
     assert torch.equal(*caches)
     with pytest.raises(ValueError, match="max_new_tokens"):
         SpecKV(draft=draft, budget=24, window=8).start(ModelAdapter(model), PROMPT, hidden=False)
+    # generate() tells the policy the answer's length: the default equals an explicit lookahead of it
+    by_default = hasten.generate(model, PROMPT, max_new_tokens=5, eos_token_id=[],
+                                 kv_compression=SpecKV(draft=draft, budget=24, window=8))
+    explicit = hasten.generate(model, PROMPT, max_new_tokens=5, eos_token_id=[],
+                               kv_compression=SpecKV(draft=draft, budget=24, window=8, lookahead=5))
+    assert by_default.sequences.tolist() == explicit.sequences.tolist()
 
 
 def test_lossy_modes_are_refused_unless_asked_for_properly():

@@ -31,8 +31,9 @@ from .tasks import Task
 POLICIES: dict[str, Callable] = {
     "StreamingLLM": lambda b, draft: (StreamingLLM(budget=b, window=b - 4), None),
     "SnapKV": lambda b, draft: (SnapKV(budget=b, window=32), None),
-    "SpecKV": lambda b, draft: (SpecKV(draft=draft, budget=b, window=32, lookahead=16), None),
-    "SpecPC": lambda b, draft: (None, SpecPC(draft, budget=b, window=32, lookahead=16)),
+    "SpecKV": lambda b, draft: (SpecKV(draft=draft, budget=b), None),  # the reference's defaults
+    # the reference's window of 64, at most half of a small budget
+    "SpecPC": lambda b, draft: (None, SpecPC(draft, budget=b, window=min(64, b // 2))),
 }
 FULL = "full cache (exact)"
 

@@ -77,7 +77,7 @@ def decode(
     if kv_compression is None:
         tokens, prefilled = target.start(input_ids, hidden=want_features, **model_inputs)
     else:  # lossy, asked for by name: the target keeps a compressed cache of the prompt
-        tokens, prefilled = kv_compression.start(target, input_ids, want_features)
+        tokens, prefilled = kv_compression.start(target, input_ids, want_features, max_new_tokens=max_new_tokens)
     source = input_ids[0].tolist() if target.encoder_decoder else None
     sequence = Sequence(target, tokens, prefilled, drafter, sampling, generator, acceptance, eos_token_ids,
                         max_new_tokens, stats, sizing, source, stop, runtime.source)
