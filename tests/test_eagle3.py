@@ -253,3 +253,6 @@ def test_export_refuses_eagle_naming_what_is_missing(target, tmp_path):
     Eagle3Layer.for_target(target).save(tmp_path / "e3")
     with pytest.raises(ExportError, match="hasten exports eagle3 as vllm, sglang"):
         export(tmp_path / "e3", "speculators", tmp_path / "out")
+    Eagle3Layer.for_target(tiny_model("llama")).save(tmp_path / "shallow")  # 2 layers: reads layers 0, 0, 1
+    with pytest.raises(ExportError, match=r"target layers \[0, 0, 1\].*three distinct layers"):
+        export(tmp_path / "shallow", "vllm", tmp_path / "out")

@@ -35,9 +35,9 @@ from transformers import PreTrainedModel
 
 from ..core.settings import Settings, option
 from ..core.stats import allocated_bytes
-from ..models.layers import decoder_layers
+from ..models.layers import decoder_layers, num_layers
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
-from .eagle3_layer import Eagle3Layer
+from .eagle3_layer import Eagle3Layer, default_aux_layers
 from .nn import CommittedRun
 from .trainable import Batch, TrainedTraining, rank_hits, valid_positions
 from .trained import TrainedDrafter, WeightsSetting, at_least_one
@@ -115,11 +115,12 @@ class Eagle3Training(TrainedTraining):
     def __init__(self, target: PreTrainedModel, options: Eagle3TrainOptions):
         super().__init__(target, options)
         self.vocabulary: tuple[int, ...] = ()
+        self.aux_layers = default_aux_layers(num_layers(target))
         self._targets: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}  # row tokens -> (aux, greedy next)
 
     def prepare(self, data) -> None:
         """The draft vocabulary: the most frequent answer tokens of the training rows (prompt
-        tokens break ties), ascending."""
+        tokens break ties), ascending; and the target's outputs on every row."""
         vocab = self.target.get_output_embeddings().weight.shape[0]
         rows = data.split()[0]
         ids, lengths, prompts = data.ids[rows], data.lengths[rows], data.prompt_lengths[rows]  # [N, L], [N], [N]
@@ -130,33 +131,38 @@ class Eagle3Training(TrainedTraining):
                   + torch.bincount(ids[anywhere], minlength=vocab).double())
         keep = min(self.options.draft_vocab, vocab)
         self.vocabulary = tuple(sorted(counts.argsort(descending=True, stable=True)[:keep].tolist()))
+        for row, length in enumerate(data.lengths.tolist()):  # every row's target outputs, once, before the clock
+            self.row_outputs(data.ids[row, :length])
 
     def build(self) -> Eagle3Layer:
-        return Eagle3Layer.for_target(self.target, self.vocabulary, self.options.intermediate_size)
+        return Eagle3Layer.for_target(self.target, self.vocabulary, self.options.intermediate_size, self.aux_layers)
 
     def measured_levels(self, module: Eagle3Layer) -> int:
         return self.options.ttt_steps
 
     @torch.no_grad()
-    def target_outputs(self, module: Eagle3Layer, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The target's [B, T, 3H] low/mid/high features and [B, T] greedy next tokens of the batch's
-        rows, each row run once and kept (in memory) for the rest of training."""
+    def row_outputs(self, row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[n] one row's tokens -> the target's [n, 3H] low/mid/high features (float16) and [n]
+        greedy next tokens, computed once and kept in memory for the rest of training."""
+        key = row.cpu().numpy().tobytes()
+        if key not in self._targets:
+            out = self.target(row[None].to(self.target.device), output_hidden_states=True)
+            features = torch.cat([out.hidden_states[k][0] for k in self.aux_layers], -1)  # [n, 3H]
+            self._targets[key] = (features.half().cpu(), out.logits[0].argmax(-1).cpu())
+        return self._targets[key]
+
+    def target_outputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T, 3H] features and [B, T] greedy next tokens of the batch's rows (zero past each row)."""
         B, T = batch.ids.shape
-        lengths = valid_positions(batch).sum(1).tolist()
-        aux = torch.zeros(B, T, len(module.config.aux_layers) * module.config.hidden_size)
+        aux = torch.zeros(B, T, len(self.aux_layers) * batch.hidden.shape[-1])
         greedy = torch.zeros(B, T, dtype=torch.long)
-        for b, length in enumerate(lengths):
-            row = batch.ids[b, :length]
-            key = row.cpu().numpy().tobytes()
-            if key not in self._targets:
-                out = self.target(row[None].to(self.target.device), output_hidden_states=True)
-                features = torch.cat([out.hidden_states[k][0] for k in module.config.aux_layers], -1)  # [n, 3H]
-                self._targets[key] = (features.half().cpu(), out.logits[0].argmax(-1).cpu())
-            aux[b, :length], greedy[b, :length] = self._targets[key][0].float(), self._targets[key][1]
+        for b, length in enumerate(valid_positions(batch).sum(1).tolist()):
+            features, next_tokens = self.row_outputs(batch.ids[b, :length])
+            aux[b, :length], greedy[b, :length] = features.float(), next_tokens
         return aux.to(batch.ids.device), greedy.to(batch.ids.device)
 
     def loss(self, module: Eagle3Layer, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-        aux, greedy = self.target_outputs(module, batch)  # [B, T, 3H], [B, T]
+        aux, greedy = self.target_outputs(batch)  # [B, T, 3H], [B, T]
         valid = valid_positions(batch)  # [B, T]
         embeds = self.target.get_input_embeddings()(batch.ids).detach()  # [B, T, H]
         draft_index = torch.full((module.config.vocab_size,), -1, dtype=torch.long, device=batch.ids.device)
