@@ -42,7 +42,8 @@ class WatchedGAD(GAD):
 def corrections(model, count: int = 6, seed: int = 0) -> CorrectionPairs:
     """Random sources and the target's own greedy outputs: two held-out rows."""
     g = torch.Generator().manual_seed(seed)
-    sources = [torch.randint(3, 90, (int(n),), generator=g).tolist() for n in torch.randint(6, 14, (count,), generator=g)]
+    lengths = torch.randint(6, 14, (count,), generator=g).tolist()
+    sources = [torch.randint(3, 90, (n,), generator=g).tolist() for n in lengths]
     outputs = [until_eos(hf_greedy(model, torch.tensor([s]), 12)[0].tolist(), model.config.eos_token_id)
                for s in sources]
     return CorrectionPairs(sources, outputs, held_out=2)

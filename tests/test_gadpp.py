@@ -53,8 +53,9 @@ def test_beta_1_tau_0_is_exact_greedy_verification(seed):
     tree = TokenTree(tuple(parents))
     logits = torch.randint(0, 3, (n + 1, vocab), generator=g).float()  # ties at the top, often
     argmax = logits.argmax(-1)
-    tokens = tuple(int(argmax[p + 1]) if torch.rand(1, generator=g) < 0.7 else int(torch.randint(vocab, (1,), generator=g))
-                   for p in parents)
+    right = torch.rand(n, generator=g) < 0.7  # most nodes are the argmax after their parent
+    tokens = tuple(int(argmax[p + 1]) if right[i] else int(torch.randint(vocab, (1,), generator=g))
+                   for i, p in enumerate(parents))
     assert GADPlusPlus(beta=1, tau=0.0).verify(tree, tokens, logits, None, GREEDY, None) == \
         GreedyAcceptance().verify(tree, tokens, logits, None, GREEDY, None)
 

@@ -98,3 +98,21 @@ def test_gec_tasks_load_and_the_bench_runs_them_to_eos(gec_tiny):
         rows = {row["method"]: row for row in entry["rows"]}
         assert all(row["identical"] == "1/1" for row in rows.values())  # HF's generate too: same tokens
         assert rows["autoregressive"]["tokens"] < 64  # stopped at </s>
+
+
+def test_the_shipped_gad_drafter_reads_the_source_and_reproduces_plain_greedy(gec_tiny):
+    """``zoo:gec-tiny`` ships the drafter ``hasten train gad --model zoo:gec-tiny`` trained
+    (src/hasten/zoo/weights/gec-tiny/gad/): found beside the model, it cross-attends to the
+    encoder's states, and its drafts are accepted while the output stays plain greedy's."""
+    from hasten.drafters import GAD
+
+    model, tokenizer = gec_tiny
+    accepted = steps = new = 0
+    for pair in gec.heldout_pairs()[:SENTENCES]:
+        ids = tokenizer(pair["source"], return_tensors="pt").input_ids  # [1, T]
+        drafter = GAD(require_weights=True)
+        out = hasten.generate(model, ids, drafter=drafter, max_new_tokens=64, draft_size="fixed")
+        assert out.sequences.tolist() == hasten.generate(model, ids, max_new_tokens=64).sequences.tolist()
+        accepted, steps, new = accepted + out.stats.accepted_tokens, steps + out.stats.steps, new + out.stats.new_tokens
+    assert drafter.module.config.encoder_size == model.config.d_model
+    assert accepted > 0 and new / steps > 1.5

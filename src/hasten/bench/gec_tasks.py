@@ -8,6 +8,13 @@ seed; written before the model was measured). Tasks follow the file's order. A c
 the model's end-of-sequence token, so these tasks stop there (``Task.stop_at_eos``) instead of
 running to ``--max-new-tokens`` as the other tasks do: the tokens after a finished sentence would
 be neither a correction nor a copy.
+
+``python -m hasten.bench.gec_tasks [--gad DIR]`` is Aggressive Decoding's bench
+(docs/benchmarks.md, GEC section): plain decoding, ``iad``, ``gad`` (the drafter ``zoo:gec-tiny``
+ships, or the one ``hasten train gad --model zoo:gec-tiny`` wrote to DIR) and GAD++ (gad's drafts
+under :class:`hasten.approx.GADPlusPlus`, lossy) on these tasks, each drafter at its own depth,
+with the replay's copy bound (an oracle copier priced on the model's cost curve) and how often
+plain decoding and GAD++ write the clean sentence.
 """
 from __future__ import annotations
 
@@ -34,7 +41,7 @@ def gec_tasks(tokenizer, per_task: int = 2) -> list[Task]:
 
 
 # ---- the Aggressive Decoding bench: plain, IAD, GAD, GAD++ on the gec tasks ----------------------
-def gadpp_method(model, weights: str, beta: int, tau: float) -> "Method":
+def gadpp_method(model, weights: str | None, beta: int, tau: float) -> "Method":
     """GAD's drafts verified by GAD++ (:class:`hasten.approx.GADPlusPlus`, lossy): its outputs
     that differ from plain decoding are counted (``identical``), not fatal."""
     from ..approx.gadpp import GADPlusPlus, generate
@@ -55,13 +62,16 @@ def gadpp_method(model, weights: str, beta: int, tau: float) -> "Method":
                   "fixed", exact=False)
 
 
-def aggressive_methods(model, weights: str, beta: int, tau: float) -> list:
-    """Plain decoding, iad, gad (the trained drafter in ``weights``) and GAD++, fixed sizing
-    (each drafter's own depth: the papers' rule)."""
+def aggressive_methods(model, weights: str | None, beta: int, tau: float) -> list:
+    """Plain decoding, iad, gad (the trained drafter in ``weights``; None: the one shipped beside
+    the model) and GAD++ at each drafter's own depth (fixed sizing: the papers' rule), and gad at
+    the depth hasten's cost-aware sizing picks (``gad@auto``)."""
     from .runner import AUTOREGRESSIVE, hasten_method
 
+    gad = dict(weights=weights, require_weights=True)
     return [hasten_method(AUTOREGRESSIVE, model), hasten_method("iad", model, draft_size="fixed"),
-            hasten_method("gad", model, draft_size="fixed", weights=weights, require_weights=True),
+            hasten_method("gad", model, draft_size="fixed", **gad),
+            hasten_method("gad", model, draft_size="auto", label="gad@auto", **gad),
             gadpp_method(model, weights, beta, tau)]
 
 
@@ -85,7 +95,7 @@ def correct_share(tokenizer, tasks: list[Task], outputs: list[list[int]]) -> flo
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m hasten.bench.gec_tasks --gad DIR``: the table of docs/benchmarks.md's GEC section."""
+    """``python -m hasten.bench.gec_tasks [--gad DIR]``: the table of docs/benchmarks.md's GEC section."""
     import argparse
     import json
 
@@ -100,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     from .runner import OVERALL, run_bench
 
     p = argparse.ArgumentParser(prog="python -m hasten.bench.gec_tasks", description=main.__doc__)
-    p.add_argument("--gad", required=True, help="the trained gad drafter's directory (hasten train gad --out)")
+    p.add_argument("--gad", help="a trained gad drafter's directory (hasten train gad --out); default: the one "
+                                 "zoo:gec-tiny ships")
     p.add_argument("--per-task", type=int, default=40)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=1)
@@ -112,6 +123,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     model = load_model("zoo:gec-tiny")
     tokenizer = AutoTokenizer.from_pretrained(zoo.resolve("gec-tiny"))
+    # named, so each run's drafter loads its weights when built, outside the timed call
+    args.gad = args.gad or str(zoo.resolve("gec-tiny") / "gad")
     tasks = gec_tasks(tokenizer, args.per_task)
     input_ids = [tokenizer(t.prompt, return_tensors="pt").input_ids for t in tasks]
     results = run_bench(aggressive_methods(model, args.gad, args.beta, args.tau), tasks, input_ids,
@@ -119,7 +132,7 @@ def main(argv: list[str] | None = None) -> None:
     rule = GADPlusPlus(beta=args.beta, tau=args.tau)
     outputs = {"plain": [generate(model, ids, max_new_tokens=args.max_new_tokens).sequences[0, 1:].tolist()
                          for ids in input_ids],
-               "gad++": [generate_gadpp(model, ids, drafter=GAD(weights=args.gad), rule=rule,
+               "gad++": [generate_gadpp(model, ids, drafter=GAD(weights=args.gad, require_weights=True), rule=rule,
                                         max_new_tokens=args.max_new_tokens).sequences[0, 1:].tolist()
                          for ids in input_ids]}
     results["correct"] = {name: round(correct_share(tokenizer, tasks, out), 4) for name, out in outputs.items()}

@@ -27,7 +27,8 @@ from transformers import PreTrainedModel
 from ..core.settings import option
 from .base import DraftContext, register
 from .candidates import TreeSettings
-from .gad_seq2seq import CorrectionPairs, CrossAttention, Seq2SeqBatch, encoder_size, encoder_states, gec_pairs, sinusoid
+from .gad_seq2seq import (CorrectionPairs, CrossAttention, Seq2SeqBatch, encoder_size, encoder_states, gec_pairs,
+                          sinusoid)
 from .nn import Block, heads_for, inner_size
 from .trainable import Batch, LevelTrainOptions, TrainedTraining, anchors, check_inner_ratio, decayed_cross_entropy
 from .trained import ModuleConfig, TopKTreeDrafter, TrainedModule, WeightsSetting, at_least_one
