@@ -237,6 +237,58 @@ def test_smollm2_greedy_equals_llama_cpp_greedy(method):
         assert got == reference, task.name
 
 
+def spec_bench_prompts(per_category: int) -> list[tuple[str, list[int]]]:
+    """Spec-Bench's first turns through SmolLM2's chat template: [(category, prompt ids)]."""
+    from hasten.bench.spec_bench import spec_bench_tasks
+    from hasten.zoo import real
+
+    engine = hasten.load(str(real.resolve("smollm2-135m")), "autoregressive", backend="llama.cpp")
+    return [(task.category, engine.encode_chat(list(task.messages))[0].tolist())
+            for task in spec_bench_tasks(engine.tokenizer, per_category)]
+
+
+@pytest.mark.real
+@pytest.mark.filterwarnings("ignore::hasten.HastenWarning")
+def test_smollm2_blocks_get_the_bits_of_one_token_steps_after_a_long_prompt():
+    """Issue 27's build check: on the backend's llama.cpp build, SmolLM2's quantised weights, a
+    verification block of k tokens gives every row the logits k one-token steps give, bit for
+    bit, after the longest Spec-Bench prompt of the sample (a rag or summarisation one)."""
+    from hasten.zoo import real
+
+    model = LlamaCppModel(real.resolve("smollm2-135m"), threads=1, context=2048)
+    _, prompt = max(spec_bench_prompts(1), key=lambda item: len(item[1]))
+    assert len(prompt) > 500
+    block_run, step_run = model.session(), model.session()
+    block_run.start(torch.tensor([prompt[:-8]]))
+    step_run.start(torch.tensor([prompt[:-8]]))
+    block = block_run.forward(prompt[-9:]).logits  # [9, vocab]: the pending root and 8 tokens
+    steps = torch.cat([step_run.forward([token]).logits for token in prompt[-9:]])
+    assert torch.equal(block, steps)
+
+
+@pytest.mark.real
+@pytest.mark.filterwarnings("ignore::hasten.HastenWarning")
+def test_smollm2_default_equals_llama_cpp_greedy_on_spec_bench():
+    """Issue 27's equality: ``hasten.load(gguf, backend="llama.cpp")`` (the default method,
+    prompt lookup sized by cost) writes llama.cpp's own greedy tokens on 3 Spec-Bench questions
+    of each category (96 tokens, up to the end of generation)."""
+    from hasten.zoo import real
+
+    path = real.resolve("smollm2-135m")
+    engine = hasten.load(str(path), backend="llama.cpp")
+    end = set(engine.runtime.eos_token_ids())
+    for category, prompt in spec_bench_prompts(3):
+        reference = []
+        for token in llama_cpp_greedy(path, prompt, 96, 2048):
+            reference.append(token)
+            if token in end:
+                break
+        got = []
+        for _, new in engine.steps(torch.tensor([prompt]), DecodeStats(), max_new_tokens=96):
+            got.extend(new)
+        assert got == reference, category
+
+
 # the notice comes once per process, from whichever test loads a GGUF first; its own test checks it
 @pytest.mark.filterwarnings("ignore:the llama.cpp backend runs flash attention")
 def test_load_and_cli_run_a_gguf_on_the_llama_cpp_backend(tiny_gguf, cli):
