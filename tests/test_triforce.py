@@ -160,3 +160,37 @@ def test_bad_settings_and_targets_are_refused():
                         max_new_tokens=2)
     with pytest.raises(TypeError, match="PreTrainedModel"):
         TriForce("zoo:code-tiny-draft")
+
+
+@pytest.mark.parametrize("copy", [True, False])
+def test_middle_level_holds_the_full_caches_exact_entries_of_committed_tokens(copy):
+    """copy_generated (the reference's rule): before a step the middle level's entries of the
+    committed generated tokens are the full cache's own, bit for bit, after the selection;
+    without it they are the middle level's, computed over its sparse cache, which differ."""
+    from hasten.core.sampling import Sampling
+    from hasten.drafters.base import DraftContext, TargetView
+    from hasten.engine.verify import GreedyAcceptance
+    from hasten.models.adapter import ModelAdapter
+
+    model, small = tiny_model("llama"), tiny_model("llama", seed=7)
+    tokens = hf_greedy(model, repetitive_prompt(48, seed=3), 12)[0].tolist()  # 12 tokens past the prompt's 48
+    drafter = TriForce(small, **SMALL, copy_generated=copy)
+    target = ModelAdapter(model)
+
+    def context(length):
+        return DraftContext(tokens=tokens[:length], max_depth=5, sampling=Sampling(), generator=None,
+                            target=TargetView(target, TriForce.needs), acceptance=GreedyAcceptance())
+
+    target.start(torch.tensor([tokens[:48]]))
+    state = drafter.begin(context(48))
+    state.middle.forward(tokens[47:59])  # the generated tokens' entries, as drafting rounds would feed them
+    target.start(torch.tensor([tokens]))  # the loop's full cache: the 59 committed tokens
+    ctx = context(60)
+    ctx.state = state
+    drafter.propose(ctx)
+    middle = state.middle
+    assert middle.fed[:12] == tokens[47:59]
+    for layer, full in zip(middle.cache.layers, target.cache.layers):
+        mine, exact = layer.keys[:, :, middle.selected: middle.selected + 12], full.keys[:, :, 47:59]
+        assert torch.equal(mine, exact) == copy
+    assert (middle.exact == 12) == copy

@@ -9,7 +9,10 @@ Three levels, each verifying the one below:
    prefill, the prompt's KV is split into chunks of ``chunk_size`` tokens, every chunk is
    scored per layer and KV head by the last prompt token's query against the chunk's mean
    key, and only the first chunk, the last (partial) chunk and the best-scoring chunks up to
-   ``budget`` entries are kept; tokens generated later are appended. Reading ``budget``
+   ``budget`` entries are kept; tokens generated later are appended, with the exact K/V the
+   target's full cache holds for them once committed (copied before each step, as the
+   reference does; ``copy_generated=False`` keeps the ones the middle level computed over its
+   sparse cache). Reading ``budget``
    entries instead of the whole context is what makes it cheap when the KV, not the
    weights, dominates a forward. Rounds repeat until ``gamma`` tokens are drafted;
 3. the **target with its full cache** (the decode loop) verifies those ``gamma`` tokens.
@@ -60,6 +63,10 @@ class TriForceSettings(Settings):
     # re-choose the prompt's chunks every this many steps with the newest token's query
     # (0: chosen once after prefill, as the reference does)
     refresh: int = 0
+    # the middle level's entries of committed generated tokens: True copies their exact K/V
+    # from the target's full cache before each step (the reference's rule); False keeps the
+    # ones the middle level computed over its sparse cache (approximate)
+    copy_generated: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -115,6 +122,20 @@ class Middle:
     selected: int  # entries of the selection (per layer and KV head)
     prompt: int  # prompt tokens the selection was made from
     fed: list[int] = field(default_factory=list)
+    exact: int = 0  # the first fed tokens whose entries were copied from the target's full cache
+
+    def copy_committed(self, full: list[tuple[torch.Tensor, torch.Tensor]], committed: list[int]) -> None:
+        """Make the fed tokens ``committed`` (the generated tokens the target's full cache
+        holds, from position ``prompt`` on), with their exact entries read from ``full``
+        ([1, kv_heads, entries, head_dim] per layer) in place of those computed here."""
+        self.keep(self.exact)  # entries copied before stay: committed tokens never change
+        start, end = self.prompt + self.exact, self.prompt + len(committed)
+        if end > start:
+            for layer, (keys, values) in zip(self.cache.layers, full):
+                layer.keys = torch.cat([layer.keys, keys[:, :, start:end]], 2)
+                layer.values = torch.cat([layer.values, values[:, :, start:end]], 2)
+            self.fed.extend(committed[self.exact:])
+        self.exact = len(committed)
 
     @torch.no_grad()
     def forward(self, block: list[int]) -> torch.Tensor:
@@ -130,6 +151,7 @@ class Middle:
 
     def keep(self, count: int) -> None:
         """Keep the first ``count`` fed tokens' entries."""
+        self.exact = min(self.exact, count)
         if count < len(self.fed):
             for layer in self.cache.layers:
                 layer.keys = layer.keys[:, :, : self.selected + count]
@@ -237,6 +259,10 @@ class TriForce(Drafter):
         state.steps += 1
         if self.settings.refresh and state.steps % self.settings.refresh == 0 and state.middle.prompt:
             state.middle = self._refreshed(ctx, state.middle)
+        middle = state.middle
+        if self.settings.copy_generated and ctx.target.kv_readable and middle.prompt:
+            committed = ctx.target.cache_length  # the full cache's entries: every token but the root
+            middle.copy_committed(ctx.target.read_all_kv(), tokens[middle.prompt:committed])
         small = state.small
         if small.entries + len(tokens) - small.base - len(small.fed) > self.settings.sinks + 2 * self.settings.window:
             small = state.small = self._streaming(tokens[:-1])  # slide the window (rebuilt once per window)
@@ -275,7 +301,7 @@ class TriForce(Drafter):
         selected = picked.get_seq_length()
         for index, layer in enumerate(middle.cache.layers):  # the generated tokens' entries, kept as they are
             picked.update(layer.keys[:, :, middle.selected:], layer.values[:, :, middle.selected:], index)
-        return Middle(middle.model, picked, selected, middle.prompt, list(middle.fed))
+        return Middle(middle.model, picked, selected, middle.prompt, list(middle.fed), middle.exact)
 
     def _small_draft(self, ctx: DraftContext, small: Streaming, known: list[int],
                      count: int) -> tuple[list[int], torch.Tensor | None]:
