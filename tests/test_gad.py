@@ -31,7 +31,7 @@ def opinionated(module: GADModel, seed: int) -> GADModel:
 
 
 class WatchedGAD(GAD):
-    """Keeps each generation's state (the encoder states it read)."""
+    """Keeps each generation's state (its keys and values of the encoder states it read)."""
 
     def start(self, ctx):
         self.state = super().start(ctx)
@@ -62,9 +62,12 @@ def test_the_drafter_reads_the_whole_source_and_greedy_output_is_plain(arch, tmp
         out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW, draft_size="fixed")
         assert out.sequences.tolist() == reference.tolist()
         assert out.stats.drafted_tokens > 0
-        assert drafter.state.shape[:2] == (1, prompt.shape[1])  # every source token's encoder state
-        states = model.get_encoder()(input_ids=prompt).last_hidden_state
-        assert torch.allclose(drafter.state, states)
+        states = model.get_encoder()(input_ids=prompt).last_hidden_state  # [1, s, d]: every source token's
+        with torch.no_grad():
+            expected = drafter.module.read_source(states)
+        assert len(drafter.state) == module.config.layers
+        for (keys, values), (k, v) in zip(drafter.state, expected):
+            assert keys.shape[2] == prompt.shape[1] and torch.allclose(keys, k) and torch.allclose(values, v)
 
 
 def test_slots_depend_on_a_far_source_token():

@@ -77,14 +77,14 @@ class GADModel(TrainedModule):
         return self.config.block
 
     def forward(self, window: torch.Tensor, present: torch.Tensor, feature: torch.Tensor,
-                positions: torch.Tensor | None = None, source: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None, source: torch.Tensor | list | None = None,
                 source_present: torch.Tensor | None = None) -> torch.Tensor:
         """window: [B, w, E] embeddings of the newest tokens, right-aligned (the root last);
         present: [B, w] bool (False: padding before the start); feature: [B, H] f_{r-1}
         (zeros when unknown); positions: [B, w + block] the window's and slots' output
         positions (None: 0 .. w + block - 1, the decoder-only drafter's); source: [B, s, He]
-        the target's encoder states (read when the module has ``encoder_size``), source_present
-        [B, s] bool. Returns [B, block, H] features, one per slot, for the target's LM head."""
+        the target's encoder states (read when the module has ``encoder_size``), or what
+        :meth:`read_source` made of them; source_present [B, s] bool. Returns [B, block, H] features, one per slot, for the target's LM head."""
         batch, width = present.shape
         x = self.embed_in(window.to(self.mask.dtype))  # [B, w, D]
         x = torch.cat([x[:, :-1], x[:, -1:] + self.feature_in(feature.to(x.dtype))[:, None]], 1)
@@ -93,15 +93,23 @@ class GADModel(TrainedModule):
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device).expand(batch, -1)
         visible = seen[:, None, :].expand(-1, x.shape[1], -1)  # [B, n, n] bidirectional over what is present
-        cross = self.config.encoder_size and source is not None
-        if cross:  # where each position is in the output, for aligning it with the source
-            x = x + sinusoid(positions, x.shape[-1]).to(x.dtype)
-        memory = self.encoder_in(source.to(x.dtype)) + self.source_tag if cross else None  # [B, s, D]
+        if self.config.encoder_size and source is not None:
+            x = x + sinusoid(positions, x.shape[-1]).to(x.dtype)  # where each position is in the output
+            if isinstance(source, torch.Tensor):
+                source = self.read_source(source)
+        else:
+            source = None
         for i, layer in enumerate(self.layers):
             x = layer(x, positions, visible)
-            if cross:
-                x = self.cross[i](x, memory, source_present)
+            if source is not None:
+                x = self.cross[i](x, source[i], source_present)
         return self.out(x[:, -self.config.block:])
+
+    def read_source(self, source: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[B, s, He] encoder states -> each cross-attention layer's keys and values (a
+        generation's are made once, in the drafter's ``start``)."""
+        memory = self.encoder_in(source.to(self.mask.dtype)) + self.source_tag  # [B, s, D]
+        return [cross.keys_values(memory) for cross in self.cross]
 
 
 # ---- training (``hasten train gad``) -------------------------------------------------------------------
@@ -196,12 +204,13 @@ class GAD(TopKTreeDrafter):
 
     untrained_sizes = ("block",)
 
-    def start(self, ctx: DraftContext) -> torch.Tensor | None:
-        """[1, s, He] the target's encoder states of the whole source, once per generation
-        (an encoder-decoder target and a module that reads them), else None."""
+    def start(self, ctx: DraftContext) -> list | None:
+        """The module's keys and values of the target's encoder states of the whole source,
+        once per generation (an encoder-decoder target and a module that reads them), else None."""
         if ctx.source is None or not self.module.config.encoder_size:
             return None
-        return encoder_states(ctx.target.modules, ctx.source).to(self.lm_head.weight.dtype)
+        with torch.no_grad():
+            return self.module.read_source(encoder_states(ctx.target.modules, ctx.source))
 
     def level_logits(self, ctx: DraftContext, depth: int) -> torch.Tensor:
         config = self.module.config

@@ -44,14 +44,19 @@ class CrossAttention(nn.Module):
         self.proj = nn.Linear(size, size, bias=False)
         nn.init.zeros_(self.proj.weight)
 
-    def forward(self, x: torch.Tensor, source: torch.Tensor, source_present: torch.Tensor | None) -> torch.Tensor:
-        """x: [B, n, D]; source: [B, s, D]; source_present: [B, s] bool or None (all present)."""
+    def keys_values(self, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """source: [B, s, D] -> keys and values [B, h, s, d] each (fixed for a generation: made once)."""
+        batch, size = source.shape[0], source.shape[-1]
+        k, v = self.kv(source).view(batch, -1, 2, self.heads, size // self.heads).permute(2, 0, 3, 1, 4)
+        return k, v
+
+    def forward(self, x: torch.Tensor, keys_values: tuple[torch.Tensor, torch.Tensor],
+                source_present: torch.Tensor | None) -> torch.Tensor:
+        """x: [B, n, D]; keys_values: from :meth:`keys_values`; source_present: [B, s] bool or None (all present)."""
         batch, n, size = x.shape
-        head = size // self.heads
-        q = self.q(self.norm(x)).view(batch, n, self.heads, head).transpose(1, 2)  # [B, h, n, d]
-        k, v = self.kv(source).view(batch, -1, 2, self.heads, head).permute(2, 0, 3, 1, 4)  # [B, h, s, d] each
+        q = self.q(self.norm(x)).view(batch, n, self.heads, size // self.heads).transpose(1, 2)  # [B, h, n, d]
         mask = None if source_present is None else source_present[:, None, None, :]  # [B, 1, 1, s]
-        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # [B, h, n, d]
+        attended = F.scaled_dot_product_attention(q, *keys_values, attn_mask=mask)  # [B, h, n, d]
         return x + self.proj(attended.transpose(1, 2).reshape(batch, n, size))
 
 
