@@ -11,9 +11,11 @@ import torch
 
 import hasten
 from hasten.cli import main
+from hasten.core.sampling import Sampling
 from hasten.drafters.gad import GAD, GADModel, GADTraining, GADTrainOptions
 from hasten.drafters.gad_seq2seq import CorrectionPairs, until_eos
 from hasten.zoo import gec
+from test_verify_law import bound
 from helpers import distill_tiny, hf_greedy, repetitive_prompt, save_checkpoint, tiny_model, train_briefly
 
 NEW = 20
@@ -156,3 +158,48 @@ def test_hasten_train_refuses_text_for_an_encoder_decoder_and_asks_a_causal_lm_f
     causal = save_checkpoint(tmp_path / "llama")
     assert main(["train", "gad", "--model", causal, "--out", str(tmp_path / "b")]) != 0
     assert "--data, --zoo-corpus or --pydoc-topics" in capsys.readouterr().err
+
+
+# ---- sampling: the target's law on an encoder-decoder ------------------------------------------
+LAW_SAMPLING = Sampling(1.0)  # 64 outcomes of the first 2 tokens
+LAW_SAMPLES = 1500
+
+
+def peaky_t5():
+    """A T5 of 8 tokens whose first token has probabilities from 0.5 % to 68 %."""
+    return tiny_model("t5", seed=2, vocab_size=8, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+
+
+def seq2seq_law(model, source: torch.Tensor, length: int) -> dict[tuple[int, ...], float]:
+    """The target's law of its first ``length`` tokens after ``source``, every outcome listed."""
+    law = {(): 1.0}
+    for _ in range(length):
+        grown = {}
+        for prefix, weight in law.items():
+            decoder = torch.tensor([[model.config.decoder_start_token_id, *prefix]])
+            with torch.no_grad():
+                probs = LAW_SAMPLING.probs(model(input_ids=source, decoder_input_ids=decoder).logits[0, -1])
+            grown.update({prefix + (t,): weight * float(probs[t]) for t in range(len(probs)) if probs[t] > 0})
+        law = grown
+    return law
+
+
+@pytest.mark.heavy  # about 30 s on the 2-core VM
+def test_sampled_output_follows_the_target_with_a_source_reading_drafter(tmp_path):
+    """Drafts 2 deep, accepted and rejected: the first 2 tokens keep the plain model's law."""
+    model = peaky_t5()
+    source = torch.tensor([[3, 5, 1, 6, 2, 7, 4]])
+    opinionated(GADModel.for_target(model, block=3), seed=10).save(tmp_path)  # drafts accepted about half the time
+    law = seq2seq_law(model, source, 2)
+    drafter = GAD(weights=str(tmp_path))
+    counts = dict.fromkeys(law, 0)
+    g = torch.Generator().manual_seed(7)
+    accepted = drafted = 0
+    for _ in range(LAW_SAMPLES):
+        out = hasten.generate(model, source, drafter=drafter, max_new_tokens=3, temperature=1.0, generator=g,
+                              draft_size="fixed")
+        counts[tuple(out.sequences[0, 1:3].tolist())] += 1
+        accepted, drafted = accepted + out.stats.accepted_tokens, drafted + out.stats.drafted_tokens
+    assert 0 < accepted < drafted  # drafts both accepted and rejected
+    tv = 0.5 * sum(abs(counts[k] / LAW_SAMPLES - p) for k, p in law.items())
+    assert tv < bound(law, LAW_SAMPLES), f"TV {tv:.3f}"
