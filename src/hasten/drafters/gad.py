@@ -84,7 +84,8 @@ class GADModel(TrainedModule):
         (zeros when unknown); positions: [B, w + block] the window's and slots' output
         positions (None: 0 .. w + block - 1, the decoder-only drafter's); source: [B, s, He]
         the target's encoder states (read when the module has ``encoder_size``), or what
-        :meth:`read_source` made of them; source_present [B, s] bool. Returns [B, block, H] features, one per slot, for the target's LM head."""
+        :meth:`read_source` made of them; source_present [B, s] bool. Returns [B, block, H]
+        features, one per slot, for the target's LM head."""
         batch, width = present.shape
         x = self.embed_in(window.to(self.mask.dtype))  # [B, w, D]
         x = torch.cat([x[:, :-1], x[:, -1:] + self.feature_in(feature.to(x.dtype))[:, None]], 1)
