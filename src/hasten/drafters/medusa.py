@@ -47,7 +47,7 @@ class MedusaHeads(TrainedModule):
         self.lm_heads = None if config.share_lm_head else nn.ModuleList(nn.Linear(H, V, bias=False) for _ in range(config.num_heads))
 
     @classmethod
-    def for_target(cls, target: PreTrainedModel, num_heads: int = 4, share_lm_head: bool = True) -> "MedusaHeads":
+    def for_target(cls, target: PreTrainedModel, num_heads: int = 5, share_lm_head: bool = True) -> "MedusaHeads":
         """Untrained heads shaped for ``target``."""
         lm_head = target.get_output_embeddings()
         heads = cls(MedusaConfig(**cls.target_sizes(target), num_heads=num_heads, share_lm_head=share_lm_head))
@@ -79,7 +79,8 @@ class MedusaHeads(TrainedModule):
 # ---- training (``hasten train medusa``) ------------------------------------------------------
 @dataclass(frozen=True)
 class MedusaTrainOptions(LevelTrainOptions):  # decay: far heads matter less
-    num_heads: int = option(4, "heads to train: head k guesses the token k places after the next one")
+    num_heads: int = option(5, "heads to train: head k guesses the token k places after the next one "
+                               "(5: Medusa's medusa_num_heads)")
     share_lm_head: bool = option(True, "reuse the target's frozen LM head (small files); else train one per head")
 
     def __post_init__(self) -> None:
@@ -111,7 +112,7 @@ class MedusaTraining(TrainedTraining):
 # ---- the drafter ---------------------------------------------------------------------------
 @dataclass(frozen=True)
 class MedusaSettings(TreeSettings, WeightsSetting):  # tree, top_k, tree_size: the shared candidate-tree knobs
-    num_heads: int = 4  # for untrained heads only (trained heads bring their own count)
+    num_heads: int = 5  # for untrained heads only (trained heads bring their own count); 5 as Medusa's code
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -58,8 +58,8 @@ class TriForceSettings(Settings):
     chunk_size: int = 8  # prompt tokens per retrieval chunk
     gamma: int = 6  # tokens the middle level drafts for the target per step
     small_gamma: int = 3  # tokens the small model drafts per round of the middle level
-    sinks: int = 4  # the small model's attention sinks (first tokens, always kept)
-    window: int = 252  # the small model's recent window
+    sinks: int = 16  # the small model's attention sinks (first tokens, always kept), as the reference
+    window: int = 240  # the small model's recent window (sinks + window = the reference's 256 entries)
     # re-choose the prompt's chunks every this many steps with the newest token's query
     # (0: chosen once after prefill, as the reference does)
     refresh: int = 0
