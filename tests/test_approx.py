@@ -37,7 +37,7 @@ def test_typical_acceptance_checks_draft_ids_and_the_generator_device():
 
 
 def test_typical_acceptance_is_refused_for_greedy_and_bad_settings():
-    with pytest.raises(ValueError, match="sampling mode"):
+    with pytest.raises(ValueError, match="relaxes sampling decoding"):
         hasten.generate(TARGET, PROMPT, max_new_tokens=4, lossy_acceptance=TypicalAcceptance())
     with pytest.raises(ValueError, match="threshold"):
         TypicalAcceptance(threshold=0)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hasten.approx import GADPlusPlus
-from hasten.approx.gadpp import generate
+import hasten
 from hasten.core.sampling import Sampling
 from hasten.core.tree import TokenTree
 from hasten.drafters.base import Draft, Drafter
@@ -64,14 +64,18 @@ def test_in_the_loop_beta_1_is_plain_and_a_loose_rule_takes_wrong_drafts():
     model = tiny_model("t5")
     prompt = repetitive_prompt(16, seed=2)
     reference = hf_greedy(model, prompt, 12)[0].tolist()
-    exact = generate(model, prompt, drafter=ScriptedDrafter(reference, 4, "adversarial"), rule=GADPlusPlus(beta=1),
-                     max_new_tokens=12)
+    exact = hasten.generate(model, prompt, drafter=ScriptedDrafter(reference, 4, "adversarial"),
+                            lossy_acceptance=GADPlusPlus(beta=1), max_new_tokens=12, draft_size="fixed")
     assert exact.sequences[0].tolist() == reference and exact.lossy == ("GADPlusPlus",)
     assert exact.stats.accepted_tokens == 0
     # everything passes: the (wrong) drafts are committed, so the output leaves plain decoding
     loose = GADPlusPlus(beta=96, tau=1e9)
-    wrong = generate(model, prompt, drafter=Shifted(), rule=loose, max_new_tokens=12)
+    wrong = hasten.generate(model, prompt, drafter=Shifted(), lossy_acceptance=loose, max_new_tokens=12,
+                            draft_size="fixed")
     assert wrong.sequences[0].tolist() != reference and wrong.stats.accepted_tokens > 0
+    # it relaxes greedy decoding: a sampling request is refused, naming the rule
+    with pytest.raises(ValueError, match="GADPlusPlus relaxes greedy decoding"):
+        hasten.generate(model, prompt, drafter=Shifted(), lossy_acceptance=loose, max_new_tokens=4, temperature=1.0)
 
 
 class Shifted(Drafter):

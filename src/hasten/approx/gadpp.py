@@ -10,28 +10,20 @@ accepted run; the verifier's most likely token there follows it, as in greedy de
 ties at the top). Larger ``beta``/``tau`` accept more and the output may differ from plain greedy
 decoding, so it is a mode asked for by name, never a default.
 
-``hasten.generate`` takes lossy acceptance rules for sampling only (greedy decoding is exact
-already), so :func:`generate` runs hasten's one decode loop (:func:`hasten.engine.loop.decode`)
-with this rule for greedy requests; ``GenerationOutput.lossy`` names it. A tree draft is walked
-as greedy verification walks it, taking at each node the first child that passes.
+It relaxes greedy decoding: ``hasten.generate(model, ids, drafter=GAD(), lossy_acceptance=GADPlusPlus())``
+at temperature 0; ``GenerationOutput.lossy`` names it. A tree draft is walked as greedy
+verification walks it, taking at each node the first child that passes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
-from transformers import PreTrainedModel
 
 from ..core.sampling import Sampling
 from ..core.settings import Settings
-from ..core.stats import DecodeStats
 from ..core.tree import TokenTree
-from ..drafters.base import Drafter
-from ..engine.inputs import check_inputs, eos_ids
-from ..engine.loop import GenerationOutput, decode
-from ..engine.sizing import SizingChoice
 from ..engine.verify import Acceptance, Verdict, check_draft, greedy_ids
-from ..models.hf import runtime_of
 
 
 @dataclass(frozen=True)
@@ -40,6 +32,7 @@ class GADPlusPlus(Acceptance, Settings):
     tau: float = 3.0  # tolerance: log p(top) - log p(token) <= tau (the reference's inference.sh: 3.0)
 
     lossless = False
+    relaxes = "greedy"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,25 +66,3 @@ class GADPlusPlus(Acceptance, Settings):
                 return Verdict(tuple(path), best[block])
             path.append(node)
 
-
-def generate(model: PreTrainedModel, input_ids: torch.Tensor, *, drafter: Drafter | None, rule: GADPlusPlus,
-             max_new_tokens: int = 64, eos_token_id: int | list[int] | None = None,
-             draft_size: str | None = "fixed") -> GenerationOutput:
-    """Greedy decoding of one prompt ([1, T]) with ``drafter``, its drafts verified by ``rule``
-    (lossy). ``draft_size`` as in :func:`hasten.generate` (fixed by default: the drafter's block)."""
-    runtime = runtime_of(model)
-    sampling = Sampling(0.0)
-    check_inputs(runtime, input_ids, drafter, max_new_tokens, None, {})
-    stats = DecodeStats()
-    sizing = SizingChoice(draft_size).for_request(False, seeded=False)
-    pieces = decode(runtime, input_ids, drafter, max_new_tokens, sampling, eos_ids(runtime, eos_token_id), None,
-                    stats, rule, sizing)
-    new: list[int] = []
-    while True:
-        try:
-            new.extend(next(pieces))
-        except StopIteration as end:
-            reason = end.value
-            break
-    head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
-    return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, (type(rule).__name__,))

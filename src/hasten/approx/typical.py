@@ -27,6 +27,7 @@ class TypicalAcceptance(Acceptance, Settings):
     alpha: float = 0.3  # delta: scales the entropy-dependent bar
 
     lossless = False
+    relaxes = "sampling"
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -44,8 +44,9 @@ def gec_tasks(tokenizer, per_task: int = 2) -> list[Task]:
 def gadpp_method(model, weights: str | None, beta: int, tau: float) -> "Method":
     """GAD's drafts verified by GAD++ (:class:`hasten.approx.GADPlusPlus`, lossy): its outputs
     that differ from plain decoding are counted (``identical``), not fatal."""
-    from ..approx.gadpp import GADPlusPlus, generate
+    from ..approx.gadpp import GADPlusPlus
     from ..drafters import GAD
+    from ..engine.loop import generate
     from .runner import Method
 
     rule = GADPlusPlus(beta=beta, tau=tau)
@@ -53,8 +54,8 @@ def gadpp_method(model, weights: str | None, beta: int, tau: float) -> "Method":
     def run(input_ids, max_new_tokens, stop_at_eos=False):
         drafter = GAD(weights=weights, require_weights=True)
         clock = time.perf_counter()
-        out = generate(model, input_ids, drafter=drafter, rule=rule, max_new_tokens=max_new_tokens,
-                       eos_token_id=None if stop_at_eos else [])
+        out = generate(model, input_ids, drafter=drafter, lossy_acceptance=rule, max_new_tokens=max_new_tokens,
+                       eos_token_id=None if stop_at_eos else [], draft_size="fixed")
         seconds = time.perf_counter() - clock
         return out.sequences[0, 1:].tolist(), out.stats, seconds
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from .. import zoo
-    from ..approx.gadpp import GADPlusPlus, generate as generate_gadpp
+    from ..approx.gadpp import GADPlusPlus
     from ..engine.loop import generate
     from ..drafters import GAD
     from ..loading import load_model
@@ -132,8 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     rule = GADPlusPlus(beta=args.beta, tau=args.tau)
     outputs = {"plain": [generate(model, ids, max_new_tokens=args.max_new_tokens).sequences[0, 1:].tolist()
                          for ids in input_ids],
-               "gad++": [generate_gadpp(model, ids, drafter=GAD(weights=args.gad, require_weights=True), rule=rule,
-                                        max_new_tokens=args.max_new_tokens).sequences[0, 1:].tolist()
+               "gad++": [generate(model, ids, drafter=GAD(weights=args.gad, require_weights=True), lossy_acceptance=rule,
+                                  max_new_tokens=args.max_new_tokens, draft_size="fixed").sequences[0, 1:].tolist()
                          for ids in input_ids]}
     results["correct"] = {name: round(correct_share(tokenizer, tasks, out), 4) for name, out in outputs.items()}
     results["copy_bound_speedup"] = round(copy_bound_speedup(model, input_ids, outputs["plain"]), 3)

@@ -229,9 +229,11 @@ def _end_distribution(index: TreeIndex, tokens, p, q, end_block) -> torch.Tensor
 # ---- rules as objects, chosen once per generation ---------------------------------------------
 class Acceptance:
     """An acceptance rule. ``lossless`` rules keep the contract; the loop picks one rule
-    before the first step (:func:`acceptance_rule`) and never branches per step."""
+    before the first step (:func:`acceptance_rule`) and never branches per step. A lossy rule
+    names the decoding it relaxes (``relaxes``: ``"sampling"`` or ``"greedy"``)."""
 
     lossless = True
+    relaxes: str | None = None
 
     def verify(self, tree: TokenTree, tokens: tuple[int, ...], logits: torch.Tensor, q: torch.Tensor | None,
                sampling, generator: torch.Generator | None) -> Verdict:
@@ -254,11 +256,15 @@ class SpeculativeSampling(Acceptance):
 
 def acceptance_rule(sampling, lossy: Acceptance | None = None) -> Acceptance:
     """The exact rule for ``sampling`` (greedy or speculative sampling), or the lossy rule
-    the user asked for by name (sampling only: greedy decoding is already exact)."""
+    the user asked for by name, which must relax the decoding asked for (TypicalAcceptance
+    relaxes sampling, GADPlusPlus greedy decoding)."""
     if lossy is not None:
         if not isinstance(lossy, Acceptance) or lossy.lossless:
             raise TypeError("lossy_acceptance must be a lossy rule from hasten.approx, e.g. TypicalAcceptance()")
-        if sampling.greedy:
-            raise ValueError("lossy_acceptance is a sampling mode (temperature > 0); greedy decoding is already exact")
+        asked = "greedy" if sampling.greedy else "sampling"
+        if lossy.relaxes != asked:
+            need = "temperature 0" if lossy.relaxes == "greedy" else "temperature > 0"
+            raise ValueError(f"lossy_acceptance {type(lossy).__name__} relaxes {lossy.relaxes} decoding "
+                             f"({need}); this request asks for {asked} decoding")
         return lossy
     return GreedyAcceptance() if sampling.greedy else SpeculativeSampling()
