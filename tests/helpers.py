@@ -4,6 +4,7 @@
 scripts/gpu-check runs the greedy-equality and sampling-law suites with it set to cuda."""
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -210,3 +211,14 @@ def returned_cache(output):
     from hasten.models.compat import NEW_CACHE_KEYWORD, OLD_CACHE_KEYWORD
 
     return output[NEW_CACHE_KEYWORD] if NEW_CACHE_KEYWORD in output.keys() else output[OLD_CACHE_KEYWORD]
+
+
+def opinionated(module, seed: int):
+    """Random weights large enough that a drafter's guesses depend on everything it reads (and
+    its drafts are sometimes right, sometimes not)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            if parameter.ndim == 2:
+                torch.nn.init.normal_(parameter, std=1.0 / math.sqrt(parameter.shape[1]))
+    return module

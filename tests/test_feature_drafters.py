@@ -4,7 +4,6 @@ causal architecture; sampled output keeps the target's law; one drafter serves
 interleaved generations; the shared layers (KV cache), tree builders, the settings and
 the shipped weights are checked on their own (hidden transfer's riders: test_hidden_transfer.py)."""
 from functools import partial
-import math
 import warnings
 from pathlib import Path
 
@@ -28,7 +27,7 @@ from hasten.core.sampling import Sampling
 from hasten.training.distill import DistillSettings, distill
 from hasten.core.errors import HastenWarning
 from helpers import (
-    generate_exactly, ours,
+    generate_exactly, opinionated, ours,
     CAUSAL_CONFIGS, SEQ2SEQ_CONFIGS, TRAIN_TEXT, distill_tiny, hf_greedy, train_briefly, repetitive_prompt, save_checkpoint, tiny_model, tiny_tokenizer,
 )
 from test_sampling_distribution import BOUND, TARGET, empirical_tv
@@ -171,16 +170,6 @@ def test_weights_beside_the_model_are_found(tmp_path):
 
 
 # ---- sampling ---------------------------------------------------------------------------------------
-def opinionated(module, seed):
-    """Random weights large enough that drafts are sometimes right, sometimes not."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for parameter in module.parameters():
-            if parameter.ndim == 2:
-                torch.nn.init.normal_(parameter, std=1.0 / math.sqrt(parameter.shape[1]))
-    return module
-
-
 @pytest.mark.parametrize("name, sampling", [
     ("eagle", Sampling(1.0)),
     ("chimera", Sampling(0.8, top_k=5, top_p=0.9)),

@@ -16,20 +16,11 @@ from hasten.drafters.gad import GAD, GADModel, GADTraining, GADTrainOptions
 from hasten.drafters.gad_seq2seq import CorrectionPairs, until_eos
 from hasten.zoo import gec
 from test_verify_law import bound
-from helpers import distill_tiny, hf_greedy, repetitive_prompt, save_checkpoint, tiny_model, train_briefly
+from helpers import (distill_tiny, hf_greedy, opinionated, repetitive_prompt, save_checkpoint, tiny_model,
+                     train_briefly)
 
 NEW = 20
 SEQ2SEQ = ("t5", "bart")
-
-
-def opinionated(module: GADModel, seed: int) -> GADModel:
-    """Random weights large enough that the drafter's guesses depend on everything it reads."""
-    torch.manual_seed(seed)
-    with torch.no_grad():
-        for parameter in module.parameters():
-            if parameter.ndim == 2:
-                torch.nn.init.normal_(parameter, std=1.0 / math.sqrt(parameter.shape[1]))
-    return module
 
 
 class WatchedGAD(GAD):
