@@ -140,6 +140,11 @@ def test_retrieval_cache_keeps_first_latest_and_best_chunks():
         assert positions == sorted(positions)
         assert positions[:4] == [0, 1, 2, 3] and positions[-2:] == [28, 29]
         assert {12, 13, 14, 15} <= set(positions)
+    ranked = retrieval_cache(full, {0: query[:, None]}, budget=14, chunk_size=4, ranked=True)
+    for head in range(2):  # the first chunk, the latest, then the best chunk first (the reference's order)
+        positions = ranked.layers[0].values[0, head, :, 0].tolist()
+        assert positions[:6] == [0, 1, 2, 3, 28, 29] and positions[6:10] == [12, 13, 14, 15]
+        assert sorted(positions) == kept[head].tolist()  # the same entries
     short = DynamicCache()
     short.update(keys[:, :, :10], values[:, :, :10], 0)
     assert torch.equal(retrieval_cache(short, {0: query[:, None]}, 14, 4).layers[0].keys, keys[:, :, :10])
@@ -194,3 +199,46 @@ def test_middle_level_holds_the_full_caches_exact_entries_of_committed_tokens(co
         mine, exact = layer.keys[:, :, middle.selected: middle.selected + 12], full.keys[:, :, 47:59]
         assert torch.equal(mine, exact) == copy
     assert (middle.exact == 12) == copy
+
+
+def test_fixed_size_lets_generated_tokens_take_the_lowest_scored_places():
+    """fixed_size (the reference's retrieval cache of constant size): the selection (15 of
+    the 47 prompt entries under a budget of 16) and the 12 copied generated entries hold 16
+    entries together, so only the first chunk is left of the selection; the output stays the
+    target's."""
+    from hasten.core.sampling import Sampling
+    from hasten.drafters.base import DraftContext, TargetView
+    from hasten.engine.verify import GreedyAcceptance
+    from hasten.models.adapter import ModelAdapter
+
+    model, small = tiny_model("llama"), tiny_model("llama", seed=7)
+    prompt = repetitive_prompt(48, seed=3)
+    reference = hf_greedy(model, prompt, NEW)
+    drafter = TriForce(small, **SMALL, fixed_size=True)
+    assert hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW).sequences.tolist() == reference.tolist()
+
+    tokens, target = reference[0, :60].tolist(), ModelAdapter(model)
+
+    def context(length):
+        return DraftContext(tokens=tokens[:length], max_depth=5, sampling=Sampling(), generator=None,
+                            target=TargetView(target, TriForce.needs), acceptance=GreedyAcceptance())
+
+    target.start(torch.tensor([tokens[:48]]))
+    state = drafter.begin(context(48))
+    assert state.middle.selected == 15
+    target.start(torch.tensor([tokens[:51]]))  # 3 generated tokens committed: 15 + 3 > 16, one selected entry goes
+    ctx = context(52)
+    ctx.state = state
+    state.middle.copy_committed(target.read_all_kv(), tokens[47:50])
+    assert state.middle.selected == 13 and state.middle.cache.layers[0].keys.shape[2] == 16
+    target.start(torch.tensor([tokens]))  # 12 committed: the first chunk is all that is left of the selection
+    ctx = context(60)
+    ctx.state = state
+    drafter.propose(ctx)
+    middle = state.middle
+    assert middle.selected == 4 and middle.fed[:12] == tokens[47:59]
+    for layer, full in zip(middle.cache.layers, target.cache.layers):
+        assert torch.equal(layer.keys[:, :, :4], full.keys[:, :, :4])  # the first chunk
+        assert torch.equal(layer.keys[:, :, 4:16], full.keys[:, :, 47:59])  # the generated tokens' exact entries
+    with pytest.raises(ValueError, match="fixed_size"):
+        TriForce(small, fixed_size=True, refresh=4)

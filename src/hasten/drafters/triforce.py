@@ -67,6 +67,11 @@ class TriForceSettings(Settings):
     # from the target's full cache before each step (the reference's rule); False keeps the
     # ones the middle level computed over its sparse cache (approximate)
     copy_generated: bool = True
+    # the reference's fixed-size retrieval cache: with copy_generated, the selection and the
+    # committed generated tokens together hold at most ``budget`` entries, each generated
+    # token's entry taking the place of the lowest-scored selected one (the first chunk stays);
+    # False keeps the whole selection and appends
+    fixed_size: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,6 +81,9 @@ class TriForceSettings(Settings):
         for name in ("sinks", "refresh"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.fixed_size and (self.refresh or not self.copy_generated):
+            raise ValueError("fixed_size evicts the selection for copied entries: it needs copy_generated=True "
+                             "and refresh=0")
         if self.budget < 2 * self.chunk_size:
             raise ValueError(f"budget ({self.budget}) must hold at least two chunks of chunk_size "
                              f"({self.chunk_size}): the first and the latest")
@@ -83,10 +91,12 @@ class TriForceSettings(Settings):
 
 # ---- the middle level: the target over a retrieval cache ----------------------------------------
 def retrieval_cache(full: DynamicCache, queries: dict[int, torch.Tensor], budget: int,
-                    chunk_size: int) -> DynamicCache:
+                    chunk_size: int, ranked: bool = False) -> DynamicCache:
     """Keep, per layer and KV head, the first chunk, the last (partial) chunk and the chunks
     whose mean key best matches the query (the largest score over the heads sharing that KV
-    head), ``budget`` entries at most, in position order."""
+    head), ``budget`` entries at most, in position order; ``ranked``: the first chunk, the
+    latest, then the best chunks from the highest score down (a cut of the tail drops the
+    lowest-scored entries first)."""
     picked = DynamicCache()
     for layer_index, layer in enumerate(full.layers):
         keys, values = layer.keys, layer.values  # [1, kv_heads, T, head_dim]
@@ -103,11 +113,16 @@ def retrieval_cache(full: DynamicCache, queries: dict[int, torch.Tensor], budget
         scores = torch.einsum("hgd,hcd->hgc", query, means).amax(1)  # [kv_heads, chunks]
         room = (budget - tail) // chunk_size - 1  # middle chunks besides the first
         best = scores[:, 1:].topk(min(room, full_chunks - 1), dim=1).indices + 1  # [kv_heads, room]
-        chunks = torch.cat([torch.zeros(kv_heads, 1, dtype=torch.long, device=keys.device), best], 1).sort(1).values
+        first = torch.zeros(kv_heads, 1, dtype=torch.long, device=keys.device)
         offsets = torch.arange(chunk_size, device=keys.device)
-        index = (chunks[:, :, None] * chunk_size + offsets).flatten(1)  # [kv_heads, kept]
         latest = torch.arange(length - tail, length, device=keys.device).expand(kv_heads, tail)
-        index = torch.cat([index, latest], 1)[None, :, :, None].expand(1, -1, -1, dim)
+        if ranked:  # topk's order: the best chunk first
+            index = torch.cat([offsets.expand(kv_heads, chunk_size), latest,
+                               (best[:, :, None] * chunk_size + offsets).flatten(1)], 1)  # [kv_heads, kept]
+        else:
+            chunks = torch.cat([first, best], 1).sort(1).values
+            index = torch.cat([(chunks[:, :, None] * chunk_size + offsets).flatten(1), latest], 1)  # [kv_heads, kept]
+        index = index[None, :, :, None].expand(1, -1, -1, dim)
         picked.update(keys.gather(2, index), values.gather(2, index), layer_index)
     return picked
 
@@ -123,6 +138,11 @@ class Middle:
     prompt: int  # prompt tokens the selection was made from
     fed: list[int] = field(default_factory=list)
     exact: int = 0  # the first fed tokens whose entries were copied from the target's full cache
+    # fixed size: the whole ranked selection ([1, kv_heads, entries, head_dim] per layer) and the
+    # entries the selection and the copied tokens may hold together; None: keep the selection whole
+    ranked: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    size: int = 0
+    floor: int = 0  # selected entries never evicted (the first chunk)
 
     def copy_committed(self, full: list[tuple[torch.Tensor, torch.Tensor]], committed: list[int]) -> None:
         """Make the fed tokens ``committed`` (the generated tokens the target's full cache
@@ -136,6 +156,17 @@ class Middle:
                 layer.values = torch.cat([layer.values, values[:, :, start:end]], 2)
             self.fed.extend(committed[self.exact:])
         self.exact = len(committed)
+        if self.ranked is not None:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Hold at most ``size`` entries: the best of the ranked selection, then the fed tokens'."""
+        kept = max(self.floor, min(self.ranked[0][0].shape[2], self.size - len(self.fed)))
+        if kept != self.selected:
+            for layer, (keys, values) in zip(self.cache.layers, self.ranked):
+                layer.keys = torch.cat([keys[:, :, :kept], layer.keys[:, :, self.selected:]], 2)
+                layer.values = torch.cat([values[:, :, :kept], layer.values[:, :, self.selected:]], 2)
+            self.selected = kept
 
     @torch.no_grad()
     def forward(self, block: list[int]) -> torch.Tensor:
@@ -218,7 +249,7 @@ class TriForce(Drafter):
             # the loop's own cache holds the prompt's entries; the target's probe of the root
             # records the query that picks the chunks, and leaves its cache as it was
             queries = ctx.target.probe_queries(ctx.tokens[-1])
-            cache = self._selection(ctx, queries, len(prompt))
+            cache = self._selection(ctx, queries, len(prompt), ranked=settings.fixed_size)
         elif prompt:  # batch rows, llama.cpp, compressed caches: a prefill of its own, as the reference
             with torch.no_grad(), last_queries(model) as queries:
                 ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
@@ -226,14 +257,18 @@ class TriForce(Drafter):
             cache = retrieval_cache(cache, queries, settings.budget, settings.chunk_size)
         selected = cache.get_seq_length() if prompt else 0
         middle = Middle(model, cache, selected, len(prompt))
+        if settings.fixed_size and selected:
+            middle.ranked = [(layer.keys, layer.values) for layer in cache.layers]
+            middle.size, middle.floor = settings.budget, min(settings.chunk_size, selected)
         return TriForceState(middle, self._streaming(ctx.tokens[:-1]))
 
-    def _selection(self, ctx: DraftContext, queries: dict[int, torch.Tensor], prompt: int) -> DynamicCache:
+    def _selection(self, ctx: DraftContext, queries: dict[int, torch.Tensor], prompt: int,
+                   ranked: bool = False) -> DynamicCache:
         """The retrieval selection of the first ``prompt`` entries of the loop's full cache."""
         prompt_part = DynamicCache()
         for index, (keys, values) in enumerate(ctx.target.read_all_kv()):  # [1, kv_heads, committed, head_dim]
             prompt_part.update(keys[:, :, :prompt], values[:, :, :prompt], index)
-        return retrieval_cache(prompt_part, queries, self.settings.budget, self.settings.chunk_size)
+        return retrieval_cache(prompt_part, queries, self.settings.budget, self.settings.chunk_size, ranked)
 
     def _streaming(self, committed: list[int]) -> Streaming:
         """A fresh small-model cache standing for ``committed``: its sinks and its window."""
