@@ -202,7 +202,7 @@ def test_middle_level_holds_the_full_caches_exact_entries_of_committed_tokens(co
 
 
 def test_fixed_size_lets_generated_tokens_take_the_lowest_scored_places():
-    """fixed_size (the reference's retrieval cache of constant size): the selection (15 of
+    """fixed_size (the default, the reference's retrieval cache of constant size): the selection (15 of
     the 47 prompt entries under a budget of 16) and the 12 copied generated entries hold 16
     entries together, so only the first chunk is left of the selection; the output stays the
     target's."""
@@ -214,7 +214,7 @@ def test_fixed_size_lets_generated_tokens_take_the_lowest_scored_places():
     model, small = tiny_model("llama"), tiny_model("llama", seed=7)
     prompt = repetitive_prompt(48, seed=3)
     reference = hf_greedy(model, prompt, NEW)
-    drafter = TriForce(small, **SMALL, fixed_size=True)
+    drafter = TriForce(small, **SMALL)
     assert hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW).sequences.tolist() == reference.tolist()
 
     tokens, target = reference[0, :60].tolist(), ModelAdapter(model)
@@ -240,5 +240,11 @@ def test_fixed_size_lets_generated_tokens_take_the_lowest_scored_places():
     for layer, full in zip(middle.cache.layers, target.cache.layers):
         assert torch.equal(layer.keys[:, :, :4], full.keys[:, :, :4])  # the first chunk
         assert torch.equal(layer.keys[:, :, 4:16], full.keys[:, :, 47:59])  # the generated tokens' exact entries
-    with pytest.raises(ValueError, match="fixed_size"):
-        TriForce(small, fixed_size=True, refresh=4)
+    whole = TriForce(small, **SMALL, fixed_size=False)  # the selection kept whole: 15 + 12 entries
+    target.start(torch.tensor([tokens[:48]]))
+    state = whole.begin(context(48))
+    target.start(torch.tensor([tokens]))
+    ctx = context(60)
+    ctx.state = state
+    whole.propose(ctx)
+    assert state.middle.selected == 15 and state.middle.exact == 12

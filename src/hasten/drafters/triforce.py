@@ -67,11 +67,11 @@ class TriForceSettings(Settings):
     # from the target's full cache before each step (the reference's rule); False keeps the
     # ones the middle level computed over its sparse cache (approximate)
     copy_generated: bool = True
-    # the reference's fixed-size retrieval cache: with copy_generated, the selection and the
-    # committed generated tokens together hold at most ``budget`` entries, each generated
-    # token's entry taking the place of the lowest-scored selected one (the first chunk stays);
-    # False keeps the whole selection and appends
-    fixed_size: bool = False
+    # the reference's fixed-size retrieval cache: where entries are copied (copy_generated),
+    # the selection and the committed generated tokens hold at most ``budget`` entries
+    # together, each generated token's entry taking the place of the lowest-scored selected
+    # one (the first chunk stays); False keeps the whole selection and appends
+    fixed_size: bool = True
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -81,9 +81,6 @@ class TriForceSettings(Settings):
         for name in ("sinks", "refresh"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.fixed_size and (self.refresh or not self.copy_generated):
-            raise ValueError("fixed_size evicts the selection for copied entries: it needs copy_generated=True "
-                             "and refresh=0")
         if self.budget < 2 * self.chunk_size:
             raise ValueError(f"budget ({self.budget}) must hold at least two chunks of chunk_size "
                              f"({self.chunk_size}): the first and the latest")
@@ -249,7 +246,7 @@ class TriForce(Drafter):
             # the loop's own cache holds the prompt's entries; the target's probe of the root
             # records the query that picks the chunks, and leaves its cache as it was
             queries = ctx.target.probe_queries(ctx.tokens[-1])
-            cache = self._selection(ctx, queries, len(prompt), ranked=settings.fixed_size)
+            cache = self._selection(ctx, queries, len(prompt))
         elif prompt:  # batch rows, llama.cpp, compressed caches: a prefill of its own, as the reference
             with torch.no_grad(), last_queries(model) as queries:
                 ids = torch.tensor([prompt], dtype=torch.long, device=model.device)
@@ -257,17 +254,23 @@ class TriForce(Drafter):
             cache = retrieval_cache(cache, queries, settings.budget, settings.chunk_size)
         selected = cache.get_seq_length() if prompt else 0
         middle = Middle(model, cache, selected, len(prompt))
-        if settings.fixed_size and selected:
-            middle.ranked = [(layer.keys, layer.values) for layer in cache.layers]
-            middle.size, middle.floor = settings.budget, min(settings.chunk_size, selected)
+        self._rank(middle)
         return TriForceState(middle, self._streaming(ctx.tokens[:-1]))
 
-    def _selection(self, ctx: DraftContext, queries: dict[int, torch.Tensor], prompt: int,
-                   ranked: bool = False) -> DynamicCache:
+    def _rank(self, middle: Middle) -> None:
+        """Give the middle level its ranked selection to evict from (fixed_size, copied entries)."""
+        settings = self.settings
+        if settings.fixed_size and settings.copy_generated and middle.selected:
+            middle.ranked = [(layer.keys[:, :, : middle.selected], layer.values[:, :, : middle.selected])
+                             for layer in middle.cache.layers]
+            middle.size, middle.floor = settings.budget, min(settings.chunk_size, middle.selected)
+
+    def _selection(self, ctx: DraftContext, queries: dict[int, torch.Tensor], prompt: int) -> DynamicCache:
         """The retrieval selection of the first ``prompt`` entries of the loop's full cache."""
         prompt_part = DynamicCache()
         for index, (keys, values) in enumerate(ctx.target.read_all_kv()):  # [1, kv_heads, committed, head_dim]
             prompt_part.update(keys[:, :, :prompt], values[:, :, :prompt], index)
+        ranked = self.settings.fixed_size and self.settings.copy_generated  # the tail goes first
         return retrieval_cache(prompt_part, queries, self.settings.budget, self.settings.chunk_size, ranked)
 
     def _streaming(self, committed: list[int]) -> Streaming:
@@ -336,7 +339,9 @@ class TriForce(Drafter):
         selected = picked.get_seq_length()
         for index, layer in enumerate(middle.cache.layers):  # the generated tokens' entries, kept as they are
             picked.update(layer.keys[:, :, middle.selected:], layer.values[:, :, middle.selected:], index)
-        return Middle(middle.model, picked, selected, middle.prompt, list(middle.fed), middle.exact)
+        refreshed = Middle(middle.model, picked, selected, middle.prompt, list(middle.fed), middle.exact)
+        self._rank(refreshed)
+        return refreshed
 
     def _small_draft(self, ctx: DraftContext, small: Streaming, known: list[int],
                      count: int) -> tuple[list[int], torch.Tensor | None]:
