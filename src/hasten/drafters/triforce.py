@@ -12,7 +12,8 @@ Three levels, each verifying the one below:
    ``budget`` entries are kept; tokens generated later are appended, with the exact K/V the
    target's full cache holds for them once committed (copied before each step, as the
    reference does; ``copy_generated=False`` keeps the ones the middle level computed over its
-   sparse cache). Reading ``budget``
+   sparse cache), each taking the place of the lowest-scored selected entry so that the cache
+   keeps ``budget`` entries, as the reference's (``fixed_size``). Reading ``budget``
    entries instead of the whole context is what makes it cheap when the KV, not the
    weights, dominates a forward. Rounds repeat until ``gamma`` tokens are drafted;
 3. the **target with its full cache** (the decode loop) verifies those ``gamma`` tokens.
