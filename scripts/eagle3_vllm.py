@@ -28,16 +28,17 @@ from hasten.export import export
 
 def hasten_run(model, prompts: list[list[int]], drafter, new_tokens: int) -> dict:
     """Tokens per prompt, seconds, and per-position drafted/accepted counts of hasten's loop."""
-    tokens, seconds, drafted, accepted = [], 0.0, [], []
+    tokens, seconds, drafted, accepted, steps = [], 0.0, [], [], 0
     for prompt in prompts:
         clock = time.perf_counter()
         out = generate(model, torch.tensor([prompt]), drafter=drafter, max_new_tokens=new_tokens, eos_token_id=[],
                        draft_size="fixed" if drafter is not None else None)
         seconds += time.perf_counter() - clock
         tokens.append(out.sequences[0, len(prompt):].tolist())
+        steps += out.stats.steps
         drafted = add(drafted, out.stats.drafted_at_depth)
         accepted = add(accepted, out.stats.accepted_at_depth)
-    return {"tokens": tokens, "seconds": seconds, "drafted": drafted, "accepted": accepted}
+    return {"tokens": tokens, "seconds": seconds, "drafted": drafted, "accepted": accepted, "steps": steps}
 
 
 def vllm_run(model_dir: str, speculative: dict | None, prompts: list[list[int]], new_tokens: int,
@@ -47,17 +48,19 @@ def vllm_run(model_dir: str, speculative: dict | None, prompts: list[list[int]],
         raise SystemExit(f"vLLM is not installed: {vllm_cpu.INSTALL}")
     worker = vllm_cpu.Worker(python, {"model": model_dir, "dtype": "float32", "max_model_len": max_model_len,
                                       "speculative": speculative}, threads)
-    tokens, seconds, drafts, accepted = [], 0.0, 0, []
+    tokens, seconds, drafts, accepted, steps = [], 0.0, 0, [], 0
     try:
         for prompt in prompts:
             answer = worker.ask({"prompt": prompt, "max_tokens": new_tokens})
             tokens.append(answer["tokens"])
+            steps += max(1, len(answer["tokens"]) - answer["accepted"])  # one token per forward plus the accepted
             seconds += answer["seconds"]
             drafts += answer.get("drafts", 0)
             accepted = add(accepted, answer.get("accepted_per_position") or [])
     finally:
         worker.close()
-    return {"tokens": tokens, "seconds": seconds, "drafted": [drafts] * len(accepted), "accepted": accepted}
+    return {"tokens": tokens, "seconds": seconds, "drafted": [drafts] * len(accepted), "accepted": accepted,
+            "steps": steps}
 
 
 def add(a: list[int], b: list[int]) -> list[int]:
@@ -84,6 +87,7 @@ def roundtrip(model, model_dir: str, drafter_dir: str, prompts: list[list[int]],
     total = len(prompts) * new_tokens
     for run in runs.values():
         run["tok_s"] = round(total / run["seconds"], 2)
+        run["tau"] = round(total / run["steps"], 3)
         run["acceptance_by_position"] = rates(run)
         run["identical"] = sum(a == b for a, b in zip(run["tokens"], runs["vllm"]["tokens"]))
     return runs
@@ -111,7 +115,7 @@ def main() -> int:
     prompts = [tokenizer(task.prompt, add_special_tokens=False)["input_ids"] for task in tasks]
     runs = roundtrip(model, str(Path(args.model).resolve()), args.drafter, prompts, args.max_new_tokens, args.depth,
                      args.threads, ngram=args.ngram)
-    summary = {name: {k: run[k] for k in ("tok_s", "acceptance_by_position", "identical", "seconds")}
+    summary = {name: {k: run[k] for k in ("tok_s", "tau", "acceptance_by_position", "identical", "seconds")}
                for name, run in runs.items()}
     print(json.dumps({"prompts": len(prompts), "new_tokens": args.max_new_tokens, **summary}, indent=1))
     if args.out:
