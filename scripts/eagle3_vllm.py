@@ -24,6 +24,7 @@ from hasten.bench import vllm_cpu
 from hasten.drafters.eagle3 import Eagle3
 from hasten.engine.loop import generate
 from hasten.export import export
+from hasten.zoo.packing import unpacked
 
 
 def hasten_run(model, prompts: list[list[int]], drafter, new_tokens: int) -> dict:
@@ -72,11 +73,15 @@ def rates(run: dict) -> list[float]:
 
 
 def roundtrip(model, model_dir: str, drafter_dir: str, prompts: list[list[int]], new_tokens: int, depth: int = 3,
-              threads: int = 1, max_model_len: int = 2048, ngram: bool = False) -> dict:
-    """Every engine's run on ``prompts``; the drafter exported for vLLM into a temporary folder."""
+              threads: int = 1, max_model_len: int = 2048, ngram: bool = False, hasten_only: bool = False) -> dict:
+    """Every engine's run on ``prompts`` (vLLM's unless ``hasten_only``); the drafter (packed or not)
+    exported for vLLM into a temporary folder."""
+    drafter_dir = str(unpacked(drafter_dir))  # the zoo ships modules packed
     runs = {"hasten": hasten_run(model, prompts, None, new_tokens),
             "hasten_eagle3": hasten_run(model, prompts, Eagle3(weights=drafter_dir, depth=depth), new_tokens)}
     with tempfile.TemporaryDirectory(prefix="hasten-eagle3-") as out:
+        if hasten_only:
+            return summarised(runs, "hasten", len(prompts) * new_tokens)
         export(drafter_dir, "vllm", out)
         runs["vllm"] = vllm_run(model_dir, None, prompts, new_tokens, threads, max_model_len)
         runs["vllm_eagle3"] = vllm_run(model_dir, {"method": "eagle3", "model": out, "num_speculative_tokens": depth},
@@ -84,12 +89,16 @@ def roundtrip(model, model_dir: str, drafter_dir: str, prompts: list[list[int]],
     if ngram:
         runs["vllm_ngram"] = vllm_run(model_dir, vllm_cpu.SPECULATIVE[vllm_cpu.VLLM_NGRAM], prompts, new_tokens,
                                       threads, max_model_len)
-    total = len(prompts) * new_tokens
+    return summarised(runs, "vllm", len(prompts) * new_tokens)
+
+
+def summarised(runs: dict, reference: str, total: int) -> dict:
+    """Each run with its tok/s, tau, acceptance by position and prompts identical to ``reference``'s."""
     for run in runs.values():
         run["tok_s"] = round(total / run["seconds"], 2)
         run["tau"] = round(total / run["steps"], 3)
         run["acceptance_by_position"] = rates(run)
-        run["identical"] = sum(a == b for a, b in zip(run["tokens"], runs["vllm"]["tokens"]))
+        run["identical"] = sum(a == b for a, b in zip(run["tokens"], runs[reference]["tokens"]))
     return runs
 
 
@@ -102,6 +111,7 @@ def main() -> int:
     parser.add_argument("--depth", type=int, default=3, help="draft chain length (vLLM's num_speculative_tokens)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ngram", action="store_true", help="also vLLM's n-gram proposer")
+    parser.add_argument("--hasten-only", action="store_true", help="hasten plain and eagle3 only (no vLLM)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     from transformers import AutoTokenizer
@@ -114,7 +124,7 @@ def main() -> int:
     tasks = spec_bench_tasks(tokenizer, args.per_task)
     prompts = [tokenizer(task.prompt, add_special_tokens=False)["input_ids"] for task in tasks]
     runs = roundtrip(model, str(Path(args.model).resolve()), args.drafter, prompts, args.max_new_tokens, args.depth,
-                     args.threads, ngram=args.ngram)
+                     args.threads, ngram=args.ngram, hasten_only=args.hasten_only)
     summary = {name: {k: run[k] for k in ("tok_s", "tau", "acceptance_by_position", "identical", "seconds")}
                for name, run in runs.items()}
     print(json.dumps({"prompts": len(prompts), "new_tokens": args.max_new_tokens, **summary}, indent=1))
