@@ -67,15 +67,13 @@ def run(proposer, stories: list[list[int]], prompt_lengths: list[int], steps: in
 def test_each_request_is_sized_from_its_own_history():
     """Two requests in one batch: one copies its prompt (drafts accepted), one does not (drafts
     rejected). Sized by hasten's rule, the first drafts deep and the second shallow or not at
-    all (now and then a deeper draft re-measures it: the rule explores); at a fixed depth, both
-    draft 10 deep every step."""
+    all; at a fixed depth, both draft 10 deep every step."""
     stories, prompts = [copying_story(1000), noisy_story(1000)], [520, 60]
     sized = run(PromptLookup(depth=10, max_model_len=CONTEXT), stories, prompts, 40)
     copying, noisy = sized[0][-20:], sized[1][-20:]
     assert sum(d for d, _ in copying) / len(copying) >= 8  # deep drafts where they pay
     assert sum(a for _, a in copying) >= 0.9 * sum(d for d, _ in copying)
     assert sum(d for d, _ in noisy) / len(noisy) <= 3  # few positions where they do not pay
-    assert sum(1 for d, _ in noisy if d == 0) >= 5
     fixed = run(FixedPromptLookup(depth=10, max_model_len=CONTEXT), stories, prompts, 40)
     assert all(d == 10 for d, _ in fixed[1][-20:])
 
