@@ -100,10 +100,20 @@ def test_drafts_come_from_the_tapped_features_after_the_first_prompt(target, tmp
     assert misses == [19]  # the first prompt's 19 features, once
 
 
-@pytest.mark.heavy  # about 25 s on one idle thread
 def test_sampled_continuations_follow_the_target_three_deep(tmp_path):
+    """Chains of 3 accepted and rejected at depths 1 and 2 (checked), the first 3 tokens' law."""
+    from hasten.core.stats import DecodeStats
+    from test_sampling_distribution import PROMPT
+
     randomised(Eagle3Layer.for_target(TARGET), seed=3, scale=3.0).save(tmp_path)
-    tv, limit = deep_tv(Eagle3(weights=str(tmp_path), depth=3), DEEP_LAW_SAMPLING, samples=600)
+    drafter = Eagle3(weights=str(tmp_path), depth=3)
+    g, total = torch.Generator().manual_seed(1), DecodeStats()
+    for _ in range(100):
+        total = total + hasten.generate(TARGET, PROMPT, drafter=drafter, max_new_tokens=4, temperature=1.0, top_k=3,
+                                        generator=g, draft_size="fixed").stats
+    drafted, accepted = total.drafted_at_depth, total.accepted_at_depth
+    assert len(accepted) >= 2 and all(0 < accepted[d] < drafted[d] for d in (0, 1))  # both fates at depths 1, 2
+    tv, limit = deep_tv(drafter, DEEP_LAW_SAMPLING, samples=600)
     assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
 
 
