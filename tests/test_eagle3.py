@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import hasten
-from hasten.core.sampling import Sampling
 from hasten.drafters.eagle3 import Eagle3, Eagle3Training, Eagle3TrainOptions, TrainingTimeTest
 from hasten.drafters.eagle3_layer import Eagle3Layer, default_aux_layers
 from hasten.drafters.nn import causal
