@@ -75,6 +75,38 @@ def test_greedy_output_is_the_targets_trained_with_a_draft_vocabulary(target, tr
             assert out.sequences.tolist() == reference.tolist()
 
 
+def test_the_taps_leave_the_model_with_the_drafter_and_skip_forwards_with_riders(target):
+    """The drafter hooks the user's model; the hooks go when the drafter does. A forward whose
+    layers see more rows than it returns (another drafter's riders joining mid-way) is not recorded."""
+    import gc
+
+    from hasten.drafters.eagle3 import LayerTaps
+
+    hooks = lambda: len(target.base_model._forward_hooks)  # noqa: E731
+    before = hooks()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "untrained eagle3"
+        drafter = Eagle3()
+        hasten.generate(target, repetitive_prompt(12, seed=2), drafter=drafter, max_new_tokens=4)
+    assert hooks() == before + 1
+    del drafter
+    gc.collect()
+    assert hooks() == before
+    taps = LayerTaps(target, (1, 2, 3))
+    try:
+        close = target.base_model._forward_hooks[taps.handles[-1].id]
+        width = target.config.hidden_size
+        last = torch.zeros(1, 3, width)  # [B, T, H] what the forward returns
+        taps._inputs = {1: torch.zeros(1, 3, width), 2: torch.zeros(1, 4, width), 3: torch.zeros(1, 4, width)}
+        close(target.base_model, (), (last,))  # rows joined before layer 2
+        assert len(taps.records) == 0
+        with torch.no_grad():
+            target(torch.tensor([[1, 2, 3]]))
+        assert len(taps.records) == 1 and taps.records[0][1].shape == (3, 3 * width)
+    finally:
+        taps.remove()
+
+
 def test_drafts_come_from_the_tapped_features_after_the_first_prompt(target, tmp_path, monkeypatch):
     """The first prompt is recomputed (its prefill ran before the drafter met the target);
     every later row is found among the target's tapped forwards."""

@@ -27,6 +27,7 @@ sees). Each step is scored by cross-entropy against the target's greedy next tok
 from __future__ import annotations
 
 from collections import deque
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -66,7 +67,10 @@ class LayerTaps:
 
         def close(module, args, output):
             last = output[0] if isinstance(output, tuple) else output.last_hidden_state  # [B, T, H]
-            if len(self._inputs) == len(set(layers)):
+            # a forward whose layers saw other rows than it returns (another drafter's riders
+            # join mid-way) is not one the committed rows can come from: not recorded
+            if len(self._inputs) == len(set(layers)) and \
+                    all(x.shape[:-1] == last.shape[:-1] for x in self._inputs.values()):
                 aux = torch.cat([self._inputs[k] for k in layers], -1)  # [B, T, 3H] low, mid, high
                 self.records.append((last.reshape(-1, last.shape[-1]), aux.reshape(-1, aux.shape[-1]), {}))
             self._inputs = {}
@@ -236,6 +240,7 @@ class Eagle3(TrainedDrafter):
         if self.taps is not None:
             self.taps.remove()
         self.taps = LayerTaps(model, tuple(self.module.config.aux_layers))
+        weakref.finalize(self, self.taps.remove)  # the hooks leave the user's model with the drafter
 
     def start(self, ctx: DraftContext) -> CommittedRun:
         return CommittedRun()
