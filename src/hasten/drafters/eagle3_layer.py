@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
-from ..models.layers import attention_layout, num_layers
+from ..models.layers import attention_layout, llama_layer_settings, num_layers
 from .nn import KVCache, RMSNorm, rotary, rotate
 from .trained import ModuleConfig, TrainedModule
 
@@ -47,14 +47,6 @@ def default_aux_layers(layers: int) -> tuple[int, ...]:
     if layers >= 7:
         return 2, layers // 2, layers - 3
     return max(layers - 3, 0), max(layers - 2, 0), layers - 1
-
-
-def rope_theta(target: PreTrainedModel) -> float:
-    config = target.config.get_text_config()
-    parameters = getattr(config, "rope_parameters", None) or {}
-    if parameters.get("rope_type", "default") != "default":
-        raise ValueError(f"eagle3: rope type {parameters['rope_type']!r} of the target is not supported (default only)")
-    return float(parameters.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
 
 
 def _children(**modules: nn.Module) -> nn.Module:
@@ -92,18 +84,17 @@ class Eagle3Layer(TrainedModule):
     @classmethod
     def for_target(cls, target: PreTrainedModel, draft_tokens: tuple[int, ...] = (),
                    intermediate_size: int = 0, aux_layers: tuple[int, ...] = ()) -> "Eagle3Layer":
-        config = target.config.get_text_config()
         heads, kv_heads, head_dim = attention_layout(target)
+        layer = llama_layer_settings(target)
         sizes = cls.target_sizes(target)
         embed = target.get_input_embeddings().weight.shape[1]
         if embed != sizes["hidden_size"]:
             raise ValueError(f"eagle3 needs embeddings as wide as the hidden states ({embed} != {sizes['hidden_size']})")
         return cls(cls.Config(
             **sizes, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
-            intermediate_size=intermediate_size or int(getattr(config, "intermediate_size", 4 * sizes["hidden_size"])),
+            intermediate_size=intermediate_size or layer["intermediate_size"],
             aux_layers=tuple(aux_layers) or default_aux_layers(num_layers(target)), draft_tokens=tuple(draft_tokens),
-            rms_norm_eps=float(getattr(config, "rms_norm_eps", 1e-6)), rope_theta=rope_theta(target),
-            max_positions=int(getattr(config, "max_position_embeddings", None) or 8192)))
+            rms_norm_eps=layer["rms_norm_eps"], rope_theta=layer["rope_theta"], max_positions=layer["max_positions"]))
 
     @property
     def draft_vocab_size(self) -> int:

@@ -25,10 +25,10 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..core.settings import option
+from ..models.layers import encoder_width
 from .base import DraftContext, register
 from .candidates import TreeSettings
-from .gad_seq2seq import (CorrectionPairs, CrossAttention, Seq2SeqBatch, encoder_size, encoder_states, gec_pairs,
-                          sinusoid)
+from .gad_seq2seq import CorrectionPairs, CrossAttention, Seq2SeqBatch, encoder_states, gec_pairs, sinusoid
 from .nn import Block, heads_for, inner_size
 from .trainable import Batch, LevelTrainOptions, TrainedTraining, anchors, check_inner_ratio, decayed_cross_entropy
 from .trained import ModuleConfig, TopKTreeDrafter, TrainedModule, WeightsSetting, at_least_one
@@ -70,7 +70,7 @@ class GADModel(TrainedModule):
         inner = inner_size(sizes["hidden_size"], inner_ratio)
         embed = int(target.get_input_embeddings().weight.shape[1])
         return cls(GADConfig(**sizes, embed_size=embed, inner_size=inner, heads=heads_for(inner), layers=layers,
-                             block=block, window=window, encoder_size=encoder_size(target)))
+                             block=block, window=window, encoder_size=encoder_width(target)))
 
     @property
     def levels(self) -> int:

@@ -60,14 +60,6 @@ class CrossAttention(nn.Module):
         return x + self.proj(attended.transpose(1, 2).reshape(batch, n, size))
 
 
-def encoder_size(target: PreTrainedModel) -> int:
-    """Width of an encoder-decoder target's encoder states (0 for a decoder-only target)."""
-    if not target.config.is_encoder_decoder:
-        return 0
-    config = target.config
-    return int(getattr(config, "d_model", None) or config.hidden_size)
-
-
 @torch.no_grad()
 def encoder_states(target: PreTrainedModel, source: list[int]) -> torch.Tensor:
     """[1, s, He] the target's encoder output over the whole source (what its decoder cross-attends to)."""

@@ -98,6 +98,29 @@ def has_sliding_layers(model: PreTrainedModel) -> bool:
     return sliding_window(model) is not None and "sliding_attention" in (layer_types(model) or ("sliding_attention",))
 
 
+def llama_layer_settings(model: PreTrainedModel) -> dict:
+    """What a Llama-style decoder layer built beside ``model`` (EAGLE-3's) reads from its
+    config: MLP width, RMSNorm epsilon, default RoPE's theta and the positions it covers.
+    Another RoPE type is refused."""
+    config = model.config.get_text_config()
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if parameters.get("rope_type", "default") != "default":
+        raise ValueError(f"rope type {parameters['rope_type']!r} of the target is not supported (default only)")
+    hidden = config.hidden_size
+    return {"intermediate_size": int(getattr(config, "intermediate_size", None) or 4 * hidden),
+            "rms_norm_eps": float(getattr(config, "rms_norm_eps", None) or 1e-6),
+            "rope_theta": float(parameters.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0),
+            "max_positions": int(getattr(config, "max_position_embeddings", None) or 8192)}
+
+
+def encoder_width(model: PreTrainedModel) -> int:
+    """Width of an encoder-decoder's encoder states (0 for a decoder-only model)."""
+    config = model.config
+    if not config.is_encoder_decoder:
+        return 0
+    return int(getattr(config, "d_model", None) or config.hidden_size)
+
+
 def attention_layout(model: PreTrainedModel) -> tuple[int, int, int]:
     """(query heads, KV heads, head size) of the model's attention."""
     config = model.config.get_text_config()
