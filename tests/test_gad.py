@@ -50,9 +50,13 @@ def test_the_drafter_reads_the_whole_source_and_greedy_output_is_plain(arch, tmp
     assert module.config.encoder_size == model.config.d_model and len(module.cross) == module.config.layers
     module.save(tmp_path)
     reference = hf_greedy(model, prompt, NEW)
+    encodings = []  # the encoder runs once a generation: the drafter reads the target's output
+    watch = model.get_encoder().register_forward_hook(lambda *args: encodings.append(1))
     for settings in (dict(), dict(top_k=2, tree_size=6)):
         drafter = WatchedGAD(weights=str(tmp_path), **settings)
+        encodings.clear()
         out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW, draft_size="fixed")
+        assert len(encodings) == 1
         assert out.sequences.tolist() == reference.tolist()
         assert out.stats.drafted_tokens > 0
         states = model.get_encoder()(input_ids=prompt).last_hidden_state  # [1, s, d]: every source token's
@@ -61,6 +65,7 @@ def test_the_drafter_reads_the_whole_source_and_greedy_output_is_plain(arch, tmp
         assert len(drafter.state) == module.config.layers
         for (keys, values), (k, v) in zip(drafter.state, expected):
             assert keys.shape[2] == prompt.shape[1] and torch.allclose(keys, k) and torch.allclose(values, v)
+    watch.remove()
 
 
 def test_slots_depend_on_a_far_source_token():

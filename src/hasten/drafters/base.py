@@ -86,7 +86,8 @@ class TargetView:
     Always lent: ``vocab_size``, ``encoder_decoder``, ``source`` (where the model was loaded
     from) and ``cache_length`` (the committed tokens the target has cached: all but the root).
     ``Capability.MODULES``: ``modules``, the target's own torch model (LM head, embeddings, rotary, layers).
-    ``Capability.FEATURES``: ``prompt_embeds``, what an image prefill fed the language model.
+    ``Capability.FEATURES``: ``prompt_embeds``, what an image prefill fed the language model, and
+    ``encoder_states``, an encoder-decoder's encoder output over the source.
     ``Capability.KV_READ``: ``read_kv`` and ``read_all_kv``, where ``kv_readable``.
     ``Capability.QUERY_CAPTURE``: ``probe_queries``, which the target runs and undoes itself.
     Reading anything else raises :class:`UndeclaredNeed`."""
@@ -115,6 +116,11 @@ class TargetView:
     def prompt_embeds(self) -> torch.Tensor | None:
         """[T - 1, embed] what an image prefill fed the language model; None after a text prefill."""
         return self._lend(Capability.FEATURES).prompt_embeds
+
+    @property
+    def encoder_states(self) -> torch.Tensor | None:
+        """[1, s, He] the target's encoder output over the source, as its decoder reads it; None for a causal LM."""
+        return self._lend(Capability.FEATURES).encoder_states
 
     @property
     def cache_length(self) -> int:

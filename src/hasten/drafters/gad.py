@@ -28,7 +28,7 @@ from ..core.settings import option
 from ..models.layers import encoder_width
 from .base import DraftContext, register
 from .candidates import TreeSettings
-from .gad_seq2seq import CorrectionPairs, CrossAttention, Seq2SeqBatch, encoder_states, gec_pairs, sinusoid
+from .gad_seq2seq import CorrectionPairs, CrossAttention, Seq2SeqBatch, gec_pairs, sinusoid
 from .nn import Block, heads_for, inner_size
 from .trainable import Batch, LevelTrainOptions, TrainedTraining, anchors, check_inner_ratio, decayed_cross_entropy
 from .trained import ModuleConfig, TopKTreeDrafter, TrainedModule, WeightsSetting, at_least_one
@@ -211,7 +211,7 @@ class GAD(TopKTreeDrafter):
         if ctx.source is None or not self.module.config.encoder_size:
             return None
         with torch.no_grad():
-            return self.module.read_source(encoder_states(ctx.target.modules, ctx.source))
+            return self.module.read_source(ctx.target.encoder_states)  # the encoder output the target computed
 
     def level_logits(self, ctx: DraftContext, depth: int) -> torch.Tensor:
         config = self.module.config

@@ -2,7 +2,6 @@
 
 * :class:`CrossAttention`: the drafter's layers attend to the target's encoder states of the
   whole source (SpecDec's drafter decoder has cross-attention to its encoder's output);
-* :func:`encoder_states`: the target's encoder run once over a generation's source;
 * :class:`Seq2SeqBatch` and :class:`CorrectionPairs`: the training data ``hasten train gad``
   uses on an encoder-decoder: corrupted sentences of :mod:`hasten.zoo.gec` (the target's own
   task), the target's own greedy corrections as labels (self-distillation), and per batch the
@@ -58,13 +57,6 @@ class CrossAttention(nn.Module):
         mask = None if source_present is None else source_present[:, None, None, :]  # [B, 1, 1, s]
         attended = F.scaled_dot_product_attention(q, *keys_values, attn_mask=mask)  # [B, h, n, d]
         return x + self.proj(attended.transpose(1, 2).reshape(batch, n, size))
-
-
-@torch.no_grad()
-def encoder_states(target: PreTrainedModel, source: list[int]) -> torch.Tensor:
-    """[1, s, He] the target's encoder output over the whole source (what its decoder cross-attends to)."""
-    ids = torch.tensor([source], device=target.device)
-    return target.get_encoder()(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state
 
 
 def sinusoid(positions: torch.Tensor, size: int) -> torch.Tensor:

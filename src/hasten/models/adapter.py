@@ -92,6 +92,12 @@ class ModelAdapter:
         self._encoder_kwargs: dict = {}
         self._checked = False
 
+    @property
+    def encoder_states(self) -> torch.Tensor | None:
+        """[1, s, He] the encoder's output over the source (computed once by ``start``), or None for a causal LM."""
+        encoded = self._encoder_kwargs.get("encoder_outputs")
+        return None if encoded is None else encoded.last_hidden_state
+
     # ---- lifecycle ---------------------------------------------------------------------
     @torch.no_grad()
     def start(self, input_ids: torch.Tensor, hidden: bool = False, logits: bool = False,

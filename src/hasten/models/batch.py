@@ -41,6 +41,7 @@ class BatchRow:
     trees_ok = True
     encoder_decoder = False
     prompt_embeds = None  # batches take no images
+    encoder_states = None  # nor encoder-decoders
     prompt_logits: torch.Tensor | None = None  # [T - 1, vocab] the prefill's logits, when add was asked for them
     kv_readable = False  # the rows share one padded cache: no row's entries can be read alone
 

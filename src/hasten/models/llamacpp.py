@@ -308,6 +308,7 @@ class LlamaCppRow:
     encoder_decoder = False
     trees_ok = False  # chains only: the loop verifies a tree draft's main chain
     prompt_embeds = None  # text prompts only
+    encoder_states = None  # causal models only
     kv_readable = False  # llama.cpp's KV cells are not exposed
 
     def __init__(self, context: LlamaCppContext, sequence: int):
