@@ -1,6 +1,6 @@
 """What a forward of k tokens costs a float32 model on this CPU, with PyTorch's F.linear (MKL)
 and with hasten's packed weights (hasten/models/packed.py), and how far each block's logits are
-from one-token steps. docs/cpu.md, "float32 PyTorch models", quotes its output.
+from one-token steps on the same kernel. docs/cpu.md, "float32 PyTorch models", quotes its output.
 
     python scripts/block_cost.py zoo:smollm2-135m --threads 1
 """
@@ -20,20 +20,22 @@ from hasten.models import packed
 @torch.no_grad()
 def forward(model, ids: torch.Tensor, context: int, size: int, use_packed: bool) -> tuple[float, torch.Tensor]:
     """Seconds of one forward over ``size`` tokens after ``context`` cached ones, and its logits
-    ([size, vocab]); the prefill always runs on F.linear, as in hasten."""
-    cache = DynamicCache()
-    model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    with packed.decode_forward(use_packed):
+    ([size, vocab]); the prefill on the same kernel, as in hasten."""
+    with packed.active(use_packed):
+        cache = DynamicCache()
+        model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
         start = time.perf_counter()
         logits = model(ids[:, context:context + size], past_key_values=cache, use_cache=True).logits[0]
         return time.perf_counter() - start, logits
 
 
 @torch.no_grad()
-def one_token_steps(model, ids: torch.Tensor, context: int, size: int) -> torch.Tensor:
-    cache = DynamicCache()
-    model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    rows = [model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits[0] for i in range(context, context + size)]
+def one_token_steps(model, ids: torch.Tensor, context: int, size: int, use_packed: bool) -> torch.Tensor:
+    with packed.active(use_packed):
+        cache = DynamicCache()
+        model(ids[:, :context], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        rows = [model(ids[:, i:i + 1], past_key_values=cache, use_cache=True).logits[0]
+                for i in range(context, context + size)]
     return torch.cat(rows)  # [size, vocab]
 
 
@@ -52,14 +54,14 @@ def main() -> None:
     sizes = [int(s) for s in args.sizes.split(",")]
     ids = torch.randint(0, model.config.vocab_size, (1, args.context + max(sizes)), generator=torch.Generator().manual_seed(0))
     print(f"{args.model}, float32, {args.threads} thread(s), {args.context} cached tokens; median ms of {args.repeats}")
-    print("tokens  F.linear  packed  max|logit - one-token steps| (F.linear, packed)")
+    print("tokens  F.linear  packed  max|logit - one-token steps on the same kernel| (F.linear, packed)")
     for size in sizes:
         times = {False: [], True: []}
         for _ in range(args.repeats):  # interleaved, so drift falls on both alike
             for use_packed in (False, True):
                 times[use_packed].append(forward(model, ids, args.context, size, use_packed)[0])
-        steps = one_token_steps(model, ids, args.context, size)
-        gaps = [float((forward(model, ids, args.context, size, p)[1] - steps).abs().max()) for p in (False, True)]
+        gaps = [float((forward(model, ids, args.context, size, p)[1] - one_token_steps(model, ids, args.context, size, p))
+                      .abs().max()) for p in (False, True)]
         print(f"{size:6d}  {1e3 * statistics.median(times[False]):8.1f}  {1e3 * statistics.median(times[True]):6.1f}"
               f"  {gaps[0]:.1e}, {gaps[1]:.1e}")
 

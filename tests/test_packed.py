@@ -1,5 +1,6 @@
-"""Verification blocks on packed weights (models/packed.py): one-row steps and prefills keep
-``F.linear``'s bits, blocks of a decode step take the packed kernel, outputs stay the model's."""
+"""hasten's forwards on packed weights (models/packed.py): prefills, one-token steps and blocks
+take the packed kernel, the same model outside hasten keeps ``F.linear``'s bits, and outputs stay
+the model's."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -44,7 +45,7 @@ class CountPacked:
 def test_a_float32_cpu_model_gets_the_packed_class_once_and_keeps_its_parameters():
     model = tiny_model("llama")
     before = {name: p.clone() for name, p in model.state_dict().items()}
-    assert HuggingFaceRuntime(model).packed_blocks
+    assert HuggingFaceRuntime(model).packed_weights
     assert all(type(m) is packed.PackedLinear for m in linears(model))
     assert packed.prepare(model)  # again: nothing changes
     assert all(torch.equal(before[name], p) for name, p in model.state_dict().items())
@@ -55,7 +56,7 @@ def test_a_float32_cpu_model_gets_the_packed_class_once_and_keeps_its_parameters
 def test_off_by_environment_and_for_other_dtypes_and_replaced_layers(monkeypatch):
     monkeypatch.setenv("HASTEN_PACKED_BLOCKS", "0")
     model = tiny_model("llama")
-    assert not HuggingFaceRuntime(model).packed_blocks and all(type(m) is nn.Linear for m in linears(model))
+    assert not HuggingFaceRuntime(model).packed_weights and all(type(m) is nn.Linear for m in linears(model))
     monkeypatch.delenv("HASTEN_PACKED_BLOCKS")
     assert not packed.prepare(tiny_model("llama").to(torch.bfloat16))
     int8 = quantize(tiny_model("llama"), "int8")
@@ -71,20 +72,21 @@ def test_small_layers_keep_f_linear(monkeypatch):
     assert not packed.prepare(tiny_model("llama"))
 
 
-def test_one_row_and_outside_a_decode_step_is_f_linear_bit_for_bit_and_blocks_are_packed():
+def test_inside_hasten_every_row_count_is_packed_and_outside_it_is_f_linear_bit_for_bit():
     torch.manual_seed(0)
     layer = nn.Linear(64, 48)
     reference = nn.Linear(64, 48)
     reference.load_state_dict(layer.state_dict())
     assert packed.prepare(layer)
     x = torch.randn(1, 6, 64)  # [batch, rows, in]
-    with packed.decode_forward():
-        assert torch.equal(layer(x[:, :1]), F.linear(x[:, :1], reference.weight, reference.bias))
-        block = layer(x)
+    with packed.active():
+        one, block = layer(x[:, :1]), layer(x)
     assert torch.equal(layer(x), F.linear(x, reference.weight, reference.bias))  # outside: F.linear
-    kernel = packed.packed_linear(x, layer.packed_weight(), layer.bias)
-    assert torch.equal(block, kernel)
-    assert torch.allclose(block, F.linear(x, reference.weight, reference.bias), atol=1e-5)
+    with packed.active(False):
+        assert torch.equal(layer(x), F.linear(x, reference.weight, reference.bias))
+    for inputs, result in ((x[:, :1], one), (x, block)):
+        assert torch.equal(result, packed.packed_linear(inputs, layer.packed_weight(), layer.bias))
+        assert torch.allclose(result, F.linear(inputs, reference.weight, reference.bias), atol=1e-5)
 
 
 def test_a_changed_weight_is_packed_again():
@@ -92,7 +94,7 @@ def test_a_changed_weight_is_packed_again():
     layer = nn.Linear(16, 8)
     packed.prepare(layer)
     x = torch.randn(4, 16)
-    with packed.decode_forward():
+    with packed.active():
         first = layer(x)
         with torch.no_grad():
             layer.weight.mul_(2)
@@ -100,28 +102,31 @@ def test_a_changed_weight_is_packed_again():
     assert torch.allclose(second - layer.bias, 2 * (first - layer.bias), atol=1e-5)
 
 
-def test_the_prefill_keeps_the_models_own_bits(monkeypatch):
+def test_the_prefill_runs_packed_and_gives_the_models_logits_within_rounding(monkeypatch):
     model = tiny_model("llama")
     HuggingFaceRuntime(model)
     counter = CountPacked(monkeypatch)
     prompt = repetitive_prompt(24)
     adapter = ModelAdapter(model)
     adapter.start(prompt, logits=True)
-    assert counter.calls == 0
+    assert counter.calls > 0
+    calls = counter.calls
     with torch.no_grad():
-        own = model(prompt[:, :-1]).logits[0]
-    assert torch.equal(adapter.prompt_logits, own)
+        own = model(prompt[:, :-1]).logits[0]  # outside hasten: F.linear
+    assert counter.calls == calls
+    assert torch.allclose(adapter.prompt_logits, own, atol=1e-4)
+    assert adapter.prompt_logits.argmax(-1).tolist() == own.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
 @pytest.mark.parametrize("mode", ["oracle", "adversarial", 2])  # every draft right, every one wrong, the third wrong
-def test_greedy_output_is_the_models_with_blocks_on_packed_weights(arch, mode, monkeypatch):
+def test_greedy_output_is_the_models_on_packed_weights(arch, mode, monkeypatch):
     model = tiny_model(arch)
     prompt = repetitive_prompt(32)
     reference = hf_greedy(model, prompt, 40)
     counter = CountPacked(monkeypatch)
     stats = generate_exactly(model, prompt, reference, ScriptedDrafter(reference[0].tolist(), 6, mode), 40)
-    assert counter.calls > 0  # the blocks went through the packed kernel
+    assert counter.calls > 0  # the forwards went through the packed kernel
     assert (stats.accepted_tokens > 0) == (mode != "adversarial")
 
 
@@ -133,11 +138,20 @@ def test_prompt_lookup_keeps_the_models_output_on_packed_weights(monkeypatch):
     assert counter.calls > 0 and torch.equal(out.sequences, hf_greedy(model, prompt, 40))
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "qwen2"])
+def test_plain_decoding_runs_packed_and_keeps_generates_tokens(arch, monkeypatch):
+    model = tiny_model(arch)
+    prompt = repetitive_prompt(32)
+    counter = CountPacked(monkeypatch)
+    out = hasten.generate(model, prompt, max_new_tokens=40)
+    assert counter.calls > 0 and torch.equal(out.sequences, hf_greedy(model, prompt, 40))
+
+
 def test_a_model_prepared_before_stays_prepared_however_little_memory_is_left(monkeypatch):
     model = tiny_model("llama")
     assert packed.prepare(model)
     monkeypatch.setattr(packed, "_available_bytes", lambda: 0)  # the copies made since took the room
-    assert packed.prepare(model) and HuggingFaceRuntime(model).packed_blocks
+    assert packed.prepare(model) and HuggingFaceRuntime(model).packed_weights
     assert not packed.prepare(tiny_model("llama", seed=1))  # a new model does not fit
 
 

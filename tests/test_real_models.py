@@ -70,3 +70,29 @@ def test_gemma3_loads_and_runs_greedy_like_hf():
     assert out.text.strip()
     print(f"\ngemma3-270m: tau {out.stats.mean_accepted:.2f}, {out.stats.new_tokens} tokens in {seconds:.1f} s: "
           f"{out.text.strip()[:80]!r}")
+
+
+def test_smollm2_lean_forward_equals_its_own_forward_bit_for_bit(monkeypatch):
+    """models/lean.py on the real model, packed weights on: a prefill, a one-token step and a
+    7-token block give the logits of the model's own forward, bit for bit."""
+    from hasten.models import cache as kv
+    from hasten.models.adapter import ModelAdapter
+    from hasten.models.hf import HuggingFaceRuntime
+
+    available("zoo:smollm2-135m")
+    model = loading.load_model("zoo:smollm2-135m", dtype=torch.float32).eval()
+    HuggingFaceRuntime(model)
+    prompt = torch.randint(0, model.config.vocab_size, (1, 120), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for use_lean in ("1", "0"):
+        monkeypatch.setenv("HASTEN_LEAN_FORWARD", use_lean)
+        adapter = ModelAdapter(model)
+        assert (adapter._lean_modules is not None) == (use_lean == "1")
+        adapter.start(prompt, logits=True)
+        rows = [adapter.prompt_logits]
+        for block in ([7], [7, 8, 9, 10, 11, 12, 13]):
+            rows.append(adapter.forward(block, tree=None).logits)
+            kv.crop(adapter.cache, prompt.shape[1] - 1)
+        results[use_lean] = rows
+    for lean_rows, own_rows in zip(results["1"], results["0"]):
+        assert torch.equal(lean_rows, own_rows)

@@ -56,7 +56,9 @@ def test_greedy_decoding_with_hybrid_tree_attention_equals_hf(arch):
 def test_grouped_kv_heads_read_in_place_equal_the_copied_ones(arch, monkeypatch):
     """A long block's forward on the CPU reads grouped KV heads in place (enable_gqa) instead of
     transformers' per-group copy: tree and chain logits equal the copying path's, the grouped
-    function really runs on grouped-query models, and the model's attention is put back."""
+    function really runs on grouped-query models, and the model's attention is put back. (The
+    model's own forward: models/lean.py's reads grouped heads in place always.)"""
+    monkeypatch.setenv("HASTEN_LEAN_FORWARD", "0")
     model = build(arch)
     prompt = repetitive_prompt(30, seed=2)[0].tolist()
     tokens = [5, 9, 11, 7, 3, 12, 40]

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from . import cache as kv
 from .attention import MaskedTree, kv_heads_in_place
 from .compat import cache_argument
-from . import packed, vlm
+from . import lean, packed, vlm
 from .layers import attention_mask, forward_with_placeholders, last_queries, model_name  # model_name: also imported from here
 from ..core.tree import TokenTree
 
@@ -91,6 +91,8 @@ class ModelAdapter:
         self.prompt_logits: torch.Tensor | None = None  # [T - 1, vocab] the prefill's logits, when start was asked
         self._encoder_kwargs: dict = {}
         self._checked = False
+        # a Llama-family float32 CPU model: its modules, for the leaner forward (models/lean.py)
+        self._lean_modules = list(model.modules()) if lean.eligible(model) else None
 
     @property
     def encoder_states(self) -> torch.Tensor | None:
@@ -122,7 +124,7 @@ class ModelAdapter:
         if logits:
             self.prompt_logits = torch.zeros(0, self.vocab_size, device=self.device)  # [0, vocab] a one-token prompt
         if len(tokens) > 1:
-            out = self.forward(tokens[:-1], tree=None, hidden=hidden, logits_to_keep=0 if logits else 1, decode=False)
+            out = self.forward(tokens[:-1], tree=None, hidden=hidden, logits_to_keep=0 if logits else 1)
             states = out.hidden
             if logits:
                 self.prompt_logits = out.logits  # [T - 1, vocab]
@@ -135,23 +137,22 @@ class ModelAdapter:
         tokens = input_ids[0].tolist()
         model_inputs = vlm.prefill_inputs(self.model, model_inputs)
         with vlm.placeholder_errors(self.model, input_ids, model_inputs):
-            out = self.forward(tokens[:-1], tree=None, hidden=hidden, logits_to_keep=1, model_inputs=model_inputs,
-                               decode=False)
+            out = self.forward(tokens[:-1], tree=None, hidden=hidden, logits_to_keep=1, model_inputs=model_inputs)
         self.prompt_embeds = out.embeds
         return tokens, out.hidden
 
     @torch.no_grad()
     def forward(
         self, block: list[int], tree: TokenTree | None, hidden: bool = False, logits_to_keep: int = 0,
-        riders: Riders | None = None, model_inputs: dict | None = None, decode: bool = True,
+        riders: Riders | None = None, model_inputs: dict | None = None,
     ) -> ForwardOutput:
         """Run ``block`` after the cached tokens. ``tree`` describes block[1:] hanging off
         block[0]; ``None`` or a chain means plain causal order. ``logits_to_keep=k`` keeps
         only the last k positions' logits (a prefill needs none of them). ``riders`` add
         placeholder positions after every block position (see :class:`Riders`); their
         logits come back in ``ForwardOutput.riders``. ``model_inputs``: extra keywords of
-        the model's forward (a VLM prefill's images). ``decode``: a decode step's forward, whose
-        blocks may run on packed weights (models/packed.py); a prefill's may not."""
+        the model's forward (a VLM prefill's images). A float32 CPU model's large linear layers
+        run on packed weights here (models/packed.py)."""
         if riders is not None:
             return self._forward_with_riders(block, tree, hidden, riders)
         past = kv.length(self.cache)
@@ -170,7 +171,13 @@ class ModelAdapter:
         kwargs.update(model_inputs or {})
         ids_key = "decoder_input_ids" if self.encoder_decoder else "input_ids"
         path = self.tree_attention if "attention_mask" in kwargs else MaskedTree()  # only tree blocks have a mask
-        with path.active(self.model), kv_heads_in_place(self.model, len(block), past), packed.decode_forward(decode):
+        if not hidden and not model_inputs and type(path) is MaskedTree and lean.usable(self.model, self._lean_modules):
+            with packed.active():
+                logits = lean.forward(self.model, ids, self.cache, kwargs["position_ids"], kwargs.get("attention_mask"),
+                                      logits_to_keep)
+            self._check_rollback()
+            return ForwardOutput(logits, None)
+        with path.active(self.model), kv_heads_in_place(self.model, len(block), past), packed.active():
             out = self.model(
                 **{ids_key: ids}, **cache_argument(self.model, self.cache), use_cache=True, output_hidden_states=hidden, **kwargs
             )
@@ -206,7 +213,7 @@ class ModelAdapter:
         ids = torch.tensor([block], dtype=torch.long, device=self.device)  # [1, block]
         allowed, positions = self._tree_layout(tree, past)
         every_position = torch.arange(size, device=self.device)[None]  # [1, block]: each one anchors riders
-        with kv_heads_in_place(self.model, size * (1 + riders.count), past), packed.decode_forward():
+        with kv_heads_in_place(self.model, size * (1 + riders.count), past), packed.active():
             out = forward_with_placeholders(
                 self.model, ids, allowed, positions, every_position,
                 riders.count, riders.layer, riders.transfer, past_positions=torch.arange(past, device=self.device),

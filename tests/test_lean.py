@@ -1,0 +1,141 @@
+"""The leaner Llama-family forward (models/lean.py): the model's own logits bit for bit, on
+every kind of forward hasten runs, and the model's own forward wherever it does not apply."""
+import pytest
+import torch
+from torch import nn
+
+import hasten
+from hasten.core.tree import TokenTree
+from hasten.drafters import PromptLookup
+from hasten.models import cache as kv
+from hasten.models import lean, packed
+from hasten.models.adapter import ModelAdapter
+from hasten.models.layers import last_queries
+from helpers import DEVICE, ScriptedDrafter, generate_exactly, hf_greedy, repetitive_prompt, tiny_model
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the lean forward is for float32 models on the CPU")
+
+TREE = TokenTree((-1, 0, 1, 0, -1, 4))  # six nodes: siblings at depths 1 and 2
+
+
+class CountLean:
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        real = lean.forward
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(lean, "forward", counted)
+
+
+def run(model, prompt, blocks, use_lean: bool, monkeypatch) -> list[torch.Tensor]:
+    """The prefill's logits, then each (block, tree)'s logits after it, rolled back between blocks."""
+    monkeypatch.setenv("HASTEN_LEAN_FORWARD", "1" if use_lean else "0")
+    adapter = ModelAdapter(model)
+    assert (adapter._lean_modules is not None) == use_lean
+    adapter.start(prompt, logits=True)
+    results = [adapter.prompt_logits]
+    for block, tree in blocks:
+        results.append(adapter.forward(block, tree).logits)
+        kv.crop(adapter.cache, prompt.shape[1] - 1)
+    return results
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("weights", ["plain", "packed"])
+def test_every_forward_equals_the_models_own_bit_for_bit(arch, weights, monkeypatch):
+    model = tiny_model(arch)
+    if weights == "packed":  # the tiny layers are below the size worth packing: packed anyway
+        monkeypatch.setattr(packed, "MIN_PACKED_WEIGHTS", 0)
+        assert packed.prepare(model) and packed.supported()
+    prompt = repetitive_prompt(40)
+    root = int(prompt[0, -1])
+    blocks = [([root], None), ([root, 5, 6, 7, 8, 9, 10], None), ([root, *range(10, 16)], TREE)]
+    counter = CountLean(monkeypatch)
+    own = run(model, prompt, blocks, False, monkeypatch)
+    assert counter.calls == 0
+    leaner = run(model, prompt, blocks, True, monkeypatch)
+    assert counter.calls == 1 + len(blocks)  # the prefill and every block
+    for a, b in zip(own, leaner):
+        assert a.shape == b.shape and torch.equal(a, b)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("mode", ["oracle", "adversarial", 2])
+def test_greedy_output_is_generates_through_the_lean_forward(arch, mode, monkeypatch):
+    model = tiny_model(arch)
+    prompt = repetitive_prompt(32)
+    reference = hf_greedy(model, prompt, 40)
+    counter = CountLean(monkeypatch)
+    generate_exactly(model, prompt, reference, ScriptedDrafter(reference[0].tolist(), 6, mode), 40)
+    out = hasten.generate(model, prompt, drafter=PromptLookup(), max_new_tokens=40)
+    assert torch.equal(out.sequences, reference)
+    assert counter.calls > 0
+
+
+@pytest.mark.parametrize("hidden", [32, 576, 896, 960, 2048, 4096])
+def test_fused_rms_norm_and_the_formula_transformers_writes_agree_bit_for_bit(hidden):
+    """The lean forward's norms use torch's fused rms_norm; transformers' Llama and Qwen2
+    write it out as weight * (x * rsqrt(mean(x^2) + eps)). Checked at the widths of common
+    models and several row counts."""
+    torch.manual_seed(hidden)
+    norm = nn.Module()
+    norm.weight, norm.variance_epsilon = torch.randn(hidden), 1e-6
+    for rows in (1, 7, 300):
+        x = torch.randn(1, rows, hidden) * 3
+        written = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+        assert torch.equal(lean._rms_norm(norm, x), written)
+
+
+def test_where_it_does_not_apply_the_models_own_forward_runs(monkeypatch):
+    assert not lean.eligible(tiny_model("gpt2"))
+    assert not lean.eligible(tiny_model("mistral"))  # sliding windows
+    assert not lean.eligible(tiny_model("llama").to(torch.bfloat16))
+    eager = tiny_model("llama")
+    eager.config._attn_implementation = "eager"
+    assert not lean.eligible(eager)
+    monkeypatch.setenv("HASTEN_LEAN_FORWARD", "0")
+    assert not lean.eligible(tiny_model("llama"))
+    monkeypatch.delenv("HASTEN_LEAN_FORWARD")
+    model = tiny_model("llama")
+    modules = list(model.modules())
+    assert lean.eligible(model) and lean.usable(model, modules) and not lean.usable(model, None)
+    model.train()
+    assert not lean.usable(model, modules)
+    model.eval()
+    with last_queries(model) as queries:  # query capture runs the model's own attention
+        assert not lean.usable(model, modules)
+        ModelAdapter(model).start(repetitive_prompt(8))
+    assert queries and lean.usable(model, modules)
+
+
+def test_the_cost_key_tells_lean_forwards_apart(monkeypatch):
+    """Cost-aware sizing keeps a cost curve per key: one measured on the model's own forward
+    must not be used for the leaner one."""
+    from hasten.models.hf import HuggingFaceRuntime
+
+    assert HuggingFaceRuntime(tiny_model("llama")).cost_key()["lean_forward"]
+    monkeypatch.setenv("HASTEN_LEAN_FORWARD", "0")
+    assert not HuggingFaceRuntime(tiny_model("llama")).cost_key()["lean_forward"]
+
+
+def test_a_hooked_model_runs_its_own_forward_so_the_hook_sees_every_forward(monkeypatch):
+    model = tiny_model("llama")
+    prompt = repetitive_prompt(24)
+    seen = []
+    handle = model.model.layers[1].register_forward_hook(lambda module, args, output: seen.append(args[0].shape[1]))
+    counter = CountLean(monkeypatch)
+    try:
+        out = hasten.generate(model, prompt, drafter=PromptLookup(), max_new_tokens=12)
+    finally:
+        handle.remove()
+    assert counter.calls == 0 and seen[0] == prompt.shape[1] - 1 and len(seen) == 1 + out.stats.steps  # the prefill, then every step
+    assert torch.equal(out.sequences, hf_greedy(model, prompt, 12))
+    assert not lean.hooked(list(model.modules()))
+    handle = nn.modules.module.register_module_forward_hook(lambda *args: None)
+    try:
+        assert lean.hooked(list(model.modules()))
+    finally:
+        handle.remove()
