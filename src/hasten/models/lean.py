@@ -16,8 +16,9 @@ windows) in float32 on the CPU, in eval mode, on transformers' sdpa attention, w
 embedding whose frequencies do not change with the input ("default", "linear", "llama3"), and
 with no forward hooks anywhere in the model (drafters that read the target's modules hook them;
 those forwards take the model's own path). Everything else, and any forward that asks for
-hidden states, riders or images, goes through the model as before. ``HASTEN_LEAN_FORWARD=0``
-turns it off.
+hidden states, riders or images, goes through the model as before, and so does the batched
+decoder (``models/batch.py``: several sequences in one forward, the server's path).
+``HASTEN_LEAN_FORWARD=0`` turns it off.
 """
 from __future__ import annotations
 
