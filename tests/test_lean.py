@@ -8,7 +8,7 @@ import hasten
 from hasten.core.tree import TokenTree
 from hasten.drafters import PromptLookup
 from hasten.models import cache as kv
-from hasten.models import lean, packed
+from hasten.models import invariant, lean, packed
 from hasten.models.adapter import ModelAdapter
 from hasten.models.layers import last_queries
 from helpers import DEVICE, ScriptedDrafter, generate_exactly, hf_greedy, repetitive_prompt, tiny_model
@@ -44,12 +44,15 @@ def run(model, prompt, blocks, use_lean: bool, monkeypatch) -> list[torch.Tensor
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("weights", ["plain", "packed"])
+@pytest.mark.parametrize("weights", ["plain", "packed", "bfloat16", "float16"])
 def test_every_forward_equals_the_models_own_bit_for_bit(arch, weights, monkeypatch):
     model = tiny_model(arch)
     if weights == "packed":  # the tiny layers are below the size worth packing: packed anyway
         monkeypatch.setattr(packed, "MIN_PACKED_WEIGHTS", 0)
         assert packed.prepare(model) and packed.supported()
+    elif weights != "plain":  # half precision: the invariant kernels (models/invariant.py)
+        model = model.to(getattr(torch, weights))
+        assert invariant.prepare(model)
     prompt = repetitive_prompt(40)
     root = int(prompt[0, -1])
     blocks = [([root], None), ([root, 5, 6, 7, 8, 9, 10], None), ([root, *range(10, 16)], TREE)]
@@ -92,7 +95,7 @@ def test_fused_rms_norm_and_the_formula_transformers_writes_agree_bit_for_bit(hi
 def test_where_it_does_not_apply_the_models_own_forward_runs(monkeypatch):
     assert not lean.eligible(tiny_model("gpt2"))
     assert not lean.eligible(tiny_model("mistral"))  # sliding windows
-    assert not lean.eligible(tiny_model("llama").to(torch.bfloat16))
+    assert not lean.eligible(tiny_model("llama").to(torch.bfloat16))  # bfloat16 only once invariant.prepare ran
     eager = tiny_model("llama")
     eager.config._attn_implementation = "eager"
     assert not lean.eligible(eager)

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from . import cache as kv
 from .attention import MaskedTree, kv_heads_in_place
 from .compat import cache_argument
-from . import lean, packed, vlm
+from . import invariant, lean, packed, vlm
 from .layers import attention_mask, forward_with_placeholders, last_queries, model_name  # model_name: also imported from here
 from ..core.tree import TokenTree
 
@@ -79,7 +79,8 @@ class ModelAdapter:
         self.vocab_size = vocab_size(model)
         self.device = model.device
         self.cache = kv.new_cache(self.encoder_decoder)
-        self.tree_attention = tree_attention or MaskedTree()  # how tree blocks attend (models/attention.py)
+        # how tree blocks attend (models/attention.py); an invariant model attends one way only
+        self.tree_attention = MaskedTree() if invariant.is_prepared(model) else (tree_attention or MaskedTree())
         # positions minus cache entries: 0, unless a lossy KV compression (hasten.approx) left
         # fewer entries than the prompt has tokens; every length this adapter reports or takes
         # is in positions, the cache's own in entries
@@ -176,7 +177,7 @@ class ModelAdapter:
                 logits = lean.forward(self.model, ids, self.cache, kwargs["position_ids"], kwargs.get("attention_mask"),
                                       logits_to_keep)
             self._check_rollback()
-            return ForwardOutput(logits, None)
+            return ForwardOutput(logits.float(), None)
         with path.active(self.model), kv_heads_in_place(self.model, len(block), past), packed.active():
             out = self.model(
                 **{ids_key: ids}, **cache_argument(self.model, self.cache), use_cache=True, output_hidden_states=hidden, **kwargs

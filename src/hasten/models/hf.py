@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.runtime import Capability, Runtime
-from . import lean, packed, vlm
+from . import invariant, lean, packed, vlm
 from .adapter import ModelAdapter, decoder_start_token, vocab_size
 from .attention import MaskedTree
 from .batch import BatchAdapter
@@ -47,6 +47,9 @@ class HuggingFaceRuntime(Runtime):
         # a float32 CPU model runs hasten's forwards on packed weights (models/packed.py);
         # before the cost key is read, since its layers' class names are part of it
         self.packed_weights = packed.prepare(model)
+        # a bfloat16 or float16 CPU model: forwards whose every position gets a one-token step's
+        # numbers (models/invariant.py), so speculative decoding equals plain decoding bit for bit
+        self.invariant = invariant.prepare(model)
         self.label = model_name(model)
         self.source = model.config._name_or_path
         self.encoder_decoder = bool(model.config.is_encoder_decoder)
@@ -91,6 +94,8 @@ class HuggingFaceRuntime(Runtime):
             # an int8-quantized model keeps float32 as its dtype but runs other kernels
             "linear": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
             "lean_forward": lean.eligible(model),  # models/lean.py: fewer operations around the same layers
+            # models/invariant.py: which instruction path its kernels take (the bfloat16 dot product or not)
+            "kernels": invariant.kernel_path() if self.invariant else None,
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,

@@ -30,7 +30,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from . import packed
+from . import invariant, packed
+from ..kernels import ops
 
 MODEL_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies fixed at load time
@@ -42,7 +43,9 @@ def eligible(model: PreTrainedModel) -> bool:
         return False
     config = model.config
     rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
-    return (model.device.type == "cpu" and model.dtype == torch.float32 and config._attn_implementation == "sdpa"
+    kernels = ((model.dtype == torch.float32 and config._attn_implementation == "sdpa")
+               or (model.dtype in invariant.DTYPES and invariant.is_prepared(model)))
+    return (model.device.type == "cpu" and kernels
             and config.hidden_act == "silu" and rope in STATIC_ROPE and not getattr(config, "use_sliding_window", False)
             and getattr(config, "pretraining_tp", 1) == 1)
 
@@ -60,8 +63,18 @@ def usable(model: PreTrainedModel, modules: list[nn.Module] | None) -> bool:
     generation), else None. Usable when nothing needs the model's modules: eval mode, its
     attention still transformers' sdpa (query capture switches it for a forward) and no hooks
     (checked at every forward, since drafters hook targets as they begin)."""
-    return (modules is not None and not model.training and model.config._attn_implementation == "sdpa"
-            and not hooked(modules))
+    return (modules is not None and not model.training
+            and model.config._attn_implementation in ("sdpa", invariant.ATTENTION) and not hooked(modules))
+
+
+def fused_linear(owner: nn.Module, layers: tuple[nn.Linear, ...], h: torch.Tensor) -> torch.Tensor | None:
+    """``layers`` (reading the same input ``h`` [..., in]) as one product [..., sum of outs], on
+    the packed float32 weights or the invariant kernel's; None where they cannot be fused."""
+    fused = invariant.fused_weight(owner, layers)
+    if fused is not None:
+        return ops.linear(h, fused[0], fused[1])
+    fused = fused_weight(owner, layers)
+    return None if fused is None else packed.packed_linear(h, *fused)
 
 
 def fused_weight(owner: nn.Module, layers: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -86,10 +99,16 @@ def fused_weight(owner: nn.Module, layers: tuple[nn.Linear, ...]) -> tuple[torch
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' LlamaRMSNorm on float32 input ([..., hidden]): ``weight * (x *
-    rsqrt(mean(x^2) + eps))``, which PyTorch's fused ``rms_norm`` computes alike on the CPU
-    (tests/test_lean.py compares it with the model's own forward bit for bit)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    """transformers' LlamaRMSNorm ([..., hidden]): ``weight * (x * rsqrt(mean(x^2) + eps))``
+    computed in float32, the product with the weight in the input's dtype. On float32 input
+    PyTorch's fused ``rms_norm`` computes it alike; on others its steps are written out, since
+    the fused kernel rounds once where transformers rounds twice (tests/test_lean.py compares
+    both with the model's own forward bit for bit)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
 
 
 def _add_linear(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -121,28 +140,40 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, positions: 
     rope = inner.rotary_emb
     freqs = positions[..., None].float() * rope.inv_freq  # [1, Q, head_dim / 2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [1, Q, head_dim]
-    cos = (angles.cos() * rope.attention_scaling)[:, None]  # [1, 1, Q, head_dim]
-    sin = (angles.sin() * rope.attention_scaling)[:, None]
-    causal = False
-    if mask is None and length > 1:
-        if past:  # what transformers' sdpa mask is for a chain after cached entries
-            mask = torch.ones(length, past + length, dtype=torch.bool, device=ids.device).tril(past)[None, None]
-        else:  # a prefill: the kernel's own causal order, as transformers asks for it
-            causal = True
+    cos = (angles.cos() * rope.attention_scaling).to(model.dtype)[:, None]  # [1, 1, Q, head_dim]
+    sin = (angles.sin() * rope.attention_scaling).to(model.dtype)[:, None]
+    if invariant.is_prepared(model):  # each row over its own keys (models/invariant.py)
+        lists = invariant.key_lists(mask, length, past + length, True, 1)[0]
+        attend = lambda q, k, v, attention: ops.attention(  # noqa: E731  [1, H, Q, D] -> [1, H, Q, D]
+            q[0].transpose(0, 1), k[0], v[0], lists, attention.scaling).transpose(0, 1)[None]
+    else:
+        attend = _sdpa(mask, length, past, heads != kv_heads, ids.device)
     x = inner.embed_tokens(ids)  # [1, Q, hidden]
     for index, layer in enumerate(inner.layers):
         attention = layer.self_attn
         h = _rms_norm(layer.input_layernorm, x)
         q, k, v = _attention_inputs(attention, h, heads, kv_heads, head_dim, cos, sin)
         k, v = cache.update(k, v, index)  # [1, H_kv, past + Q, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attention.scaling,
-                                             enable_gqa=heads != kv_heads)  # [1, H, Q, D]
+        out = attend(q, k, v, attention)  # [1, H, Q, D]
         x = _add_linear(attention.o_proj, out.transpose(1, 2).reshape(1, length, heads * head_dim), x)
         h = _rms_norm(layer.post_attention_layernorm, x)
         x = _mlp(layer.mlp, h, x)
     if logits_to_keep:
         x = x[:, -logits_to_keep:]
     return model.lm_head(_rms_norm(inner.norm, x))[0]  # [Q or logits_to_keep, vocab]
+
+
+def _sdpa(mask: torch.Tensor | None, length: int, past: int, grouped: bool, device: torch.device):
+    """transformers' sdpa attention as the float32 forward runs it: [1, H, Q, D] queries over
+    [1, H_kv, K, D] keys and values, with the mask transformers builds."""
+    causal = False
+    if mask is None and length > 1:
+        if past:  # what transformers' sdpa mask is for a chain after cached entries
+            mask = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)[None, None]
+        else:  # a prefill: the kernel's own causal order, as transformers asks for it
+            causal = True
+    return lambda q, k, v, attention: F.scaled_dot_product_attention(  # noqa: E731
+        q, k, v, attn_mask=mask, is_causal=causal, scale=attention.scaling, enable_gqa=grouped)
 
 
 def _attention_inputs(attention: nn.Module, h: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
@@ -153,13 +184,13 @@ def _attention_inputs(attention: nn.Module, h: torch.Tensor, heads: int, kv_head
     transformers does it."""
     length = h.shape[1]
     layers = (attention.q_proj, attention.k_proj, attention.v_proj)
-    fused = fused_weight(attention, layers)
-    if fused is None:
+    qkv = fused_linear(attention, layers, h)
+    if qkv is None:
         q = attention.q_proj(h).view(1, length, heads, head_dim).transpose(1, 2)
         k = attention.k_proj(h).view(1, length, kv_heads, head_dim).transpose(1, 2)
         v = attention.v_proj(h).view(1, length, kv_heads, head_dim).transpose(1, 2)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
-    qkv = packed.packed_linear(h, *fused).view(1, length, heads + 2 * kv_heads, head_dim).transpose(1, 2)
+    qkv = qkv.view(1, length, heads + 2 * kv_heads, head_dim).transpose(1, 2)
     qk = qkv[:, : heads + kv_heads]  # [1, H + H_kv, Q, D]
     qk = qk * cos + _rotate_half(qk) * sin
     return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
@@ -168,8 +199,8 @@ def _attention_inputs(attention: nn.Module, h: torch.Tensor, heads: int, kv_head
 def _mlp(mlp: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
     """``residual`` plus transformers' SiLU-gated MLP of ``h`` [1, Q, hidden]; gate and up in
     one packed product where the weights allow."""
-    fused = fused_weight(mlp, (mlp.gate_proj, mlp.up_proj))
+    fused = fused_linear(mlp, (mlp.gate_proj, mlp.up_proj), h)
     if fused is None:
         return _add_linear(mlp.down_proj, F.silu(mlp.gate_proj(h)) * mlp.up_proj(h), residual)
-    gate, up = packed.packed_linear(h, *fused).chunk(2, dim=-1)
+    gate, up = fused.chunk(2, dim=-1)
     return _add_linear(mlp.down_proj, F.silu(gate) * up, residual)

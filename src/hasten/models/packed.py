@@ -137,6 +137,11 @@ def _layers(model: nn.Module) -> list[nn.Linear]:
             if type(m) in (nn.Linear, PackedLinear) and m.weight.numel() >= MIN_PACKED_WEIGHTS]
 
 
+def is_active() -> bool:
+    """Whether this thread is inside one of hasten's forwards (:func:`active`)."""
+    return getattr(_active, "on", False)
+
+
 @contextlib.contextmanager
 def active(on: bool = True) -> Iterator[None]:
     """Within it, this thread's forwards use the packed weights (hasten's forwards)."""
