@@ -23,6 +23,7 @@ from hasten.core.tree import TokenTree
 from hasten.drafters import DraftModel, Lookahead, PromptLookup
 from hasten.engine import verify
 from hasten.engine.verify import SpeculativeSampling, Verdict
+from hasten.models import packed
 from helpers import DEVICE, ScriptedDrafter, tiny_model
 from test_verify_law import bound, p_instead_of_the_residual_at_depth_2
 
@@ -44,9 +45,12 @@ TARGET = peaky_model(0)
 
 @torch.no_grad()
 def next_probs(model, sampling: Sampling, continuation: tuple[int, ...]) -> torch.Tensor:
+    """The target's next-token law as hasten's forwards compute it (a half-precision model runs
+    its invariant kernels there: models/invariant.py)."""
     ids = PROMPT if not continuation else torch.cat(
         [PROMPT, torch.tensor([continuation], dtype=torch.long, device=DEVICE)], 1)
-    return sampling.probs(model(ids).logits[0, -1])
+    with packed.active():
+        return sampling.probs(model(ids).logits[0, -1].float())
 
 
 def exact_law(model, sampling: Sampling, length: int = 2) -> dict[tuple[int, ...], float]:

@@ -9,6 +9,7 @@ where no compiler works: callers then keep PyTorch's own kernels (and say so).
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import os
@@ -18,6 +19,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import Iterator
 
 from ..core.paths import cache_root
 
@@ -36,6 +38,7 @@ _loaded = False
 _p, _i64, _int, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 SIGNATURES = {
     "hasten_kernel_path": ([], _int),
+    "hasten_set_kernel_path": ([_int], _int),
     "hasten_bf16_dot_available": ([], _int),
     # w, N, K, out
     "hasten_pack_bf16_pairs": ([_p, _i64, _i64, _p], None),
@@ -102,6 +105,18 @@ def unavailable() -> str | None:
     """Why :func:`library` is None (None while it is not)."""
     library()
     return _error
+
+
+@contextlib.contextmanager
+def forced_path(path: int) -> Iterator[None]:
+    """Within it, the kernels take instruction path ``path`` (2 AVX-512F, 1 AVX2, 0 portable C;
+    not one the CPU lacks): for tests showing that every path gives the same bits."""
+    if library().hasten_set_kernel_path(path) != 0:
+        raise ValueError(f"this CPU cannot run the kernels' {PATHS.get(path, path)} path")
+    try:
+        yield
+    finally:
+        library().hasten_set_kernel_path(-1)
 
 
 def instruction_path() -> str:

@@ -166,9 +166,11 @@ __attribute__((target("avx2,fma,f16c"))) static void linear_block_avx2(const flo
 }
 #endif
 
+static int forced_path = -1;
 static int cpu_path(void) { /* 2: AVX-512F, 1: AVX2 + FMA + F16C, 0: portable */
 #ifdef HASTEN_X86
     static int path = -1;
+    if (forced_path >= 0) return forced_path;
     if (path < 0) {
         __builtin_cpu_init();
         if (getenv("HASTEN_KERNEL_PATH")) path = atoi(getenv("HASTEN_KERNEL_PATH"));
@@ -183,6 +185,20 @@ static int cpu_path(void) { /* 2: AVX-512F, 1: AVX2 + FMA + F16C, 0: portable */
 }
 
 int hasten_kernel_path(void) { return cpu_path(); }
+
+/* for tests: run another path (0 portable, 1 AVX2, 2 AVX-512) where the CPU has it; -1 back to the CPU's best */
+int hasten_set_kernel_path(int path) {
+#ifdef HASTEN_X86
+    cpu_path();
+    __builtin_cpu_init();
+    const int best = __builtin_cpu_supports("avx512f") ? 2 : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
+    if (path > best) return -1;
+    forced_path = path < 0 ? best : path;
+    return 0;
+#else
+    return path > 0 ? -1 : 0;
+#endif
+}
 
 void hasten_linear(const void *x, int64_t sx, int xt, const void *w, int wt, const void *bias, int bt, void *y,
                    int64_t sy, int yt, int64_t M, int64_t K, int64_t N, int threads) {
