@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import sys
 import tempfile
@@ -21,7 +20,8 @@ from typing import Iterator
 import torch
 
 from .core import settings as settings_io
-from .core.errors import HastenWarning
+from .core.errors import FieldError, HastenWarning
+from .core.threads import DEFAULT_THREADS, set_threads
 
 
 class UserError(Exception):
@@ -135,10 +135,14 @@ DTYPES = ("float32", "float16", "bfloat16", "int8")  # int8: int8 linear layers 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu (default), cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the weights (default float32)")
-    # On a shared 2-core CPU torch's default of 2 threads made generation 4-10x slower than
-    # 1 whenever anything else ran (issue 10, 2026), so the default is the count that never was the slow case.
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="CPU threads for torch (default 1, never the slow case on a busy machine; 0 = all cores)")
+    add_threads_argument(parser)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser, what: str = "CPU threads for torch") -> None:
+    """--threads, with the library's default and its reason (hasten.core.threads)."""
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N",
+                        help=f"{what} (default {DEFAULT_THREADS}: on a busy machine torch's default of one per core "
+                        "was 4-10x slower; 0 = all cores)")
 
 
 def checked_device(name: str) -> str:
@@ -166,11 +170,12 @@ def torch_dtype(name: str):
 
 
 def apply_threads(threads: int) -> int:
-    """Give torch ``threads`` CPU threads (0: one per core); returns the number it got."""
-    if threads < 0:
-        raise UserError(f"--threads must be >= 0 (0 = all cores), got {threads}")
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-    return torch.get_num_threads()
+    """Give torch ``threads`` CPU threads for the command's process (0: one per core); returns the
+    number it got. The library's rule (hasten.core.threads), in the flag's words."""
+    try:
+        return set_threads(threads)
+    except FieldError as err:
+        raise UserError(err.render("--threads")) from None
 
 
 # ---- how deep drafts go: --draft-size ----------------------------------------------------------

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from datetime import datetime, timezone
 
@@ -13,8 +12,8 @@ import torch
 from ..api import AUTOREGRESSIVE
 from ..loading import gguf_tokenizer
 from ..arguments import (
-    DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, at_least, checked_device, method_settings,
-    writable_directory,
+    DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, add_threads_argument, apply_threads, at_least,
+    checked_device, method_settings, writable_directory,
 )
 from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
@@ -102,11 +101,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", help="JSONL file of your own prompts ({prompt, category} or Spec-Bench turns)")
     parser.add_argument("--per-task", type=int, default=2, help="prompts per category (default 2)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens every method generates (default 128)")
-    # One thread by default: small models gain nothing from more, and on a CPU shared with other
-    # work, extra threads thrash (zoo:code-tiny, 2 cores, other jobs running: 128 tokens took
-    # 1.1-3.4 s on 1 thread and 5.6-69 s on 2, in 2026). Give 0 for all cores on a large model.
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads, and llama.cpp's with --backend llama.cpp (default 1; 0 = all cores)")
+    add_threads_argument(parser, "torch threads, and llama.cpp's with --backend llama.cpp")
 
 
 def _settings_class(method: str) -> type | None:
@@ -173,13 +168,14 @@ def _chosen(args) -> tuple[list[str], list[str]]:
 
 
 def check_workload(args: argparse.Namespace) -> None:
-    """The arguments of add_workload_arguments, checked before any model loads."""
+    """The arguments of add_workload_arguments, checked before any model loads; torch gets its
+    --threads (recorded in the results) now."""
     known = [AUTO, *TASK_PRESETS, SPEC_BENCH, *ALL_CATEGORIES, *CHAT_CATEGORIES, *GEC_CATEGORIES]
     unknown = [c for c in _csv(args.tasks) if c not in known]
     if unknown:
         raise UserError(f"--tasks: unknown {unknown}; known: {', '.join(known)}")
     at_least(args, 1, "per_task", "max_new_tokens")
-    at_least(args, 0, "threads")
+    apply_threads(args.threads)
 
 
 def _builtin(spec: str, tokenizer, per_task: int) -> list:
@@ -327,7 +323,6 @@ def run(args: argparse.Namespace) -> int:
     if args.device != "cpu" and args.backend == LLAMA_CPP:
         raise UserError(f"--device {args.device}: the llama.cpp backend runs on the CPU here; leave --device out")
     checked_device(args.device)
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
     tasks, input_ids, model, draft = load_tasks_and_models(args)
     methods, skipped = _build_methods(args, names, settings, baselines, model, draft, input_ids)
     print(
