@@ -54,6 +54,18 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
 
 
+# Flags that only shape sampling: with temperature 0 decoding is greedy and they change nothing.
+SAMPLING_ONLY = ("top_k", "top_p", "min_p", "seed")
+
+
+def note_unused_sampling(args: argparse.Namespace) -> None:
+    """One line naming the sampling flags given without a temperature (they would be ignored in silence)."""
+    unused = [f"--{name.replace('_', '-')}" for name in SAMPLING_ONLY if getattr(args, name, None) is not None]
+    if unused and args.temperature == 0:
+        warnings.warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without --temperature "
+                      "> 0: decoding is greedy", HastenWarning, stacklevel=2)
+
+
 def at_least(args: argparse.Namespace, low: int, *flags: str) -> None:
     """UserError naming the first of ``flags`` (argparse dest names) set below ``low``."""
     for flag in flags:

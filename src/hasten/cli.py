@@ -16,8 +16,9 @@ import torch
 
 from .api import AUTOREGRESSIVE, check_method, load
 from .arguments import (
-    Parser, UserError, add_draft_size_argument, add_model_arguments, add_runtime_arguments, add_sampling_arguments, apply_threads,
-    checked_device, method_settings, one_line, readable_warnings, torch_dtype,
+    Parser, UserError, add_draft_size_argument, add_model_arguments, add_runtime_arguments, add_sampling_arguments,
+    apply_threads, at_least, checked_device, method_settings, note_unused_sampling, one_line, readable_warnings,
+    torch_dtype,
 )
 from .bench import cli as bench_cli
 from .bench import replay_cli
@@ -62,7 +63,7 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
-    source.add_argument("--prompt-file", metavar="PATH", help="file holding the prompt text")
+    source.add_argument("--prompt-file", metavar="PATH", help="file holding the prompt text (- reads standard input)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as one user message through the model's chat template")
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
@@ -96,6 +97,8 @@ def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is None:
         return args.prompt
     try:
+        if args.prompt_file == "-":
+            return sys.stdin.read()
         with open(args.prompt_file, encoding="utf-8") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as err:
@@ -121,8 +124,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     rules = dict(min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                  frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
     Sampling(args.temperature, args.top_k, args.top_p, **rules)
-    if args.max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    note_unused_sampling(args)
+    at_least(args, 1, "max_new_tokens")  # as the server refuses max_tokens 0: nothing to generate
     method_kwargs = checked_method_settings(args.method, args.method_arg)
     check_method(args.method, args.draft is not None)
     device = checked_device(args.device)
@@ -131,7 +134,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UserError("--backend llama.cpp runs the GGUF file's own quantisation on the CPU: drop --dtype/--device")
     runtime_args = dict(device=device, dtype=torch_dtype(args.dtype)) if args.backend == "torch" else {}
     engine = load(args.model, args.method, draft=args.draft, backend=args.backend, **runtime_args,
-                  draft_size=args.draft_size, **method_kwargs)
+                  draft_size=args.draft_size, threads=args.threads, **method_kwargs)
     inputs = prompt
     if args.chat:  # the images go into the chat's messages, and the encoded chat carries them
         messages = _messages(args, prompt)
@@ -144,7 +147,13 @@ def _run_generate(args: argparse.Namespace) -> int:
     )
     stats = DecodeStats()
     text, token_ids = "", []
-    for piece, new in engine.steps(inputs, stats, **options):
+    steps = engine.steps(inputs, stats, **options)
+    while True:
+        try:
+            piece, new = next(steps)
+        except StopIteration as end:
+            finish_reason = end.value  # as the server names it: "stop" (EOS or a stop string) or "length"
+            break
         text += piece
         token_ids.extend(new)
         if not args.json:
@@ -152,7 +161,7 @@ def _run_generate(args: argparse.Namespace) -> int:
             sys.stdout.flush()
     if args.json:
         record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image, "text": text,
-                  "token_ids": token_ids}
+                  "token_ids": token_ids, "finish_reason": finish_reason}
         draft_size = default_size(args.draft_size, args.temperature > 0, args.seed is not None)
         runtime = {"device": device, "dtype": args.dtype, "threads": threads, "draft_size": draft_size,
                    "backend": args.backend}
