@@ -98,6 +98,11 @@ def writable_directory(path: str | Path, flag: str = "--out") -> Path:
     return path
 
 
+def counted(count: int, noun: str) -> str:
+    """"1 thread", "2 threads": a count and its noun in terminal lines."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def one_line(text: object) -> str:
     """A message on one line (a terminal user reads the first line only)."""
     return " ".join(str(text).split())

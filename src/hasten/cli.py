@@ -17,7 +17,7 @@ import torch
 from .api import AUTOREGRESSIVE, check_method, load
 from .arguments import (
     Parser, UserError, add_draft_size_argument, add_model_arguments, add_runtime_arguments, add_sampling_arguments,
-    apply_threads, at_least, checked_device, method_settings, note_unused_sampling, one_line, readable_warnings,
+    apply_threads, at_least, checked_device, counted, method_settings, note_unused_sampling, one_line, readable_warnings,
     torch_dtype,
 )
 from .bench import cli as bench_cli
@@ -170,7 +170,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     print(
         f"[{args.method}] tau {stats.mean_accepted:.2f} | {stats.tokens_per_second:.1f} tok/s | "
-        f"{stats.steps} steps | {stats.new_tokens} tokens | {threads} thread{'' if threads == 1 else 's'}",
+        f"{counted(stats.steps, 'step')} | {counted(stats.new_tokens, 'token')} | {counted(threads, 'thread')}",
         file=sys.stderr,
     )
     return 0
