@@ -199,6 +199,37 @@ def test_sampling_flags_without_a_temperature_get_a_one_line_note(checkpoint, cl
     assert code == 0 and "warning" not in err
 
 
+def test_loading_shows_no_progress_bar(checkpoint, capfd):
+    """transformers' "Loading weights" bar on every hasten.load told a user nothing."""
+    from transformers.utils import logging
+
+    before = logging.is_progress_bar_enabled()  # the command line turns the bars off for its process
+    logging.enable_progress_bar()
+    try:
+        hasten.load(checkpoint, "autoregressive")
+        assert "Loading weights" not in capfd.readouterr().err
+        assert logging.is_progress_bar_enabled()  # the caller's setting, as it was
+    finally:
+        if not before:
+            logging.disable_progress_bar()
+
+
+def test_errors_name_the_model_as_the_user_did(tmp_path, cli):
+    """An error about the model names what was passed (zoo:code-tiny), not the cache directory
+    it resolves to."""
+    image = tmp_path / "x.png"
+    image.write_bytes(b"not read")
+    for chat in ([], ["--chat"]):
+        code, _, err = cli("generate", "--model", "zoo:code-tiny", "--prompt", "x", "--image", str(image), *chat)
+        assert code == 2 and err == "hasten: error: images given, but zoo:code-tiny is a text-only model\n"
+
+
+def test_model_help_names_every_kind_of_model(cli):
+    code, out, _ = cli("generate", "--help")
+    help_text = " ".join(out.split())
+    assert code == 0 and ".gguf file" in help_text and "zoo:smollm2-135m" in help_text and "toy" in help_text
+
+
 @pytest.mark.parametrize(
     "args, match",
     [

@@ -70,11 +70,14 @@ class Engine:
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer, drafter: Drafter | None, method: str,
-                 draft_size: str | SizingRule | None = None, processor=None, threads: int | None = DEFAULT_THREADS):
+                 draft_size: str | SizingRule | None = None, processor=None, threads: int | None = DEFAULT_THREADS,
+                 name: str | None = None):
         self.model, self.tokenizer, self.drafter, self.method = model, tokenizer, drafter, method
         thread_count(threads)  # a bad value fails here, not at the first generation
         self.threads = threads  # torch's threads while this engine computes (hasten.core.threads)
         self.runtime = runtime_of(model)
+        # what the user called the model (a zoo name, not the cache directory it resolves to), for messages
+        self.name = name or self.runtime.label
         self.processor = processor  # a vision-language model's: text + images -> its inputs
         self.draft_size = draft_size
         self.sizing = SizingChoice(draft_size)  # a bad value fails here, not at the first generation
@@ -162,7 +165,7 @@ class Engine:
 
     def _check_vision(self) -> None:
         if Capability.IMAGES not in self.runtime.capabilities:
-            raise ValueError(f"images given, but {self.runtime.label} is a text-only model")
+            raise ValueError(f"images given, but {self.name} is a text-only model")
         if self.processor is None:
             raise ValueError("images need the model's processor: load(model, processor=...)")
 
@@ -360,7 +363,7 @@ def _load_torch(name_or_path, method, draft, tokenizer, dtype, device, draft_siz
         load_or_calibrate(model)  # now, at load, rather than inside the first generation
     if vlm.is_vision_language(model) and (processor is None or isinstance(processor, (str, os.PathLike))):
         processor = load_processor(name_or_path if processor is None else processor)
-    return Engine(model, tokenizer, drafter, method, draft_size, processor, threads)
+    return Engine(model, tokenizer, drafter, method, draft_size, processor, threads, _given_name(name_or_path))
 
 
 def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, threads,
@@ -390,6 +393,11 @@ def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft
         drafter.check_runtime(model)  # now, not at the first generation
         if draft_size in ("auto", None):
             load_or_calibrate(model)  # llama.cpp's own cost curve, now rather than inside the first generation
-    return Engine(model, tokenizer, drafter, method, draft_size, threads=threads)
+    return Engine(model, tokenizer, drafter, method, draft_size, threads=threads, name=_given_name(name_or_path))
+
+
+def _given_name(name_or_path) -> str | None:
+    """The name a model was loaded by (None for a model passed as an object)."""
+    return os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
 
 

@@ -38,7 +38,8 @@ class Parser(argparse.ArgumentParser):
 def add_model_arguments(parser: argparse.ArgumentParser, per_method: bool = False) -> None:
     """--model, --draft and --method-arg KEY=VALUE (``per_method``: also METHOD.KEY=VALUE)."""
     parser.add_argument("--model", required=True, metavar="MODEL",
-                        help="zoo name (zoo:code-tiny), local directory or hub id")
+                        help="zoo name (zoo:smollm2-135m after `make real`; zoo:code-tiny is a toy for tests), a "
+                        ".gguf file or a directory holding one, a local Hugging Face directory, or a hub id")
     parser.add_argument("--draft", metavar="PATH",
                         help="draft model for methods that need one, such as draft_model (zoo name or directory)")
     example = "num_tokens=8" + (", or prompt_lookup.num_tokens=8 for one method" if per_method else "")

@@ -3,6 +3,7 @@ a local Hugging Face directory or a hub id (which fails at once when the hub can
 :func:`hasten.load` (in :mod:`hasten.api`) builds an Engine from these."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -100,12 +101,29 @@ def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch
         auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
         if getattr(config, "vision_config", None) is not None:  # a vision-language model: its vision tower too
             auto = AutoModelForImageTextToText
-        model = auto.from_pretrained(path, dtype=dtype)
+        with quiet_progress():
+            model = auto.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as err:
         where = "no such directory" if not os.path.exists(path) else str(err).splitlines()[0]
         raise ValueError(f"model {name_or_path!r} could not be loaded: {where}") from err
     model = model.to(device).eval()
     return quantize(model, INT8) if int8 else model
+
+@contextlib.contextmanager
+def quiet_progress():
+    """transformers' progress bars off inside the block, as they were after it: its "Loading
+    weights" bar on every load of a small model tells a user nothing (a first GGUF conversion,
+    which takes a minute, keeps its bars)."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
 
 def warn_if_tokenizers_differ(tokenizer, draft_tokenizer, draft_name: str, samples: int = 1000) -> None:
     """A draft model with the target's vocabulary size but another tokenizer is accepted
