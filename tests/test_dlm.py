@@ -180,11 +180,18 @@ def test_sparsed_on_stablelm_as_reported():
     assert torch.equal(run(SparseD(select=1.0)).sequences, run(None).sequences)
 
 
-@pytest.mark.parametrize("arch", sorted(CAUSAL_CONFIGS) + ["stablelm"])
+SPARSED_ARCHS = sorted(CAUSAL_CONFIGS) + ["stablelm"]
+
+
+def causal_model(arch: str):
+    return tiny_stablelm() if arch == "stablelm" else tiny_model(arch)
+
+
+@pytest.mark.parametrize("arch", SPARSED_ARCHS)
 def test_sparsed_routes_the_attention_of_every_tested_causal_architecture(arch):
     """Every causal architecture of the greedy-equality tests (and StableLM): full selection is full
     attention, and a partial one computes fewer attention pairs."""
-    model = tiny_stablelm() if arch == "stablelm" else tiny_model(arch)
+    model = causal_model(arch)
     run = lambda cache: generate(model, prompt(20), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
                                  steps=8, cache=cache)
     assert torch.equal(run(SparseD(skip=0.25, select=1.0, block=6)).sequences, run(None).sequences)
