@@ -85,3 +85,23 @@ def test_load_warms_the_model_up_so_the_first_generation_pays_no_packing(tmp_pat
     warm = packed_weights()
     engine.generate("def add(a, b):", max_new_tokens=4)
     assert packed_weights() == warm
+
+
+def test_commands_compute_on_their_threads_flag(tmp_path, cli, monkeypatch):
+    """A command sets --threads for its process; the library calls inside it (hasten bench's
+    timed runs) must not put their own default back."""
+    from hasten.engine import loop
+
+    seen, decode = [], loop.decode
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return (yield from decode(*args, **kwargs))
+
+    monkeypatch.setattr(loop, "decode", recording)
+    with using_threads(1):
+        code, _, err = cli("bench", "--model", save_checkpoint(tmp_path / "model"), "--tasks", "complete",
+                           "--per-task", "1", "--repeats", "1", "--max-new-tokens", "4", "--methods", "autoregressive",
+                           "--baselines", "none", "--threads", "2", "--out", str(tmp_path / "out"), "--no-progress")
+    assert code == 0, err
+    assert seen and set(seen) == {2}

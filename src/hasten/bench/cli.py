@@ -304,7 +304,7 @@ def first_answer(model, tokenizer, tasks, input_ids, max_new_tokens: int):
 
     def answer(task) -> str:
         ids = ids_of[task.name]
-        out = generate(model, ids, max_new_tokens=max_new_tokens).sequences[0, ids.shape[1]:]
+        out = generate(model, ids, max_new_tokens=max_new_tokens, threads=None).sequences[0, ids.shape[1]:]
         return tokenizer.decode(out.tolist(), skip_special_tokens=True).strip()
 
     return answer
