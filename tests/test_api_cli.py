@@ -176,6 +176,7 @@ def test_cli_json_names_why_generation_ended_as_the_server_does(checkpoint, cli)
         assert code == 0, err
         assert json.loads(out)["finish_reason"] == reason
         assert engine.generate(PROMPT, max_new_tokens=6, stop=args[3:]).finish_reason == reason
+        assert engine.generate_batch([PROMPT], max_new_tokens=6, stop=args[3:])[0].finish_reason == reason
 
 
 def test_cli_reads_the_prompt_from_standard_input(checkpoint, cli, monkeypatch):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Generator, Iterator
+from typing import Callable, Generator, Iterator
 
 import torch
 from transformers import PreTrainedModel
@@ -24,6 +24,7 @@ from .models.adapter import vocab_size
 from .models.hf import runtime_of
 from .core.runtime import Capability
 from .core.sampling import Sampling
+from .core.generators import consume, mapped
 from .core.stats import DecodeStats
 from .core.threads import DEFAULT_THREADS, stepped_in_threads, thread_count, using_threads
 
@@ -86,7 +87,7 @@ class Engine:
     def generate(self, prompt: str, **kwargs) -> EngineOutput:
         """Generate after ``prompt``; keywords: max_new_tokens, temperature, top_k, top_p, seed, stop,
         and images (a vision-language model's image paths or images; see :meth:`encode_images`)."""
-        return self._collect(self._text(prompt), kwargs)
+        return self.collect(self._text(prompt), **kwargs)
 
     def stream(self, prompt: str, **kwargs) -> Iterator[str]:
         """Yield text pieces as tokens are accepted (same keywords as :meth:`generate`)."""
@@ -117,7 +118,7 @@ class Engine:
         for row_id, result in results.items():
             stream = TextStream(self.tokenizer, stops)
             text = stream.push(result.tokens) + stream.finish()
-            outputs[rows[row_id]] = EngineOutput(text, stream.token_ids, result.stats)
+            outputs[rows[row_id]] = EngineOutput(text, stream.token_ids, result.stats, result.finish_reason)
         return outputs
 
     # ---- chats -----------------------------------------------------------------------------
@@ -127,7 +128,7 @@ class Engine:
         Hugging Face ``generate``, the generation config's EOS ids end the reply. A
         vision-language model's chat may hold images (see :meth:`encode_chat_images`):
         ``{"type": "image"}`` entries in a content list, their images given by ``images=``."""
-        return self._collect(self._chat_prompt(messages, kwargs), kwargs)
+        return self.collect(self._chat_prompt(messages, kwargs), **kwargs)
 
     def chat_stream(self, messages: list[dict], **kwargs) -> Iterator[str]:
         """:meth:`chat`, yielding text pieces as tokens are accepted."""
@@ -198,17 +199,19 @@ class Engine:
         return encoded["input_ids"]  # [1, T]
 
     # ---- input ids -> text -----------------------------------------------------------------
-    def _collect(self, input_ids: torch.Tensor, kwargs: dict) -> EngineOutput:
-        stats = DecodeStats()
-        text, ids = "", []
-        steps = self.steps(input_ids, stats, **kwargs)
-        while True:
-            try:
-                piece, new = next(steps)
-            except StopIteration as end:
-                return EngineOutput(text, ids, stats, end.value)
-            text += piece
-            ids.extend(new)
+    def collect(self, prompt, on_piece: Callable[[str], object] | None = None, **kwargs) -> EngineOutput:
+        """The whole output after ``prompt`` (anything :meth:`steps` takes, with its keywords), and
+        each text piece given to ``on_piece`` as it is accepted (a terminal's stream)."""
+        stats, pieces, ids = DecodeStats(), [], []
+
+        def take(step: tuple[str, list[int]]) -> None:
+            pieces.append(step[0])
+            ids.extend(step[1])
+            if on_piece is not None:
+                on_piece(step[0])
+
+        reason = consume(self.steps(prompt, stats, **kwargs), take)
+        return EngineOutput("".join(pieces), ids, stats, reason)
 
     def _pieces(self, input_ids: torch.Tensor, kwargs: dict) -> Iterator[str]:
         return (piece for piece, _ in self.steps(input_ids, DecodeStats(), **kwargs))
@@ -269,13 +272,7 @@ class Engine:
         decoding = stepped_in_threads(decode(
             self.runtime, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats, acceptance,
             self.sizing.for_request(not sampling.greedy, seed is not None), stops, **model_inputs), self.threads)
-        while True:
-            try:
-                step = next(decoding)
-            except StopIteration as end:
-                reason = end.value
-                break
-            yield text.push(step), step
+        reason = yield from mapped(decoding, lambda step: (text.push(step), step))
         tail = text.finish()
         if tail:
             yield tail, []

@@ -25,7 +25,6 @@ from .bench import replay_cli
 from .bench import vlm as vlm_bench
 from .core import settings as settings_io
 from .core.sampling import Sampling
-from .core.stats import DecodeStats
 from .diffusion import cli as diffusion_cli
 from .dlm import cli as dlm_cli
 from .export import cli as export_cli
@@ -145,23 +144,17 @@ def _run_generate(args: argparse.Namespace) -> int:
         stop=[text.replace("\\n", "\n").replace("\\t", "\t") for text in args.stop],
         images=(args.image or None) if not args.chat else None, **rules,
     )
-    stats = DecodeStats()
-    text, token_ids = "", []
-    steps = engine.steps(inputs, stats, **options)
-    while True:
-        try:
-            piece, new = next(steps)
-        except StopIteration as end:
-            finish_reason = end.value  # as the server names it: "stop" (EOS or a stop string) or "length"
-            break
-        text += piece
-        token_ids.extend(new)
-        if not args.json:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    out = engine.collect(inputs, on_piece=None if args.json else show, **options)
+    stats = out.stats
     if args.json:
-        record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image, "text": text,
-                  "token_ids": token_ids, "finish_reason": finish_reason}
+        # finish_reason as the server names it: "stop" (EOS or a stop string) or "length"
+        record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image,
+                  "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}
         draft_size = default_size(args.draft_size, args.temperature > 0, args.seed is not None)
         runtime = {"device": device, "dtype": args.dtype, "threads": threads, "draft_size": draft_size,
                    "backend": args.backend}

@@ -14,6 +14,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.sampling import Sampling
+from ..core.generators import consume
 from ..core.stats import DecodeStats
 from ..core.threads import DEFAULT_THREADS, using_threads
 from ..drafters.base import Drafter, TargetView
@@ -181,12 +182,7 @@ def generate(
         new: list[int] = []
         pieces = decode(runtime, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance,
                         sizing, stop, kv_compression, attention, **model_inputs)
-        while True:
-            try:
-                new.extend(next(pieces))
-            except StopIteration as end:
-                reason = end.value
-                break
+        reason = consume(pieces, new.extend)
         head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
         return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
 
