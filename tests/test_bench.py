@@ -250,7 +250,29 @@ def test_cli_bench_end_to_end(tmp_path, checkpoints, capsys):
     assert results["machine"]["torch_threads"] == 1
     assert set(results["by_category"]) == {"complete", OVERALL}
     assert all((tmp_path / f).is_file() for f in ("results.md", "speedup.png", "acceptance.png"))
-    assert "tok/s" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "methods x 1 prompt x 1 repeat, 6 new tokens, 1 thread\n" in err  # no "1 threads"
+    # the summary names the model and how it ran, tau, and the identity check
+    summary = out.splitlines()
+    model, draft = checkpoints
+    assert summary[0] == f"hasten bench: {model} (float32 on cpu), draft {draft}; 1 prompt, 6 new tokens each, greedy"
+    assert summary[1].split() == ["method", "tok/s", "vs", "AR", "tau", "identical", "to", "autoregressive"]
+    rows = {line.split()[0]: line.split()[1:] for line in summary[2:-1]}
+    assert set(rows) == set(names) and rows["autoregressive"][1:] == ["1.00x", "1.00", "1/1"]
+    assert all(row[-1] == "1/1" for row in rows.values())
+    assert summary[-1] == "every output was checked token for token against hasten's autoregressive: all identical"
+
+
+def test_cli_bench_takes_the_dtypes_generate_takes(tmp_path, checkpoints, capsys):
+    from hasten.arguments import DTYPES
+
+    assert "int8" in DTYPES
+    args = bench_args(checkpoints, tmp_path, "--tasks", "complete", "--methods", "autoregressive,prompt_lookup",
+                      "--baselines", "hf_generate", "--dtype", "int8")
+    assert main(args) == 0
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["dtype"] == "int8"
+    out = capsys.readouterr().out
+    assert "(int8 on cpu)" in out and out.splitlines()[-1].endswith("all identical")
 
 
 def test_cli_bench_with_a_prompt_file_and_chosen_methods(tmp_path, checkpoints):
@@ -333,7 +355,8 @@ def test_cli_bench_fails_loudly_on_a_mismatch(tmp_path, checkpoints, capsys, mon
     assert not (tmp_path / "results.json").exists()
 
 
-def test_cli_bench_counts_differences_when_asked_and_records_device_and_dtype(tmp_path, checkpoints, monkeypatch):
+def test_cli_bench_counts_differences_when_asked_and_records_device_and_dtype(tmp_path, checkpoints, monkeypatch,
+                                                                             capsys):
     """--count-differences (for a GPU in bfloat16): a differing output is counted, not fatal."""
     import hasten.bench.cli as bench_cli
 
@@ -347,6 +370,9 @@ def test_cli_bench_counts_differences_when_asked_and_records_device_and_dtype(tm
     assert rows["corrupt"]["identical"] == "0/1" and rows[AUTOREGRESSIVE]["identical"] == "1/1"
     assert [task.get("first_difference") for task in results["by_task"]] == [{"corrupt": 2}]  # planted at 2
     assert (results["settings"]["device"], results["settings"]["dtype"]) == ("cpu", "bfloat16")
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "outputs compared token for token with hasten's autoregressive and differences counted "
+        "(--count-differences): corrupt differed on some prompts")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without CUDA")

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from hasten.api import Engine, make_drafter  # noqa: E402
 from hasten.engine.batch import Scheduler  # noqa: E402
 from hasten.serve.app import ServeOptions, create_app  # noqa: E402
+from hasten.serve.schema import DEFAULT_MAX_TOKENS  # noqa: E402
 from hasten.engine.stops import TextStream  # noqa: E402
 from helpers import VOCAB, save_checkpoint, tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -405,7 +406,7 @@ BAD_BODIES = [
     ({"prompt": [5, 6], "logit_bias": {"-1": 3}}, "logit_bias"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # not streamed, as vLLM
-    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}},
      "stream_options.continuous_usage_stats"),
 ]
 
@@ -418,7 +419,14 @@ def test_bad_completion_requests_are_400_naming_the_field(base, body, param):
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"content": "x"}]}, "messages[0]"),
+    ({"messages": ["x"]}, "messages[0]"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),  # OpenAI's roles only
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4", "tool_call_id": "a"}]},
+     "messages[1].role"),  # tool calls are not supported (nor is 'tools')
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function"}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": None}]}, "messages[1].content"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
@@ -453,6 +461,59 @@ def test_a_body_over_the_limit_is_413(base):
 
 def test_models_lists_the_served_name(client):
     assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_the_models_card_shows_the_context_and_the_default_max_tokens(base):
+    status, body = call(base, "/v1/models")
+    card = body["data"][0]
+    assert status == 200 and card["max_model_len"] == 512 and card["default_max_tokens"] == DEFAULT_MAX_TOKENS
+
+
+def test_a_request_without_max_tokens_gets_the_operators_cap(engine):
+    """OpenAI's chat default is the room left in the context (here 500 tokens and more); the
+    server's --default-max-tokens caps it, and a completion's default of 16, for requests that
+    set no max_tokens; one that sets it gets what it asked."""
+    app = create_app(engine, lambda: Scheduler(engine.model, engine.drafter), ServeOptions(NAME, default_max_tokens=5))
+    server, thread, url = start_server(app)
+    try:
+        assert call(url, "/v1/models", key=None)[1]["data"][0]["default_max_tokens"] == 5
+        chat = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[1]}], "ignore_eos": True}
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"model": NAME, "prompt": PROMPTS[0],
+                                                                                  "ignore_eos": True})):
+            status, answer = call(url, path, body, key=None)
+            assert status == 200 and answer["usage"]["completion_tokens"] == 5, answer
+            assert answer["choices"][0]["finish_reason"] == "length"
+            status, answer = call(url, path, {**body, "max_tokens": 7}, key=None)
+            assert status == 200 and answer["usage"]["completion_tokens"] == 7
+    finally:
+        stop_server(server, thread)
+
+
+def test_the_default_max_tokens_must_be_positive():
+    with pytest.raises(ValueError, match="default_max_tokens must be an integer >= 1"):
+        ServeOptions(NAME, default_max_tokens=0)
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_event(engine, base, include_usage):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every event carries its
+    choice's usage so far (prompt, tokens generated); without include_usage it adds nothing, as in vLLM."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": NEW, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": include_usage, "continuous_usage_stats": True}}
+    status, text = call(base, "/v1/chat/completions", body)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert status == 200 and len(events) > 3
+    if not include_usage:
+        assert all("usage" not in event for event in events)
+        return
+    prompt = engine.encode_chat(body["messages"]).shape[1]
+    *choices, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
+    generated = [event["usage"]["completion_tokens"] for event in choices]
+    assert generated[0] == 0 and generated == sorted(generated) and generated[-1] == last["usage"]["completion_tokens"]
+    for event in events:
+        usage = event["usage"]
+        assert usage["prompt_tokens"] == prompt and usage["total_tokens"] == prompt + usage["completion_tokens"]
 
 
 # ---- a client that leaves -----------------------------------------------------------------------
@@ -597,11 +658,14 @@ def test_serve_flags_and_defaults(cli):
         assert flag in out
     args = build_parser().parse_args(["serve", "--model", "m"])
     assert args.host == "127.0.0.1" and args.max_batch == 8 and args.max_tokens_in_flight is None
+    assert "--default-max-tokens" in out and args.default_max_tokens == DEFAULT_MAX_TOKENS == 512
 
 
 @pytest.mark.parametrize("args, match", [
     (["--max-batch", "0"], "--max-batch must be >= 1"),
     (["--max-tokens-in-flight", "0"], "--max-tokens-in-flight must be >= 1"),
+    (["--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),
+    (["--threads", "-1"], "--threads must be >= 0"),
     (["--port", "70000"], "--port must be in"),
     (["--method-arg", "num_tokens=zero"], "num_tokens"),
     (["--method", "draft_model"], "needs a draft model"),

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import sys
 import tempfile
@@ -21,7 +20,8 @@ from typing import Iterator
 import torch
 
 from .core import settings as settings_io
-from .core.errors import HastenWarning
+from .core.errors import FieldError, HastenWarning
+from .core.threads import DEFAULT_THREADS, set_threads
 
 
 class UserError(Exception):
@@ -38,7 +38,8 @@ class Parser(argparse.ArgumentParser):
 def add_model_arguments(parser: argparse.ArgumentParser, per_method: bool = False) -> None:
     """--model, --draft and --method-arg KEY=VALUE (``per_method``: also METHOD.KEY=VALUE)."""
     parser.add_argument("--model", required=True, metavar="MODEL",
-                        help="zoo name (zoo:code-tiny), local directory or hub id")
+                        help="zoo name (zoo:smollm2-135m after `make real`; zoo:code-tiny is a toy for tests), a "
+                        ".gguf file or a directory holding one, a local Hugging Face directory, or a hub id")
     parser.add_argument("--draft", metavar="PATH",
                         help="draft model for methods that need one, such as draft_model (zoo name or directory)")
     example = "num_tokens=8" + (", or prompt_lookup.num_tokens=8 for one method" if per_method else "")
@@ -52,6 +53,18 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+# Flags that only shape sampling: with temperature 0 decoding is greedy and they change nothing.
+SAMPLING_ONLY = ("top_k", "top_p", "min_p", "seed")
+
+
+def note_unused_sampling(args: argparse.Namespace) -> None:
+    """One line naming the sampling flags given without a temperature (they would be ignored in silence)."""
+    unused = [f"--{name.replace('_', '-')}" for name in SAMPLING_ONLY if getattr(args, name, None) is not None]
+    if unused and args.temperature == 0:
+        warnings.warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without --temperature "
+                      "> 0: decoding is greedy", HastenWarning, stacklevel=2)
 
 
 def at_least(args: argparse.Namespace, low: int, *flags: str) -> None:
@@ -84,6 +97,11 @@ def writable_directory(path: str | Path, flag: str = "--out") -> Path:
     except OSError as err:
         raise UserError(f"{flag} {path}: cannot write there ({err.strerror or err})") from None
     return path
+
+
+def counted(count: int, noun: str) -> str:
+    """"1 thread", "2 threads": a count and its noun in terminal lines."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def one_line(text: object) -> str:
@@ -135,10 +153,14 @@ DTYPES = ("float32", "float16", "bfloat16", "int8")  # int8: int8 linear layers 
 def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu (default), cuda, cuda:N or mps")
     parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the weights (default float32)")
-    # On a shared 2-core CPU torch's default of 2 threads made generation 4-10x slower than
-    # 1 whenever anything else ran (issue 10, 2026), so the default is the count that never was the slow case.
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="CPU threads for torch (default 1, never the slow case on a busy machine; 0 = all cores)")
+    add_threads_argument(parser)
+
+
+def add_threads_argument(parser: argparse.ArgumentParser, what: str = "CPU threads for torch") -> None:
+    """--threads, with the library's default and its reason (hasten.core.threads)."""
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N",
+                        help=f"{what} (default {DEFAULT_THREADS}: on a busy machine torch's default of one per core "
+                        "was 4-10x slower; 0 = all cores)")
 
 
 def checked_device(name: str) -> str:
@@ -166,11 +188,12 @@ def torch_dtype(name: str):
 
 
 def apply_threads(threads: int) -> int:
-    """Give torch ``threads`` CPU threads (0: one per core); returns the number it got."""
-    if threads < 0:
-        raise UserError(f"--threads must be >= 0 (0 = all cores), got {threads}")
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-    return torch.get_num_threads()
+    """Give torch ``threads`` CPU threads for the command's process (0: one per core); returns the
+    number it got. The library's rule (hasten.core.threads), in the flag's words."""
+    try:
+        return set_threads(threads)
+    except FieldError as err:
+        raise UserError(err.render("--threads")) from None
 
 
 # ---- how deep drafts go: --draft-size ----------------------------------------------------------

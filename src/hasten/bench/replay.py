@@ -94,7 +94,7 @@ def record(model, prompts: list[tuple[str, list[int]]], max_new_tokens: int, nam
     curve = curve or load_or_calibrate(model)
     entries = []
     for category, ids in tqdm(prompts, desc="recording greedy outputs", unit="prompt", disable=not progress):
-        out = generate(model, torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=[])
+        out = generate(model, torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=[], threads=None)
         entries.append(Recorded(category, list(ids), out.sequences[0, len(ids) :].tolist()))
     return Recording(name, backend, runtime.vocab_size, Capability.TREES in runtime.capabilities, curve, entries)
 

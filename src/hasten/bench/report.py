@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 
+from ..arguments import counted
 from .runner import AUTOREGRESSIVE, OVERALL, not_identical_note
 
 SPEEDUP_PNG, ACCEPTANCE_PNG = "speedup.png", "acceptance.png"
@@ -85,6 +86,27 @@ def _best_lines(results: dict) -> list[str]:
             f"{theirs['method']} | {theirs['tokens_per_second']:.1f} | {_num(theirs['tau'])} | {_x(b['ratio'])} |"
         )
     return lines if len(lines) > 5 else []
+
+
+def terminal_summary(results: dict) -> str:
+    """What a run printed on the terminal says: the model and how it ran, every method's speed,
+    tau and how many of its outputs were the reference's, and what that check means."""
+    s = results["settings"]
+    runs = "on llama.cpp, the GGUF file's own weights" if s["backend"] == "llama.cpp" else f"{s['dtype']} on {s['device']}"
+    lines = [f"hasten bench: {s['model']} ({runs}), draft {s['draft'] or '-'}; "
+             f"{counted(len(results['tasks']), 'prompt')}, {counted(s['max_new_tokens'], 'new token')} each, greedy",
+             f"{'method':>24}  {'tok/s':>8}  {'vs AR':>7}  {'tau':>5}  identical to autoregressive"]
+    rows = results["by_category"][OVERALL]
+    for row in rows:
+        lines.append(f"{row['method']:>24}  {row['tokens_per_second']:8.1f}  {_x(row['speedup_vs_ar']):>7}  "
+                     f"{_num(row['tau']):>5}  {row['identical']}")
+    differ = [row["method"] for row in rows if not_identical_note(row)]
+    if differ:
+        lines.append(f"outputs compared token for token with hasten's {AUTOREGRESSIVE} and differences counted "
+                     f"(--count-differences): {', '.join(differ)} differed on some prompts")
+    else:
+        lines.append(f"every output was checked token for token against hasten's {AUTOREGRESSIVE}: all identical")
+    return "\n".join(lines)
 
 
 def markdown(results: dict) -> str:

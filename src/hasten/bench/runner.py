@@ -84,7 +84,8 @@ def hasten_method(name: str, model, draft=None, draft_size: str | None = None, l
         drafter = make_drafter(name, draft, **settings)  # built outside the timed call
         clock = time.perf_counter()
         out = generate(model, input_ids, drafter=drafter, max_new_tokens=max_new_tokens,
-                       eos_token_id=None if stop_at_eos else [], draft_size=draft_size)
+                       eos_token_id=None if stop_at_eos else [], draft_size=draft_size,
+                       threads=None)  # torch's threads: the bench's --threads, set for its process
         seconds = time.perf_counter() - clock
         return out.sequences[0, start(input_ids) :].tolist(), out.stats, seconds
 

@@ -94,6 +94,10 @@ class Runtime:
         """A target for up to ``max_rows`` generations at once."""
         raise NotImplementedError
 
+    def warm_up(self) -> None:
+        """Pay now what this model's first forward pays once, so that the first generation does
+        not (:func:`hasten.load` calls it). Nothing by default."""
+
     def cost_key(self) -> dict:
         """What one forward's cost depends on, besides the machine (which sizing adds). This
         default names the runtime, the model and torch's threads; a runtime whose cost depends

@@ -14,7 +14,9 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.sampling import Sampling
+from ..core.generators import consume
 from ..core.stats import DecodeStats
+from ..core.threads import DEFAULT_THREADS, using_threads
 from ..drafters.base import Drafter, TargetView
 from ..core.runtime import Runtime
 from ..models.hf import runtime_of
@@ -113,6 +115,7 @@ def generate(
     logit_bias: dict[int, float] | None = None,
     allowed_token_ids: list[int] | None = None,
     min_tokens: int = 0,
+    threads: int | None = DEFAULT_THREADS,
     **model_inputs: torch.Tensor,
 ) -> GenerationOutput | BatchGenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
@@ -147,40 +150,41 @@ def generate(
     ``pixel_values=`` and whatever else its processor returns (``pixel_attention_mask``,
     ``image_sizes``, ...); the prefill reads them, decoding is text only (see
     :mod:`hasten.models.vlm`). One prompt at a time: batches take no images.
+
+    ``threads``: CPU threads torch computes with during the call, the caller's count restored
+    after it; 1 by default, as on the command line (on a busy machine torch's default of one per
+    core was 4-10x slower: :mod:`hasten.core.threads`); 0 takes every core, None leaves torch's
+    setting alone.
     """
-    sampling = Sampling(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
-                        logit_bias or (), allowed_token_ids, min_tokens)
-    stop = StopStrings(tokenizer, stop_strings or [])
-    attention = attention_path(tree_attention)
-    attention_mask, model_inputs = _image_inputs(input_ids, attention_mask, model_inputs)
-    prompts = batch_prompts(input_ids, attention_mask)
-    lossy = lossy_parts(lossy_acceptance, kv_compression)
-    if kv_compression is not None and model_inputs:
-        raise ValueError(f"kv_compression compresses a text prompt's cache; {', '.join(sorted(model_inputs))} "
-                         "cannot go with it")
-    runtime = runtime_of(model)
-    if prompts is not None:
-        if kv_compression is not None:
-            raise ValueError("kv_compression takes one prompt at a time, not a batch")
-        return _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
-                               lossy_acceptance, draft_size, stop)
-    check_inputs(runtime, input_ids, drafter, max_new_tokens, generator, model_inputs)
-    sampling.check_vocab(runtime.vocab_size)
-    stats = DecodeStats()
-    eos = eos_ids(runtime, eos_token_id)
-    acceptance = acceptance_rule(sampling, lossy_acceptance)
-    sizing = SizingChoice(draft_size).for_request(not sampling.greedy, seeded=generator is not None)
-    new: list[int] = []
-    pieces = decode(runtime, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance, sizing,
-                    stop, kv_compression, attention, **model_inputs)
-    while True:
-        try:
-            new.extend(next(pieces))
-        except StopIteration as end:
-            reason = end.value
-            break
-    head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
-    return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
+    with using_threads(threads):
+        sampling = Sampling(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
+                            logit_bias or (), allowed_token_ids, min_tokens)
+        stop = StopStrings(tokenizer, stop_strings or [])
+        attention = attention_path(tree_attention)
+        attention_mask, model_inputs = _image_inputs(input_ids, attention_mask, model_inputs)
+        prompts = batch_prompts(input_ids, attention_mask)
+        lossy = lossy_parts(lossy_acceptance, kv_compression)
+        if kv_compression is not None and model_inputs:
+            raise ValueError(f"kv_compression compresses a text prompt's cache; {', '.join(sorted(model_inputs))} "
+                             "cannot go with it")
+        runtime = runtime_of(model)
+        if prompts is not None:
+            if kv_compression is not None:
+                raise ValueError("kv_compression takes one prompt at a time, not a batch")
+            return _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
+                                   lossy_acceptance, draft_size, stop)
+        check_inputs(runtime, input_ids, drafter, max_new_tokens, generator, model_inputs)
+        sampling.check_vocab(runtime.vocab_size)
+        stats = DecodeStats()
+        eos = eos_ids(runtime, eos_token_id)
+        acceptance = acceptance_rule(sampling, lossy_acceptance)
+        sizing = SizingChoice(draft_size).for_request(not sampling.greedy, seeded=generator is not None)
+        new: list[int] = []
+        pieces = decode(runtime, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance,
+                        sizing, stop, kv_compression, attention, **model_inputs)
+        reason = consume(pieces, new.extend)
+        head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
+        return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
 
 
 def lossy_parts(lossy_acceptance, kv_compression) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ from ..core.sampling import Sampling
 from ..engine.stops import TextStream
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .metrics import CONTENT_TYPE, Metrics
-from .schema import MAX_SEED, APIError, Params, invalid, parse_body, parse_messages, parse_params, parse_prompts
+from .schema import DEFAULT_MAX_TOKENS, MAX_SEED, APIError, Params, invalid, parse_body, parse_messages, parse_params, parse_prompts
 from .worker import RowError, Sink, Worker
 
 OPEN_PATHS = ("/health",)  # answered without an API key, for load balancers' probes
@@ -48,6 +48,16 @@ class ServeOptions:
     # "raw": the model's own log-probabilities (vLLM's default); "processed": under each request's
     # logit rules and sampling transform, the law its tokens were drawn from
     logprobs_mode: str = "raw"
+    default_max_tokens: int = DEFAULT_MAX_TOKENS  # the most tokens a request that sets no max_tokens gets
+
+    def __post_init__(self) -> None:
+        if self.logprobs_mode not in ("raw", "processed"):
+            raise FieldError("logprobs_mode", "invalid_value",
+                             f"{{field}} must be raw or processed, got {self.logprobs_mode!r}")
+        if isinstance(self.default_max_tokens, bool) or not isinstance(self.default_max_tokens, int) \
+                or self.default_max_tokens < 1:
+            raise FieldError("default_max_tokens", "invalid_value",
+                             f"{{field}} must be an integer >= 1, got {self.default_max_tokens!r}")
 
 
 @dataclass
@@ -184,7 +194,9 @@ class Service:
 
     def _budget(self, prompt_tokens: int, asked: int | None, default: int | None, prompt_param: str,
                 max_param: str) -> int:
-        """max_tokens checked against the model's context; a default is cut to the room left."""
+        """max_tokens checked against the model's context. A request that sets none gets the
+        endpoint's default (None: the room left, as OpenAI's chat), at most the operator's
+        ``default_max_tokens`` and the room left."""
         if self.context is None:
             room = UNBOUNDED_MAX_TOKENS
         elif self.engine.runtime.encoder_decoder:  # the prompt is read by the encoder
@@ -196,7 +208,7 @@ class Service:
                                         f"{self.context} positions leaves no room for a new one",
                           "context_length_exceeded")
         if asked is None:
-            return room if default is None else min(default, room)
+            return min(room, self.options.default_max_tokens, room if default is None else default)
         if asked > room:
             raise invalid(max_param, f"'{max_param}' is {asked}, but the prompt has {prompt_tokens} tokens and the "
                                      f"model's context leaves room for at most {room} new tokens",
@@ -437,7 +449,13 @@ class Service:
     async def _stream(self, gens: list[Generation], kind: str, head: dict, params: Params) -> AsyncIterator[str]:
         chat = kind == "chat"
         head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
-        extra = {"usage": None} if params.include_usage else {}
+
+        def extra(index: int) -> dict:
+            """An event's usage: none unless asked; with continuous_usage_stats the choice's so far
+            (its prompt and the tokens it generated), as vLLM; else null until the last event."""
+            if not params.include_usage:
+                return {}
+            return {"usage": self._usage([gens[index]], 1) if params.continuous_usage else None}
 
         def chunk(index: int, piece: str | None, reason: str | None, logprobs: dict | None = None, **more) -> str:
             if chat:
@@ -445,7 +463,7 @@ class Service:
                 choice = {"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}
             else:
                 choice = {"index": index, "text": piece or "", "finish_reason": reason, "logprobs": logprobs}
-            return sse({**head, "choices": [choice], **extra, **more})
+            return sse({**head, "choices": [choice], **extra(index), **more})
 
         offsets = [0] * len(gens)  # each completion choice's text_offset so far
 
@@ -466,7 +484,7 @@ class Service:
         if chat:  # OpenAI opens a chat stream with the assistant's role, once per choice
             for index in range(len(gens)):
                 yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                "finish_reason": None, "logprobs": None}], **extra})
+                                                "finish_reason": None, "logprobs": None}], **extra(index)})
         lasts = [None] * len(gens)
         try:
             # aclosing: when the client leaves, the rows' generators close (and cancel) at once
@@ -511,8 +529,11 @@ class Service:
                 "queued_seconds": round(update.queued_seconds, 6)}
 
     def _model_card(self) -> dict:
+        """OpenAI's card, with vLLM's ``max_model_len`` (the context; null where the model sets
+        none) and what hasten adds: the method and the default max_tokens."""
         return {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "hasten",
-                "method": self.engine.method}
+                "max_model_len": self.context, "method": self.engine.method,
+                "default_max_tokens": self.options.default_max_tokens}
 
 
 class EventStream(StreamingResponse):

@@ -14,6 +14,7 @@ from ..arguments import (
 )
 from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
+from .schema import DEFAULT_MAX_TOKENS
 
 EXTRA = "pip install 'hasten[serve]'"
 SERVER_MODULES = ("starlette", "uvicorn", "prometheus_client")
@@ -49,6 +50,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens prefilled per decode step at most (one request always gets in): new "
                         "requests join a few per step, so a burst of long prompts does not stall running streams "
                         "(default 2048)")
+    parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                        help="the most tokens a request that sets no max_tokens generates (a completion's default "
+                        f"stays OpenAI's 16); GET /v1/models shows it (default {DEFAULT_MAX_TOKENS}: OpenAI's chat "
+                        "default, the room left in the context, kept a CPU busy for minutes)")
     parser.add_argument("--max-body-bytes", type=int, default=1 << 20, metavar="N",
                         help="largest request body accepted; larger ones get 413 (default 1 MiB)")
     parser.add_argument("--logprobs-mode", default="raw", choices=("raw", "processed"),
@@ -71,7 +76,8 @@ def run_serve(args: argparse.Namespace) -> int:
     require_extra("serve", SERVER_MODULES)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
-    at_least(args, 1, "max_batch", "max_tokens_in_flight", "max_prefill_tokens", "max_body_bytes")
+    at_least(args, 1, "max_batch", "max_tokens_in_flight", "max_prefill_tokens", "max_body_bytes",
+             "default_max_tokens")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
     settings_cls = getattr(REGISTRY.get(args.method), "Settings", None)
@@ -92,19 +98,20 @@ def run_serve(args: argparse.Namespace) -> int:
             raise UserError("--backend llama.cpp runs the GGUF file's own quantisation on the CPU: "
                             "drop --dtype/--device")
         engine = load(args.model, args.method, draft=args.draft, backend="llama.cpp", draft_size=args.draft_size,
-                      **method_kwargs)
+                      threads=args.threads, **method_kwargs)
     else:
         engine = load(args.model, args.method, draft=args.draft, device=device, dtype=torch_dtype(args.dtype),
-                      draft_size=args.draft_size, **method_kwargs)
+                      draft_size=args.draft_size, threads=args.threads, **method_kwargs)
     # on llama.cpp the Scheduler's rows are sequences of one llama.cpp context (LlamaCppBatch)
     make_scheduler = scheduler_factory(engine, args.max_batch, args.max_tokens_in_flight, args.max_prefill_tokens)
     name = args.served_model_name or args.model
-    options = ServeOptions(name, args.api_key, args.max_body_bytes, args.logprobs_mode)
+    options = ServeOptions(name, args.api_key, args.max_body_bytes, args.logprobs_mode, args.default_max_tokens)
     app = create_app(engine, make_scheduler, options)
     if args.api_key is None and not is_loopback(args.host):
         print(f"hasten serve: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    print(f"hasten serve: model {name!r}, method {args.method}, max batch {args.max_batch}; "
+    print(f"hasten serve: model {name!r}, method {args.method}, max batch {args.max_batch}, "
+          f"{args.default_max_tokens} tokens at most for a request that sets no max_tokens; "
           f"OpenAI API at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0
