@@ -364,15 +364,40 @@ def test_cli_bench_counts_differences_when_asked_and_records_device_and_dtype(tm
     monkeypatch.setattr(bench_cli, "hf_method", lambda name, model, draft=None: corrupted(real(name, model, draft), 2))
     args = bench_args(checkpoints, tmp_path, "--tasks", "complete", "--methods", "autoregressive",
                       "--baselines", "hf_generate", "--count-differences", "--dtype", "bfloat16")
-    assert main(args) == 0
+    assert main(args) == 1  # counted and classified; a hasten method's defect still fails the run
     results = json.loads((tmp_path / "results.json").read_text())
     rows = {row["method"]: row for row in results["by_category"][OVERALL]}
     assert rows["corrupt"]["identical"] == "0/1" and rows[AUTOREGRESSIVE]["identical"] == "1/1"
     assert [task.get("first_difference") for task in results["by_task"]] == [{"corrupt": 2}]  # planted at 2
+    found = results["by_task"][0]["difference_classes"]["corrupt"]
+    assert found["position"] == 2 and found["verdict"] == "defect" and found["rank"] > 1  # not even the runner-up
+    assert found["rounding"] == 0.0  # bfloat16 blocks are invariant: a block gives the step's logits
     assert (results["settings"]["device"], results["settings"]["dtype"]) == ("cpu", "bfloat16")
-    assert capsys.readouterr().out.splitlines()[-1] == (
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-2] == (
         "outputs compared token for token with hasten's autoregressive and differences counted "
         "(--count-differences): corrupt differed on some prompts")
+    assert captured.out.splitlines()[-1] == "  corrupt: first differences: 1 defect"
+    assert "LOSSLESSNESS FAILURE: outputs differ beyond rounding: corrupt on complete-1 at new token 2" in captured.err
+    assert "| complete-1 | corrupt | 2 |" in (tmp_path / "results.md").read_text()
+
+
+def test_a_differing_token_is_a_near_tie_only_as_the_runner_up_within_rounding():
+    from hasten.bench.differences import classify, verdict
+    from helpers import hf_greedy
+
+    assert verdict(1, 0.01, 0.02) == "near-tie"
+    assert verdict(1, 0.03, 0.02) == "defect"  # the margin was wider than any rounding measured
+    assert verdict(2, 0.0, 0.02) == "defect"  # the third choice is no near-tie
+    model = tiny_model("llama")
+    prompt = repetitive_prompt(12)
+    reference = hf_greedy(model, prompt, 6, eos_token_id=None)[0, 12:].tolist()
+    logits = model(torch.cat([prompt, torch.tensor([reference[:3]])], 1)).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    found = classify(model, prompt, reference, reference[:3] + [runner_up] + reference[4:], own_method=False)
+    top = logits.topk(2).values
+    assert found["position"] == 3 and found["rank"] == 1
+    assert abs(found["margin"] - float(top[0] - top[1])) < 1e-4 and found["rounding"] < 1e-4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without CUDA")

@@ -20,7 +20,7 @@ from ..drafters.base import REGISTRY
 from .runner import (
     HF_BASELINES, LosslessnessError, check_lengths, hasten_method, hasten_method_names, hf_method, run_bench,
 )
-from . import llamacpp, vllm_cpu
+from . import differences, llamacpp, vllm_cpu
 from .chat_tasks import CHAT_CATEGORIES, chat_tasks, has_chat_template, task_input_ids
 from .gec_tasks import GEC_CATEGORIES, gec_tasks
 from .spec_bench import second_turns, spec_bench_tasks
@@ -333,7 +333,8 @@ def run(args: argparse.Namespace) -> int:
     )
     machine = machine_info()  # before the run, so the load average shows only other work
     try:
-        measured = run_bench(methods, tasks, input_ids, args.max_new_tokens, args.repeats, args.progress)
+        measured = run_bench(methods, tasks, input_ids, args.max_new_tokens, args.repeats, args.progress,
+                             explain=differences.explainer(model))
     except LosslessnessError as err:
         print(f"hasten bench: LOSSLESSNESS FAILURE: {err}", file=sys.stderr)
         return 1
@@ -341,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
         for method in methods:
             if method.close:
                 method.close()
+    methods_by_name = {method.name: method for method in methods}
     results = {
         "command": command_line(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -358,6 +360,14 @@ def run(args: argparse.Namespace) -> int:
     paths = write_report(results, args.out)
     print(terminal_summary(results))
     print(f"hasten bench: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    defects = [f"{method} on {task['task']} at new token {found['position']} (margin {found['margin']:.3g}, "
+               f"rounding {found['rounding']:.3g}, rank {found['rank'] + 1})"
+               for task in results["by_task"] for method, found in task.get("difference_classes", {}).items()
+               if found["verdict"] == "defect" and methods_by_name[method].kind == "hasten"]
+    if defects:  # a near-tie is rounding; anything else from hasten's own methods is a bug
+        print("hasten bench: LOSSLESSNESS FAILURE: outputs differ beyond rounding: " + "; ".join(defects),
+              file=sys.stderr)
+        return 1
     return 0
 
 

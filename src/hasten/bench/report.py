@@ -20,8 +20,8 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else (f"{value:.2f}" if digits == 2 else f"{value:.{digits}g}")
 
 
 def _mb(value: int | None) -> str:
@@ -106,7 +106,20 @@ def terminal_summary(results: dict) -> str:
                      f"(--count-differences): {', '.join(differ)} differed on some prompts")
     else:
         lines.append(f"every output was checked token for token against hasten's {AUTOREGRESSIVE}: all identical")
+    lines += difference_lines(results)
     return "\n".join(lines)
+
+
+def difference_lines(results: dict) -> list[str]:
+    """Per method whose outputs differed: how many first differences were near-ties (the
+    runner-up within measured rounding) and how many were not (bench/differences.py)."""
+    verdicts: dict[str, dict[str, int]] = {}
+    for task in results["by_task"]:
+        for method, found in task.get("difference_classes", {}).items():
+            counts = verdicts.setdefault(method, {})
+            counts[found["verdict"]] = counts.get(found["verdict"], 0) + 1
+    return [f"  {method}: first differences: " + ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items()))
+            for method, counts in verdicts.items()]
 
 
 def markdown(results: dict) -> str:
@@ -157,11 +170,30 @@ def markdown(results: dict) -> str:
         for r in results["by_category"][OVERALL] if "median_verify_seconds" in r
     ]
     lines += _needle_lines(results)
+    lines += _difference_table(results)
     hits = {t["task"]: t.get("needle_hit") for t in results["by_task"]}
     lines += ["", "## Prompts", "", "| task | category | prompt tokens | needle hit | source |", "|---" * 5 + "|"]
     lines += [f"| {t['name']} | {t['category']} | {t['prompt_tokens']} | {_yes_no(hits.get(t['name']))} | "
               f"{t['source']} |" for t in results["tasks"]]
     return "\n".join(lines) + "\n"
+
+
+def _difference_table(results: dict) -> list[str]:
+    """Every first difference with its classification (bench/differences.py)."""
+    rows = [(task["task"], method, found) for task in results["by_task"]
+            for method, found in task.get("difference_classes", {}).items()]
+    if not rows:
+        return []
+    lines = ["", "## First differences from hasten's autoregressive output", "",
+             "margin: the reference's top-2 logit gap there; rounding: the measured difference of the two "
+             "computations' logits there (hasten methods: a verification block against one-token steps; "
+             "other implementations: the model's own PyTorch forward against hasten's); rank 2: the "
+             "differing token was the reference's runner-up.", "",
+             "| task | method | new token | margin | rounding | rank | verdict |", "|---" * 7 + "|"]
+    lines += [f"| {task} | {method} | {found['position']} | {_num(found.get('margin'), 4)} | "
+              f"{_num(found.get('rounding'), 4)} | {found['rank'] + 1 if 'rank' in found else '-'} | "
+              f"{found['verdict']} |" for task, method, found in rows]
+    return lines
 
 
 def _yes_no(value: bool | None) -> str:
