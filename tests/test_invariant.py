@@ -19,7 +19,7 @@ from hasten.core.tree import TokenTree
 from hasten.drafters.base import REGISTRY, create
 from hasten.kernels import ops
 from hasten.models import cache as kv
-from hasten.models import invariant, packed
+from hasten.models import forwards, invariant
 from hasten.models.adapter import ModelAdapter
 from helpers import DEVICE, VOCAB, ScriptedDrafter, TreeScriptedDrafter, assert_scripted_stats, repetitive_prompt, tiny_model
 
@@ -161,7 +161,7 @@ FAMILIES = {
 TREE = TokenTree((-1, 0, 0, 1, 1, 2, 3, 6, -1, 8))
 
 
-def half_model(family: str, dtype: torch.dtype):
+def prepared_model(family: str, dtype: torch.dtype):
     torch.manual_seed(0)
     model = FAMILIES[family]().eval().to(dtype)
     assert invariant.prepare(model)
@@ -176,9 +176,9 @@ def steps_along(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("dtype", HALF, ids=["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", [torch.float32, *HALF], ids=["float32", "bfloat16", "float16"])
 def test_block_positions_equal_one_token_steps_bit_for_bit(family, dtype):
-    model = half_model(family, dtype)
+    model = prepared_model(family, dtype)
     generator = torch.Generator().manual_seed(3)
     for cached in (1, 17, 70):
         prompt = torch.randint(3, VOCAB, (cached + 1,), generator=generator).tolist()
@@ -199,17 +199,46 @@ def test_block_positions_equal_one_token_steps_bit_for_bit(family, dtype):
         kv.crop(adapter.cache, cached)
 
 
-def test_outside_hasten_the_model_runs_pytorchs_kernels():
-    model = half_model("llama", torch.bfloat16)
-    plain = tiny_model("llama").to(torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_outside_hasten_the_model_runs_pytorchs_kernels(dtype):
+    model = prepared_model("llama", dtype)
+    plain = tiny_model("llama").to(dtype)
     ids = repetitive_prompt(20)
     assert torch.equal(model(ids).logits, plain(ids).logits)  # F.linear and sdpa, as before prepare
-    with packed.active():
+    with forwards.active():
         assert not torch.equal(model(ids).logits, plain(ids).logits)  # the invariant kernels
+    assert {type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__} == {"InvariantLinear"}
+
+
+def test_a_changed_weight_is_packed_again_and_the_cost_key_names_the_kernels():
+    from hasten.models.hf import HuggingFaceRuntime
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(16, 8)
+    layer.__class__, layer._packed, layer._packed_of = invariant.InvariantLinear, None, None
+    x = torch.randn(4, 16)
+    with forwards.active():
+        first = layer(x)
+        with torch.no_grad():
+            layer.weight.mul_(2)
+        second = layer(x)
+    assert torch.allclose(second - layer.bias, 2 * (first - layer.bias), atol=1e-5)
+    key = HuggingFaceRuntime(tiny_model("llama")).cost_key()
+    assert key["linear"] == ["InvariantLinear"] and key["kernels"] == invariant.kernel_path()
 
 
 def test_where_invariant_forwards_do_not_apply(monkeypatch):
-    assert not invariant.prepare(tiny_model("llama"))  # float32 keeps its own path (models/packed.py)
+    from hasten.models.quantize import quantize
+
+    int8 = quantize(tiny_model("llama"), "int8")  # its own row-by-row attention and int8 layers stay
+    assert not invariant.prepare(int8) and not any(isinstance(m, invariant.InvariantLinear) for m in int8.modules())
+    model = tiny_model("llama")
+    monkeypatch.setattr(invariant, "_available_bytes", lambda: 1000)  # no room for the packed copies
+    assert not invariant.prepare(model) and "quarter of the available memory" in invariant.unavailable(model)
+    monkeypatch.undo()
+    assert invariant.prepare(model)
+    monkeypatch.setattr(invariant, "_available_bytes", lambda: 0)  # the copies made since took the room
+    assert invariant.prepare(model)  # prepared before: it stays prepared
     monkeypatch.setenv("HASTEN_INVARIANT", "0")
     assert not invariant.prepare(tiny_model("llama").to(torch.bfloat16))
     assert invariant.unavailable() == "HASTEN_INVARIANT=0"
@@ -223,7 +252,7 @@ TRAINED = sorted(name for name, cls in REGISTRY.items() if cls.Training is not N
 
 @pytest.fixture(scope="module")
 def bf16_setup():
-    model = half_model("llama", torch.bfloat16)
+    model = prepared_model("llama", torch.bfloat16)
     prompt = repetitive_prompt(20, seed=1)
     reference = hasten.generate(model, prompt, max_new_tokens=NEW).sequences  # plain decoding, same kernels
     return model, prompt, reference
@@ -250,7 +279,7 @@ def test_training_free_drafters_in_bfloat16(bf16_setup, name):
     model, prompt, reference = bf16_setup
     if REGISTRY[name].needs_draft_model:
         settings = {"group_size": 1} if name == "easyspec" else {}
-        for draft in (half_model("llama", torch.bfloat16), tiny_model("llama", seed=7).to(torch.bfloat16)):
+        for draft in (prepared_model("llama", torch.bfloat16), tiny_model("llama", seed=7).to(torch.bfloat16)):
             check(model, prompt, reference, create(name, model=draft, **settings))
     else:
         check(model, prompt, reference, create(name))

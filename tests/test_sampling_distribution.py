@@ -23,7 +23,7 @@ from hasten.core.tree import TokenTree
 from hasten.drafters import DraftModel, Lookahead, PromptLookup
 from hasten.engine import verify
 from hasten.engine.verify import SpeculativeSampling, Verdict
-from hasten.models import packed
+from hasten.models import forwards
 from helpers import DEVICE, ScriptedDrafter, tiny_model
 from test_verify_law import bound, p_instead_of_the_residual_at_depth_2
 
@@ -49,7 +49,7 @@ def next_probs(model, sampling: Sampling, continuation: tuple[int, ...]) -> torc
     its invariant kernels there: models/invariant.py)."""
     ids = PROMPT if not continuation else torch.cat(
         [PROMPT, torch.tensor([continuation], dtype=torch.long, device=DEVICE)], 1)
-    with packed.active():
+    with forwards.active():
         return sampling.probs(model(ids).logits[0, -1].float())
 
 

@@ -11,7 +11,7 @@ import hasten
 from hasten.core.errors import FieldError
 from hasten.core.threads import DEFAULT_THREADS, using_threads
 from hasten.drafters import PromptLookup
-from hasten.models import packed
+from hasten.models import invariant
 from helpers import hf_greedy, repetitive_prompt, save_checkpoint, tiny_model
 
 
@@ -67,7 +67,7 @@ def test_a_bad_thread_count_is_refused_naming_the_field(threads):
 
 
 def test_load_warms_the_model_up_so_the_first_generation_pays_no_packing(tmp_path):
-    """A float32 CPU model's first forward packs its weights for oneDNN (hasten.models.packed):
+    """A CPU model's first forward packs its weights for hasten's kernels (hasten.models.invariant):
     on SmolLM2 the first chat's prefill cost 4x the next ones. hasten.load pays it instead."""
     config = tf.LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -75,12 +75,12 @@ def test_load_warms_the_model_up_so_the_first_generation_pays_no_packing(tmp_pat
     tf.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     save_checkpoint(tmp_path / "tokenizer")  # the test tokenizer, beside the model
     engine = hasten.load(str(tmp_path), "autoregressive", tokenizer=str(tmp_path / "tokenizer"))
-    if not packed.eligible(engine.model):
-        pytest.skip("no oneDNN packed linear ops here")
+    if not invariant.is_prepared(engine.model):
+        pytest.skip(f"hasten's kernels do not run here: {invariant.unavailable(engine.model)}")
 
     def packed_weights() -> list:  # each layer's packed copy, and the lean forward's fused ones
         return [id(m.__dict__.get("_packed")) for m in engine.model.modules()] + [
-            id(m.__dict__.get("_hasten_fused")) for m in engine.model.modules()]
+            id(m.__dict__.get("_hasten_invariant_fused")) for m in engine.model.modules()]
 
     warm = packed_weights()
     engine.generate("def add(a, b):", max_new_tokens=4)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models import packed
+from ..models import forwards
 from ..models.adapter import ModelAdapter
 from ..models.hf import runtime_of
 
@@ -49,7 +49,7 @@ def classify(model, input_ids: torch.Tensor, reference: list[int], output: list[
     if own_method:
         other = _block_logits(model, prefix)
     else:
-        with packed.active(False):  # the model's own forward: PyTorch's kernels, as generate runs them
+        with forwards.active(False):  # the model's own forward: PyTorch's kernels, as generate runs them
             other = model(torch.tensor([prefix], device=model.device)).logits[0, -1].float()
     entry["rounding"] = float((other - step).abs().max())
     entry["verdict"] = verdict(entry["rank"], entry["margin"], entry["rounding"])

@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 from . import cache as kv
 from .attention import MaskedTree, kv_heads_in_place
 from .compat import cache_argument
-from . import invariant, lean, packed, vlm
+from . import forwards, invariant, lean, vlm
 from .layers import attention_mask, forward_with_placeholders, last_queries, model_name  # model_name: also imported from here
 from ..core.tree import TokenTree
 
@@ -152,8 +152,8 @@ class ModelAdapter:
         only the last k positions' logits (a prefill needs none of them). ``riders`` add
         placeholder positions after every block position (see :class:`Riders`); their
         logits come back in ``ForwardOutput.riders``. ``model_inputs``: extra keywords of
-        the model's forward (a VLM prefill's images). A float32 CPU model's large linear layers
-        run on packed weights here (models/packed.py)."""
+        the model's forward (a VLM prefill's images). A CPU model's linear layers and attention
+        run hasten's row-invariant kernels here (models/invariant.py)."""
         if riders is not None:
             return self._forward_with_riders(block, tree, hidden, riders)
         past = kv.length(self.cache)
@@ -173,12 +173,12 @@ class ModelAdapter:
         ids_key = "decoder_input_ids" if self.encoder_decoder else "input_ids"
         path = self.tree_attention if "attention_mask" in kwargs else MaskedTree()  # only tree blocks have a mask
         if not hidden and not model_inputs and type(path) is MaskedTree and lean.usable(self.model, self._lean_modules):
-            with packed.active():
+            with forwards.active():
                 logits = lean.forward(self.model, ids, self.cache, kwargs["position_ids"], kwargs.get("attention_mask"),
                                       logits_to_keep)
             self._check_rollback()
             return ForwardOutput(logits.float(), None)
-        with path.active(self.model), kv_heads_in_place(self.model, len(block), past), packed.active():
+        with path.active(self.model), kv_heads_in_place(self.model, len(block), past), forwards.active():
             out = self.model(
                 **{ids_key: ids}, **cache_argument(self.model, self.cache), use_cache=True, output_hidden_states=hidden, **kwargs
             )
@@ -214,7 +214,7 @@ class ModelAdapter:
         ids = torch.tensor([block], dtype=torch.long, device=self.device)  # [1, block]
         allowed, positions = self._tree_layout(tree, past)
         every_position = torch.arange(size, device=self.device)[None]  # [1, block]: each one anchors riders
-        with kv_heads_in_place(self.model, size * (1 + riders.count), past), packed.active():
+        with kv_heads_in_place(self.model, size * (1 + riders.count), past), forwards.active():
             out = forward_with_placeholders(
                 self.model, ids, allowed, positions, every_position,
                 riders.count, riders.layer, riders.transfer, past_positions=torch.arange(past, device=self.device),

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import cache as kv
-from . import packed
+from . import forwards
 from .adapter import ForwardOutput, ModelAdapter, vocab_size
 from .attention import kv_heads_in_place
 from .compat import cache_argument
@@ -194,7 +194,7 @@ class BatchAdapter:
         ids, block_mask, query_pos = ids.to(self.device), block_mask.to(self.device), query_pos.to(self.device)
         allowed = torch.cat([self.valid[:, None, :].expand(count, width, past), block_mask], dim=2)  # [rows, width, past + width]
         key_pos = torch.cat([self.key_pos, query_pos], dim=1)  # [rows, past + width]
-        with kv_heads_in_place(self.model, width, past), packed.active():
+        with kv_heads_in_place(self.model, width, past), forwards.active():
             out = self.model(
                 input_ids=ids, **cache_argument(self.model, self.cache), use_cache=True, output_hidden_states=hidden,
                 attention_mask=attention_mask(self.model, allowed, query_pos, key_pos), position_ids=query_pos,

@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.runtime import Capability, Runtime
-from . import invariant, lean, packed, vlm
+from . import invariant, lean, vlm
 from .adapter import ModelAdapter, decoder_start_token, vocab_size
 from .attention import MaskedTree
 from .batch import BatchAdapter
@@ -44,11 +44,9 @@ class HuggingFaceRuntime(Runtime):
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
-        # a float32 CPU model runs hasten's forwards on packed weights (models/packed.py);
-        # before the cost key is read, since its layers' class names are part of it
-        self.packed_weights = packed.prepare(model)
-        # a bfloat16 or float16 CPU model: forwards whose every position gets a one-token step's
-        # numbers (models/invariant.py), so speculative decoding equals plain decoding bit for bit
+        # a CPU model runs hasten's forwards on its row-invariant kernels, so that every position
+        # of a block gets a one-token step's numbers (models/invariant.py); before the cost key is
+        # read, since its layers' class names are part of it
         self.invariant = invariant.prepare(model)
         self.label = model_name(model)
         self.source = model.config._name_or_path
@@ -84,8 +82,8 @@ class HuggingFaceRuntime(Runtime):
         return BatchAdapter(self.model)
 
     def warm_up(self, tokens: int = 8) -> None:
-        """A short prefill. A model's first forward packs its weights for oneDNN (packed.py), fuses
-        the lean forward's and builds kernels: on SmolLM2 a first chat's prefill took 0.53 s where
+        """A short prefill. A model's first forward packs its weights for hasten's kernels
+        (models/invariant.py), fuses the lean forward's and builds the kernels: on SmolLM2 a first chat's prefill took 0.53 s where
         later ones took 0.12 s (one thread, idle machine), and 2.45 s on a busy one (issue 44)."""
         tokens = min(tokens, self.context_length or tokens)
         ids = [3 + (7 * i) % max(self.vocab_size - 3, 1) for i in range(tokens)]  # any ids will do

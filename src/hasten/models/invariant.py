@@ -1,15 +1,15 @@
-"""Forwards whose every position gets a one-token step's numbers, by construction: bfloat16 and
-float16 models on the CPU.
+"""Forwards whose every position gets a one-token step's numbers, by construction: every CPU
+model in float32, bfloat16 or float16.
 
 Verifying a block of k draft tokens runs one forward over k positions where plain decoding runs
 k forwards of one. Library kernels choose their blocking, their vector path and their split of
 a reduction by the number of rows, so the k rows come out rounded otherwise than k lone rows
-(on this project's 2-core AMD EPYC, oneDNN's bfloat16 product of a 1,536-input layer already
-differs from 2 rows on); in bfloat16 a near-tie between the top two logits then flips, and
-speculative decoding writes other text than plain decoding. Here the two reductions whose order
-a library picks, the linear layers and attention, run hasten's own kernels (``hasten/kernels/
-invariant.c``), which fix each output element's sequence of operations whatever the rows,
-threads or instruction set:
+(on this project's 2-core AMD EPYC, oneDNN's bfloat16 and float32 products of a 1,536-input
+layer already differ from 2 rows on); where the top two logits are that close, the argmax flips
+and speculative decoding writes other text than plain decoding (in bfloat16 on 11 of 18
+Spec-Bench questions). Here the two reductions whose order a library picks, the linear layers
+and attention, run hasten's own kernels (``hasten/kernels/invariant.c``), which fix each output
+element's sequence of operations whatever the rows, threads or instruction set:
 
 * :class:`InvariantLinear`: every ``nn.Linear`` (the LM head included) on a packed copy of its
   weight; each output is a float32 fused multiply-add chain over the inputs in order;
@@ -20,7 +20,15 @@ threads or instruction set:
 
 The rest of a forward is PyTorch's own element-wise operations and row-wise norms, which
 compute each row alone (tests/test_invariant.py checks a block's every position against
-one-token steps, bit for bit, on tiny Llama, Qwen2 and Gemma models in both dtypes).
+one-token steps, bit for bit, on tiny Llama, Qwen2, Gemma and GPT-2 models in every dtype).
+The kernels are also the faster path here: on SmolLM2-135M a float32 step and a block of 6
+cost less than on oneDNN's packed weights, and a bfloat16 step half of PyTorch's (docs/cpu.md).
+
+Not prepared: models whose attention is another of hasten's (the int8 row-by-row attention of
+models/quantize.py keeps its own, and its linear layers are not ``nn.Linear``), models whose
+attention does not go through transformers' attention interface (their linear layers still
+run the kernels, without the guarantee), and models whose weights' packed copy would take more
+than a quarter of the available memory.
 
 Outside hasten's forwards (a Hugging Face ``generate`` of the same model object, training)
 both fall back to PyTorch (``F.linear`` and sdpa), so the model is the user's own. Where the
@@ -41,9 +49,10 @@ from transformers.pytorch_utils import Conv1D
 
 from .. import kernels
 from ..kernels import ops
-from . import packed
+from . import forwards
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+HALF = (torch.bfloat16, torch.float16)
 ATTENTION = "hasten_invariant"
 _masks = threading.local()  # .last: (mask tensor, rows, KeyLists per batch row) of the latest call
 
@@ -57,6 +66,11 @@ def unavailable(model: PreTrainedModel | None = None) -> str | None:
             return f"the model is on {model.device.type}, and hasten's invariant kernels run on the CPU"
         if model.dtype not in DTYPES:
             return f"{model.dtype} models keep their own kernels"
+        attention = getattr(model.config, "_attn_implementation", None)
+        if attention not in (None, "sdpa", "eager", ATTENTION):
+            return f"the model's attention is {attention!r}, which it keeps"
+        if not is_prepared(model) and not _room_for_copies(model):
+            return "a packed copy of its linear weights would take more than a quarter of the available memory"
     return kernels.unavailable()
 
 
@@ -68,7 +82,28 @@ def kernel_path() -> str:
 
 
 def eligible(model: PreTrainedModel) -> bool:
-    return unavailable(model) is None and callable(getattr(model, "set_attn_implementation", None))
+    return unavailable(model) is None
+
+
+def _linear_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if type(m) in (nn.Linear, Conv1D, InvariantLinear, InvariantConv1D)]
+
+
+def _room_for_copies(model: nn.Module) -> bool:
+    needed = sum(m.weight.numel() * m.weight.element_size() for m in _linear_layers(model))
+    available = _available_bytes()
+    return available is None or needed <= available // 4
+
+
+def _available_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as info:
+            for line in info:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 class InvariantLinear(nn.Linear):
@@ -79,7 +114,7 @@ class InvariantLinear(nn.Linear):
     _packed_of: tuple[int, int] | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if packed.is_active() and x.dtype == self.weight.dtype:
+        if forwards.is_active() and x.dtype == self.weight.dtype:
             return ops.linear(x, self.packed_weight(), self.bias)
         return F.linear(x, self.weight, self.bias)
 
@@ -100,7 +135,7 @@ class InvariantConv1D(Conv1D):
     _packed_of: tuple[int, int] | None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        if packed.is_active() and x.dtype == self.weight.dtype:
+        if forwards.is_active() and x.dtype == self.weight.dtype:
             return ops.linear(x, self.packed_weight(), self.bias)
         return super().forward(x)
 
@@ -135,8 +170,10 @@ def fused_weight(owner: nn.Module, layers: tuple[nn.Linear, ...]) -> tuple[ops.P
 
 def prepare(model: PreTrainedModel) -> bool:
     """Give ``model`` invariant forwards (idempotent): its linear layers become
-    :class:`InvariantLinear` and its attention implementation ``hasten_invariant`` (sdpa
-    outside hasten's forwards). Returns whether it has them."""
+    :class:`InvariantLinear` (GPT-2's Conv1D :class:`InvariantConv1D`) and its attention
+    implementation ``hasten_invariant`` (sdpa outside hasten's forwards). Returns whether it
+    has both; a model whose attention cannot be switched keeps its own, its linear layers
+    still run the kernel."""
     if not eligible(model):
         return False
     swaps = {nn.Linear: InvariantLinear, Conv1D: InvariantConv1D}
@@ -144,10 +181,13 @@ def prepare(model: PreTrainedModel) -> bool:
         if type(module) in swaps:
             module.__class__ = swaps[type(module)]
             module._packed, module._packed_of = None, None
-    if model.config._attn_implementation != ATTENTION:
+    if not is_prepared(model) and getattr(type(model), "_supports_attention_backend", False):
         register()
-        model.set_attn_implementation(ATTENTION)
-    return True
+        try:
+            model.set_attn_implementation(ATTENTION)
+        except (ValueError, NotImplementedError):  # this architecture picks its attention otherwise
+            return False
+    return is_prepared(model)
 
 
 def is_prepared(model: nn.Module) -> bool:
@@ -195,7 +235,7 @@ def invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
 
     unsupported = (dropout or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None
                    or query.dtype not in DTYPES or key.dtype != query.dtype or query.device.type != "cpu")
-    if not packed.is_active() or unsupported:
+    if not forwards.is_active() or unsupported:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     batch, heads, rows, dim = query.shape

@@ -1,4 +1,4 @@
-"""A Llama-family forward with fewer operations, for float32 models on the CPU.
+"""A Llama-family forward with fewer operations, for CPU models on hasten's kernels.
 
 A decode step of SmolLM2-135M on one CPU thread spends about 41 ms in its linear layers and,
 under Hugging Face's modules, about 18 ms in everything else (norms, rotary embedding, cache,
@@ -7,12 +7,14 @@ them); the same operations called directly cost about 13 ms (measured November 2
 2-core development VM, linear layers stubbed out). vLLM's CPU step is fused kernels throughout;
 this is the part of that which keeps Hugging Face's numbers: :func:`forward` runs **the same
 tensor operations, in the same order, on the same weights** as transformers' Llama and Qwen2
-decoder (its RMSNorm formula, ``rotate_half`` rotary embedding, grouped-query SDPA with the mask
-transformers builds, SiLU-gated MLP), so its logits equal the model's own forward bit for bit
-(tests/test_lean.py checks them, one token, blocks, trees and prefills), only with less around them.
+decoder (its RMSNorm formula, ``rotate_half`` rotary embedding, the attention the model is
+prepared with (hasten's row-invariant kernel, models/invariant.py), SiLU-gated MLP), so its
+logits equal the model's own forward bit for bit (tests/test_lean.py checks them, one token,
+blocks, trees and prefills), only with less around them.
 
 Where it runs (:func:`usable`): a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (without sliding
-windows) in float32 on the CPU, in eval mode, on transformers' sdpa attention, with a rotary
+windows) prepared for hasten's kernels on the CPU (models/invariant.py: float32, bfloat16 or
+float16), in eval mode, on their attention, with a rotary
 embedding whose frequencies do not change with the input ("default", "linear", "llama3"), and
 with no forward hooks anywhere in the model (drafters that read the target's modules hook them;
 those forwards take the model's own path). Everything else, and any forward that asks for
@@ -30,7 +32,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from . import invariant, packed
+from . import invariant
 from ..kernels import ops
 
 MODEL_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -43,9 +45,7 @@ def eligible(model: PreTrainedModel) -> bool:
         return False
     config = model.config
     rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
-    kernels = ((model.dtype == torch.float32 and config._attn_implementation == "sdpa")
-               or (model.dtype in invariant.DTYPES and invariant.is_prepared(model)))
-    return (model.device.type == "cpu" and kernels
+    return (model.device.type == "cpu" and invariant.is_prepared(model)
             and config.hidden_act == "silu" and rope in STATIC_ROPE and not getattr(config, "use_sliding_window", False)
             and getattr(config, "pretraining_tp", 1) == 1)
 
@@ -63,39 +63,15 @@ def usable(model: PreTrainedModel, modules: list[nn.Module] | None) -> bool:
     generation), else None. Usable when nothing needs the model's modules: eval mode, its
     attention still transformers' sdpa (query capture switches it for a forward) and no hooks
     (checked at every forward, since drafters hook targets as they begin)."""
-    return (modules is not None and not model.training
-            and model.config._attn_implementation in ("sdpa", invariant.ATTENTION) and not hooked(modules))
+    return (modules is not None and not model.training and invariant.is_prepared(model) and not hooked(modules))
 
 
 def fused_linear(owner: nn.Module, layers: tuple[nn.Linear, ...], h: torch.Tensor) -> torch.Tensor | None:
-    """``layers`` (reading the same input ``h`` [..., in]) as one product [..., sum of outs], on
-    the packed float32 weights or the invariant kernel's; None where they cannot be fused."""
+    """``layers`` (reading the same input ``h`` [..., in]) as one product [..., sum of outs]:
+    the kernel computes each output feature alone, so the fused product has every layer's own
+    bits; None where they cannot be fused."""
     fused = invariant.fused_weight(owner, layers)
-    if fused is not None:
-        return ops.linear(h, fused[0], fused[1])
-    fused = fused_weight(owner, layers)
-    return None if fused is None else packed.packed_linear(h, *fused)
-
-
-def fused_weight(owner: nn.Module, layers: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One packed weight (and bias) for ``layers``, which read the same input (q, k and v;
-    gate and up), cached on ``owner`` and made again if a weight changes; None unless every
-    layer runs packed with biases all present or all absent. oneDNN computes each output
-    column alike however many columns a call has (measured: the fused product equals the
-    separate ones bit for bit, 1 to 279 rows), so this only saves calls."""
-    if not all(type(layer) is packed.PackedLinear for layer in layers):
-        return None
-    biases = [layer.bias for layer in layers]
-    if any(b is None for b in biases) and any(b is not None for b in biases):
-        return None
-    key = tuple((layer.weight.data_ptr(), layer.weight._version) for layer in layers)
-    cached = owner.__dict__.get("_hasten_fused")
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            weight = packed.pack(torch.cat([layer.weight.detach() for layer in layers]))
-            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        cached = owner.__dict__["_hasten_fused"] = (key, weight, bias)
-    return cached[1], cached[2]
+    return None if fused is None else ops.linear(h, fused[0], fused[1])
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -112,10 +88,8 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _add_linear(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + layer(h)``: in one packed call with the addition fused where the layer
-    runs packed (the addition of the same two float32 values, so the same bits)."""
-    if type(layer) is packed.PackedLinear:
-        return packed.packed_linear_add(h, layer.packed_weight(), layer.bias, residual)
+    """``residual + layer(h)``, as transformers adds them (the layer's output rounded to the
+    model's dtype first)."""
     return residual + layer(h)
 
 
@@ -142,38 +116,20 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, positions: 
     angles = torch.cat((freqs, freqs), dim=-1)  # [1, Q, head_dim]
     cos = (angles.cos() * rope.attention_scaling).to(model.dtype)[:, None]  # [1, 1, Q, head_dim]
     sin = (angles.sin() * rope.attention_scaling).to(model.dtype)[:, None]
-    if invariant.is_prepared(model):  # each row over its own keys (models/invariant.py)
-        lists = invariant.key_lists(mask, length, past + length, True, 1)[0]
-        attend = lambda q, k, v, attention: ops.attention(  # noqa: E731  [1, H, Q, D] -> [1, H, Q, D]
-            q[0].transpose(0, 1), k[0], v[0], lists, attention.scaling).transpose(0, 1)[None]
-    else:
-        attend = _sdpa(mask, length, past, heads != kv_heads, ids.device)
+    lists = invariant.key_lists(mask, length, past + length, True, 1)[0]  # each row's own keys, in order
     x = inner.embed_tokens(ids)  # [1, Q, hidden]
     for index, layer in enumerate(inner.layers):
         attention = layer.self_attn
         h = _rms_norm(layer.input_layernorm, x)
         q, k, v = _attention_inputs(attention, h, heads, kv_heads, head_dim, cos, sin)
         k, v = cache.update(k, v, index)  # [1, H_kv, past + Q, D]
-        out = attend(q, k, v, attention)  # [1, H, Q, D]
-        x = _add_linear(attention.o_proj, out.transpose(1, 2).reshape(1, length, heads * head_dim), x)
+        out = ops.attention(q[0].transpose(0, 1), k[0], v[0], lists, attention.scaling)  # [Q, H, D]
+        x = _add_linear(attention.o_proj, out.reshape(1, length, heads * head_dim), x)
         h = _rms_norm(layer.post_attention_layernorm, x)
         x = _mlp(layer.mlp, h, x)
     if logits_to_keep:
         x = x[:, -logits_to_keep:]
     return model.lm_head(_rms_norm(inner.norm, x))[0]  # [Q or logits_to_keep, vocab]
-
-
-def _sdpa(mask: torch.Tensor | None, length: int, past: int, grouped: bool, device: torch.device):
-    """transformers' sdpa attention as the float32 forward runs it: [1, H, Q, D] queries over
-    [1, H_kv, K, D] keys and values, with the mask transformers builds."""
-    causal = False
-    if mask is None and length > 1:
-        if past:  # what transformers' sdpa mask is for a chain after cached entries
-            mask = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)[None, None]
-        else:  # a prefill: the kernel's own causal order, as transformers asks for it
-            causal = True
-    return lambda q, k, v, attention: F.scaled_dot_product_attention(  # noqa: E731
-        q, k, v, attn_mask=mask, is_causal=causal, scale=attention.scaling, enable_gqa=grouped)
 
 
 def _attention_inputs(attention: nn.Module, h: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
