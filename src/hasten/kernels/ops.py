@@ -92,10 +92,16 @@ class KeyLists:
     extra: torch.Tensor | None = None  # [extras] int64
 
     @staticmethod
-    def causal(rows: int, keys: int) -> "KeyLists":
+    def causal(rows: int, keys: int, device: torch.device | str = "cpu") -> "KeyLists":
         """Row r of the last ``rows`` positions of ``keys`` sees every key up to its own."""
-        prefix = torch.arange(keys - rows + 1, keys + 1, dtype=torch.int64)
-        return KeyLists(torch.zeros(rows, dtype=torch.int64), prefix)
+        prefix = torch.arange(keys - rows + 1, keys + 1, dtype=torch.int64, device=device)
+        return KeyLists(torch.zeros(rows, dtype=torch.int64, device=device), prefix)
+
+    @staticmethod
+    def every(rows: int, keys: int, device: torch.device | str = "cpu") -> "KeyLists":
+        """Every row sees all ``keys`` (one query, or attention without causal order)."""
+        return KeyLists(torch.zeros(rows, dtype=torch.int64, device=device),
+                        torch.full((rows,), keys, dtype=torch.int64, device=device))
 
     @staticmethod
     def from_mask(visible: torch.Tensor) -> "KeyLists":
@@ -103,18 +109,18 @@ class KeyLists:
         keys, then the visible keys after it."""
         visible = visible.bool()
         rows, keys = visible.shape
-        index = torch.arange(keys)
+        index = torch.arange(keys, device=visible.device)
         seen = visible.any(dim=-1)
-        start = torch.where(seen, visible.int().argmax(dim=-1), torch.zeros(rows, dtype=torch.long))
+        start = torch.where(seen, visible.int().argmax(dim=-1), torch.zeros(rows, dtype=torch.long, device=visible.device))
         after_start = index[None] >= start[:, None]
         gap = after_start & ~visible  # [rows, keys] hidden keys after the run began
-        prefix = torch.where(gap.any(dim=-1), gap.int().argmax(dim=-1), torch.full((rows,), keys))
+        prefix = torch.where(gap.any(dim=-1), gap.int().argmax(dim=-1), torch.full((rows,), keys, device=visible.device))
         prefix = torch.where(seen, prefix, start)
         later = visible & (index[None] >= prefix[:, None])
         if not later.any():
             return KeyLists(start.to(torch.int64), prefix.to(torch.int64))
         counts = later.sum(dim=-1)
-        offsets = torch.zeros(rows + 1, dtype=torch.int64)
+        offsets = torch.zeros(rows + 1, dtype=torch.int64, device=visible.device)
         offsets[1:] = counts.cumsum(0)
         extra = later.nonzero()[:, 1].to(torch.int64).contiguous()  # row-major: each row's in order
         return KeyLists(start.to(torch.int64), prefix.to(torch.int64), offsets, extra)

@@ -30,6 +30,10 @@ attention does not go through transformers' attention interface (their linear la
 run the kernels, without the guarantee), and models whose weights' packed copy would take more
 than a quarter of the available memory.
 
+On CUDA the same three things run as Triton kernels (``hasten/kernels/cuda.py``: fixed tiles, no
+split reductions), and transformers' Llama and Qwen2 RMS norms run one as well, since PyTorch's
+CUDA reductions choose their launch by the tensor's shape.
+
 Outside hasten's forwards (a Hugging Face ``generate`` of the same model object, training)
 both fall back to PyTorch (``F.linear`` and sdpa), so the model is the user's own. Where the
 kernels cannot be built (no C compiler), :func:`prepare` returns False and
@@ -48,7 +52,7 @@ from transformers import PreTrainedModel
 from transformers.pytorch_utils import Conv1D
 
 from .. import kernels
-from ..kernels import ops
+from ..kernels import cuda, ops
 from . import forwards
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,13 +66,15 @@ def unavailable(model: PreTrainedModel | None = None) -> str | None:
     if os.environ.get("HASTEN_INVARIANT", "1") == "0":
         return "HASTEN_INVARIANT=0"
     if model is not None:
-        if model.device.type != "cpu":
-            return f"the model is on {model.device.type}, and hasten's invariant kernels run on the CPU"
+        if model.device.type not in ("cpu", "cuda"):
+            return f"the model is on {model.device.type}, and hasten's invariant kernels run on the CPU and CUDA"
         if model.dtype not in DTYPES:
             return f"{model.dtype} models keep their own kernels"
         attention = getattr(model.config, "_attn_implementation", None)
         if attention not in (None, "sdpa", "eager", ATTENTION):
             return f"the model's attention is {attention!r}, which it keeps"
+        if model.device.type == "cuda":
+            return cuda.available()
         if not is_prepared(model) and not _room_for_copies(model):
             return "a packed copy of its linear weights would take more than a quarter of the available memory"
     return kernels.unavailable()
@@ -115,11 +121,14 @@ class InvariantLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if forwards.is_active() and x.dtype == self.weight.dtype:
-            return ops.linear(x, self.packed_weight(), self.bias)
+            return apply_linear(x, self.kernel_weight(), self.bias)
         return F.linear(x, self.weight, self.bias)
 
-    def packed_weight(self) -> ops.Packed:
+    def kernel_weight(self) -> ops.Packed | torch.Tensor:
+        """The weight as the kernel reads it: packed once on the CPU, as it is on CUDA."""
         weight = self.weight
+        if weight.is_cuda:
+            return weight
         key = (weight.data_ptr(), weight._version)
         if self._packed is None or self._packed_of != key:
             self._packed = ops.pack(weight.detach())
@@ -136,19 +145,65 @@ class InvariantConv1D(Conv1D):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         if forwards.is_active() and x.dtype == self.weight.dtype:
-            return ops.linear(x, self.packed_weight(), self.bias)
+            return apply_linear(x, self.kernel_weight(), self.bias)
         return super().forward(x)
 
-    def packed_weight(self) -> ops.Packed:
-        weight = self.weight
-        key = (weight.data_ptr(), weight._version)
+    def kernel_weight(self) -> ops.Packed | torch.Tensor:
+        weight = self.weight.detach().t()  # [out, in]
+        if weight.is_cuda:
+            return weight
+        key = (self.weight.data_ptr(), self.weight._version)
         if self._packed is None or self._packed_of != key:
-            self._packed = ops.pack(weight.detach().t())
+            self._packed = ops.pack(weight)
             self._packed_of = key
         return self._packed
 
 
-def fused_weight(owner: nn.Module, layers: tuple[nn.Linear, ...]) -> tuple[ops.Packed, torch.Tensor | None] | None:
+def apply_linear(x: torch.Tensor, weight: ops.Packed | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The row-invariant product [..., in] -> [..., out]: the CPU kernel on a packed weight, the
+    CUDA kernel on a weight [out, in] as it is."""
+    if isinstance(weight, ops.Packed):
+        return ops.linear(x, weight, bias)
+    return cuda.linear(x, weight, bias)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: ops.KeyLists, scale: float,
+           softcap: float | None = None) -> torch.Tensor:
+    """Row-invariant attention (query [rows, heads, D], key/value [kv_heads, T, D]) on the
+    tensors' device."""
+    if query.is_cuda:
+        return cuda.attention(query, key, value, keys, scale, softcap)
+    return ops.attention(query, key, value, keys, scale, softcap)
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """transformers' Llama RMS norm of ``x`` [..., hidden] with ``norm``'s weight and epsilon,
+    each row alone: its own formula on the CPU (PyTorch reduces each row there alone), the
+    Triton kernel on CUDA."""
+    if x.is_cuda:
+        return cuda.rms_norm(x, norm.weight, norm.variance_epsilon)
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm")  # transformers' formula, which rms_norm writes out
+_invariant_norms: dict[type, type] = {}
+
+
+def _invariant_norm_class(original: type) -> type:
+    """A subclass of a model's RMS norm whose forward inside hasten runs :func:`rms_norm`."""
+    if original not in _invariant_norms:
+        def forward(self, x):
+            if forwards.is_active() and x.is_cuda:
+                return rms_norm(self, x)
+            return original.forward(self, x)
+
+        _invariant_norms[original] = type(f"Invariant{original.__name__}", (original,), {"forward": forward})
+    return _invariant_norms[original]
+
+
+def fused_weight(owner: nn.Module, layers: tuple[nn.Linear, ...]) -> tuple[ops.Packed | torch.Tensor, torch.Tensor | None] | None:
     """One packed weight (and bias) for ``layers`` that read the same input (q, k and v; gate and
     up), cached on ``owner``; the kernel computes each output feature alone, so the fused product
     has every layer's own bits. None unless every layer is an :class:`InvariantLinear` with
@@ -162,7 +217,8 @@ def fused_weight(owner: nn.Module, layers: tuple[nn.Linear, ...]) -> tuple[ops.P
     cached = owner.__dict__.get("_hasten_invariant_fused")
     if cached is None or cached[0] != key:
         with torch.no_grad():
-            weight = ops.pack(torch.cat([layer.weight.detach() for layer in layers]))
+            weight = torch.cat([layer.weight.detach() for layer in layers])  # [sum of outs, in]
+            weight = weight if weight.is_cuda else ops.pack(weight)
             bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
         cached = owner.__dict__["_hasten_invariant_fused"] = (key, weight, bias)
     return cached[1], cached[2]
@@ -181,6 +237,8 @@ def prepare(model: PreTrainedModel) -> bool:
         if type(module) in swaps:
             module.__class__ = swaps[type(module)]
             module._packed, module._packed_of = None, None
+        elif type(module).__name__ in NORM_CLASSES and model.device.type == "cuda":
+            module.__class__ = _invariant_norm_class(type(module))
     if not is_prepared(model) and getattr(type(model), "_supports_attention_backend", False):
         register()
         try:
@@ -202,7 +260,8 @@ def register() -> None:
     AttentionMaskInterface.register(ATTENTION, sdpa_mask)  # boolean masks, or None where causal order says it all
 
 
-def key_lists(mask: torch.Tensor | None, rows: int, keys: int, causal: bool, batch: int) -> list[ops.KeyLists]:
+def key_lists(mask: torch.Tensor | None, rows: int, keys: int, causal: bool, batch: int,
+              device: torch.device | str = "cpu") -> list[ops.KeyLists]:
     """Each batch row's :class:`~hasten.kernels.ops.KeyLists` from transformers' mask ([B or 1, 1,
     rows, >= keys], boolean or additive), or from causal order where it gave none. Memoised for
     the latest mask: every layer of a forward gets the same tensor."""
@@ -210,8 +269,7 @@ def key_lists(mask: torch.Tensor | None, rows: int, keys: int, causal: bool, bat
     if mask is not None and last is not None and last[0] is mask and last[1] == (rows, keys, batch):
         return last[2]
     if mask is None:
-        one = ops.KeyLists.causal(rows, keys) if causal and rows > 1 else ops.KeyLists(
-            torch.zeros(rows, dtype=torch.int64), torch.full((rows,), keys, dtype=torch.int64))
+        one = ops.KeyLists.causal(rows, keys, device) if causal and rows > 1 else ops.KeyLists.every(rows, keys, device)
         return [one] * batch
     original = mask
     mask = mask[:, 0, :, :keys]
@@ -234,16 +292,17 @@ def invariant_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     unsupported = (dropout or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None
-                   or query.dtype not in DTYPES or key.dtype != query.dtype or query.device.type != "cpu")
+                   or query.dtype not in DTYPES or key.dtype != query.dtype
+                   or query.device.type not in ("cpu", "cuda"))
     if not forwards.is_active() or unsupported:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     batch, heads, rows, dim = query.shape
     keys = key.shape[2]
     causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
-    lists = key_lists(attention_mask, rows, keys, causal, batch)
+    lists = key_lists(attention_mask, rows, keys, causal, batch, query.device)
     scale = scaling if scaling is not None else dim ** -0.5
-    out = torch.empty(batch, rows, heads, dim, dtype=query.dtype)
+    out = torch.empty(batch, rows, heads, dim, dtype=query.dtype, device=query.device)
     for b in range(batch):
-        out[b] = ops.attention(query[b].transpose(0, 1), key[b], value[b], lists[b], scale, kwargs.get("softcap"))
+        out[b] = attend(query[b].transpose(0, 1), key[b], value[b], lists[b], scale, kwargs.get("softcap"))
     return out, None

@@ -33,7 +33,6 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from . import invariant
-from ..kernels import ops
 
 MODEL_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies fixed at load time
@@ -45,7 +44,7 @@ def eligible(model: PreTrainedModel) -> bool:
         return False
     config = model.config
     rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
-    return (model.device.type == "cpu" and invariant.is_prepared(model)
+    return (invariant.is_prepared(model)
             and config.hidden_act == "silu" and rope in STATIC_ROPE and not getattr(config, "use_sliding_window", False)
             and getattr(config, "pretraining_tp", 1) == 1)
 
@@ -71,20 +70,17 @@ def fused_linear(owner: nn.Module, layers: tuple[nn.Linear, ...], h: torch.Tenso
     the kernel computes each output feature alone, so the fused product has every layer's own
     bits; None where they cannot be fused."""
     fused = invariant.fused_weight(owner, layers)
-    return None if fused is None else ops.linear(h, fused[0], fused[1])
+    return None if fused is None else invariant.apply_linear(h, fused[0], fused[1])
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """transformers' LlamaRMSNorm ([..., hidden]): ``weight * (x * rsqrt(mean(x^2) + eps))``
-    computed in float32, the product with the weight in the input's dtype. On float32 input
-    PyTorch's fused ``rms_norm`` computes it alike; on others its steps are written out, since
-    the fused kernel rounds once where transformers rounds twice (tests/test_lean.py compares
-    both with the model's own forward bit for bit)."""
-    if x.dtype == torch.float32:
+    computed in float32, the product with the weight in the input's dtype, each row alone
+    (models/invariant.py). On float32 CPU input PyTorch's fused ``rms_norm`` computes it alike
+    (tests/test_lean.py compares both with the model's own forward bit for bit)."""
+    if x.dtype == torch.float32 and not x.is_cuda:
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    return invariant.rms_norm(norm, x)
 
 
 def _add_linear(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
@@ -116,14 +112,14 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, positions: 
     angles = torch.cat((freqs, freqs), dim=-1)  # [1, Q, head_dim]
     cos = (angles.cos() * rope.attention_scaling).to(model.dtype)[:, None]  # [1, 1, Q, head_dim]
     sin = (angles.sin() * rope.attention_scaling).to(model.dtype)[:, None]
-    lists = invariant.key_lists(mask, length, past + length, True, 1)[0]  # each row's own keys, in order
+    lists = invariant.key_lists(mask, length, past + length, True, 1, ids.device)[0]  # each row's own keys, in order
     x = inner.embed_tokens(ids)  # [1, Q, hidden]
     for index, layer in enumerate(inner.layers):
         attention = layer.self_attn
         h = _rms_norm(layer.input_layernorm, x)
         q, k, v = _attention_inputs(attention, h, heads, kv_heads, head_dim, cos, sin)
         k, v = cache.update(k, v, index)  # [1, H_kv, past + Q, D]
-        out = ops.attention(q[0].transpose(0, 1), k[0], v[0], lists, attention.scaling)  # [Q, H, D]
+        out = invariant.attend(q[0].transpose(0, 1), k[0], v[0], lists, attention.scaling)  # [Q, H, D]
         x = _add_linear(attention.o_proj, out.reshape(1, length, heads * head_dim), x)
         h = _rms_norm(layer.post_attention_layernorm, x)
         x = _mlp(layer.mlp, h, x)
