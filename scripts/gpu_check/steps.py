@@ -87,7 +87,7 @@ def plan(sizes: Sizes, python: str, out: Path, work: Path) -> list[Step]:
                "--progress", "lines") + (("--count-differences",) if sizes.device != "cpu" else ())
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs")
     hasten = (python, "-m", "hasten")
-    return [
+    steps = [
         Step("environment", "Python, torch, CUDA, the GPU and the packages hasten reads",
              (python, str(ROOT / "scripts" / "gpu_check" / "environment.py"))
              + (("--require-cuda",) if sizes.device != "cpu" else ()), sizes.boxes["environment"], kind="environment"),
@@ -121,6 +121,8 @@ def plan(sizes: Sizes, python: str, out: Path, work: Path) -> list[Step]:
              sizes.boxes["drafter-training"], needs_real_model=sizes.real_model is None,
              results=str(out / "eagle"), kind="training"),
     ]
+    # every step runs with the CUDA kernels on (models/invariant.py: opt-in until a GPU run checks them)
+    return [Step(**{**step.__dict__, "env": {**step.env, "HASTEN_CUDA_INVARIANT": "1"}}) for step in steps]
 
 
 def suite(name: str, what: str, tests: tuple[str, ...], sizes: Sizes, pytest: tuple[str, ...], work: Path) -> Step:

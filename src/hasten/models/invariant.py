@@ -32,7 +32,10 @@ than a quarter of the available memory.
 
 On CUDA the same three things run as Triton kernels (``hasten/kernels/cuda.py``: fixed tiles, no
 split reductions), and transformers' Llama and Qwen2 RMS norms run one as well, since PyTorch's
-CUDA reductions choose their launch by the tensor's shape.
+CUDA reductions choose their launch by the tensor's shape. They have run only in Triton's CPU
+interpreter so far (no GPU was lent since they were written), so CUDA models take them only with
+``HASTEN_CUDA_INVARIANT=1`` (scripts/gpu-check sets it); otherwise a CUDA model runs PyTorch's
+kernels as before, without the guarantee.
 
 Outside hasten's forwards (a Hugging Face ``generate`` of the same model object, training)
 both fall back to PyTorch (``F.linear`` and sdpa), so the model is the user's own. Where the
@@ -74,6 +77,8 @@ def unavailable(model: PreTrainedModel | None = None) -> str | None:
         if attention not in (None, "sdpa", "eager", ATTENTION):
             return f"the model's attention is {attention!r}, which it keeps"
         if model.device.type == "cuda":
+            if os.environ.get("HASTEN_CUDA_INVARIANT") != "1":  # opt-in until a GPU run has checked them
+                return "the CUDA kernels are opt-in (HASTEN_CUDA_INVARIANT=1) until a GPU run has checked them"
             return cuda.available()
         if not is_prepared(model) and not _room_for_copies(model):
             return "a packed copy of its linear weights would take more than a quarter of the available memory"
