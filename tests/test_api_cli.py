@@ -334,3 +334,24 @@ def test_engine_generate_batch_equals_one_by_one(checkpoint):
 def test_an_unknown_backend_is_refused_before_loading():
     with pytest.raises(ValueError, match="backend"):
         hasten.load("/no/such/model", "prompt_lookup", backend="vllm")
+
+
+def test_auto_dtype_is_bfloat16_where_the_cpu_has_it_and_says_so(checkpoint, cli, monkeypatch):
+    """--dtype auto (the default): float32 where the CPU has no native bfloat16 instructions
+    (silently, as always), bfloat16 where it has them (vLLM's CPU default), in one line; the
+    output then equals hasten's own plain decoding in bfloat16."""
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "6", "--json")
+    assert code == 0 and json.loads(out)["dtype"] == "float32" and "dtype" not in err
+    monkeypatch.setattr("hasten.arguments.native_bfloat16", lambda: "AVX512-BF16")
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "6", "--json",
+                         "--method", "prompt_lookup")
+    record = json.loads(out)
+    assert code == 0 and record["dtype"] == "bfloat16"
+    assert err.count("\n") == 1 and err.startswith("hasten: dtype bfloat16 (auto: this CPU has native bfloat16 "
+                                                   "instructions, AVX512-BF16;")
+    plain = hasten.load(checkpoint, "autoregressive", dtype="bfloat16").generate(PROMPT, max_new_tokens=6)
+    assert record["token_ids"] == plain.token_ids
+    code, out, _ = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "6", "--json",
+                       "--dtype", "float32")
+    assert json.loads(out)["dtype"] == "float32"
+    assert "auto (default): bfloat16 on a CPU with native bfloat16" in " ".join(cli("generate", "--help")[1].split())

@@ -22,6 +22,7 @@ import torch
 from .core import settings as settings_io
 from .core.errors import FieldError, HastenWarning
 from .core.threads import DEFAULT_THREADS, set_threads
+from .machine import native_bfloat16
 
 
 class UserError(Exception):
@@ -148,12 +149,40 @@ def readable_warnings() -> Iterator[None]:
 
 # ---- where and how the model runs: --device, --dtype, --threads ------------------------------
 DTYPES = ("float32", "float16", "bfloat16", "int8")  # int8: int8 linear layers on the CPU (docs/cpu.md)
+AUTO_DTYPE = "auto"
+DTYPE_CONTRACT = ("on the CPU, in every dtype, speculative output equals hasten's plain decoding token for token; "
+                  "equal to Hugging Face generate's: float32 only (docs/fidelity.md, 'Precision')")
 
 
-def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+def add_runtime_arguments(parser: argparse.ArgumentParser, auto_dtype: bool = True) -> None:
     parser.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu (default), cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the weights (default float32)")
+    if auto_dtype:
+        parser.add_argument("--dtype", default=AUTO_DTYPE, choices=(AUTO_DTYPE, *DTYPES),
+                            help="dtype of the weights; auto (default): bfloat16 on a CPU with native bfloat16 "
+                            "instructions (AMX or AVX512-BF16, as vLLM's CPU build picks), else float32. "
+                            + DTYPE_CONTRACT)
+    else:
+        parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                            help="dtype of the weights (default float32). " + DTYPE_CONTRACT)
     add_threads_argument(parser)
+
+
+def resolve_dtype(name: str, device: str, backend: str = "torch") -> tuple[str, str | None]:
+    """``--dtype`` with ``auto`` decided: (dtype name, the one line saying why where auto picked
+    other than float32, else None). llama.cpp runs the file's own quantisation: float32 stands
+    for "as is"."""
+    if name != AUTO_DTYPE:
+        return name, None
+    if backend != "torch":
+        return "float32", None
+    if not device.startswith("cpu"):  # on a GPU hasten guarantees float32's tokens today (docs/fidelity.md)
+        return "float32", None
+    native = native_bfloat16()
+    if native:
+        return "bfloat16", (f"dtype bfloat16 (auto: this CPU has native bfloat16 instructions, {native}; output "
+                            "equals hasten's plain decoding in bfloat16; --dtype float32 for Hugging Face "
+                            "generate's exact tokens)")
+    return "float32", None  # what it always was: nothing to say
 
 
 def add_threads_argument(parser: argparse.ArgumentParser, what: str = "CPU threads for torch") -> None:

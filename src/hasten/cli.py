@@ -18,6 +18,7 @@ from .api import AUTOREGRESSIVE, check_method, load
 from .arguments import (
     Parser, UserError, add_draft_size_argument, add_model_arguments, add_runtime_arguments, add_sampling_arguments,
     apply_threads, at_least, checked_device, counted, method_settings, note_unused_sampling, one_line, readable_warnings,
+    resolve_dtype,
     torch_dtype,
 )
 from .bench import cli as bench_cli
@@ -129,8 +130,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     check_method(args.method, args.draft is not None)
     device = checked_device(args.device)
     threads = apply_threads(args.threads)
-    if args.backend == "llama.cpp" and (args.dtype != "float32" or device != "cpu"):
+    if args.backend == "llama.cpp" and (args.dtype not in ("float32", "auto") or device != "cpu"):
         raise UserError("--backend llama.cpp runs the GGUF file's own quantisation on the CPU: drop --dtype/--device")
+    args.dtype, why = resolve_dtype(args.dtype, device, args.backend)
+    if why:
+        print(f"hasten: {why}", file=sys.stderr)
     runtime_args = dict(device=device, dtype=torch_dtype(args.dtype)) if args.backend == "torch" else {}
     engine = load(args.model, args.method, draft=args.draft, backend=args.backend, **runtime_args,
                   draft_size=args.draft_size, threads=args.threads, **method_kwargs)

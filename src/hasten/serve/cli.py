@@ -10,7 +10,7 @@ import sys
 from ..api import AUTOREGRESSIVE, check_method
 from ..arguments import (
     UserError, add_draft_size_argument, at_least, add_model_arguments, add_runtime_arguments, apply_threads, checked_device,
-    method_settings, torch_dtype,
+    method_settings, resolve_dtype, torch_dtype,
 )
 from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
@@ -93,6 +93,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from ..api import load
     from .app import ServeOptions, create_app, scheduler_factory
 
+    args.dtype, why = resolve_dtype(args.dtype, device, args.backend)
+    if why:
+        print(f"hasten serve: {why}", file=sys.stderr)
     if args.backend == "llama.cpp":
         if args.dtype != "float32" or device != "cpu":
             raise UserError("--backend llama.cpp runs the GGUF file's own quantisation on the CPU: "
