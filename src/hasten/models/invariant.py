@@ -89,7 +89,7 @@ def kernel_path() -> str:
     """The instruction path the kernels take here, in words (they are the same bits across
     paths, except the bfloat16 dot product's: docs/fidelity.md, "Precision")."""
     path = kernels.instruction_path()
-    return f"{path} + AVX512-BF16 dot product" if path != "unavailable" and ops.bf16_dot() else path
+    return f"{path} (bfloat16 layers: AVX512-BF16 dot product)" if path != "unavailable" and ops.bf16_dot() else path
 
 
 def eligible(model: PreTrainedModel) -> bool:
