@@ -47,8 +47,8 @@ def bench_findings(directory: Path) -> dict:
 def _classified(found: dict | None) -> str:
     if not found or "margin" not in found:
         return ""
-    return (f": {found['verdict']} (top-2 margin {found['margin']:.3g}, measured rounding {found['rounding']:.3g}, "
-            f"its token ranked {found['rank'] + 1})")
+    return (f": {found['verdict']} (top-2 margin {found['margin']:.3g}, its token {found['gap']:.3g} below the top, "
+            f"measured rounding {found['rounding']:.3g})")
 
 
 def training_findings(directory: Path) -> dict:

@@ -361,7 +361,7 @@ def run(args: argparse.Namespace) -> int:
     print(terminal_summary(results))
     print(f"hasten bench: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
     defects = [f"{method} on {task['task']} at new token {found['position']} (margin {found['margin']:.3g}, "
-               f"rounding {found['rounding']:.3g}, rank {found['rank'] + 1})"
+               f"gap {found['gap']:.3g}, rounding {found['rounding']:.3g})"
                for task in results["by_task"] for method, found in task.get("difference_classes", {}).items()
                if found["verdict"] == "defect" and methods_by_name[method].kind == "hasten"]
     if defects:  # a near-tie is rounding; anything else from hasten's own methods is a bug

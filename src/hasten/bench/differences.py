@@ -10,10 +10,12 @@ computed them, and three numbers are recorded:
   another implementation (Hugging Face ``generate``, vLLM) it is the difference between
   hasten's logits and the model's own PyTorch forward outside hasten, a measurement of how far
   another library's kernels round from hasten's (vLLM's own logits are not available here);
-* ``rank``: the differing token's rank under the reference's logits (1: the runner-up).
+* ``rank``: how many tokens the reference's logits put strictly above the differing token (0: it
+  ties with the top, which bfloat16 logits often do; 1: the runner-up), and ``gap``: the top
+  logit minus the differing token's.
 
-``verdict``: "near-tie" when the differing token is the runner-up and the margin is within the
-measured rounding, else "defect". hasten's own methods must never differ from its plain
+``verdict``: "near-tie" when the differing token's gap to the top is within the measured
+rounding (the other computation may well have put it first), else "defect". hasten's own methods must never differ from its plain
 decoding where the forwards are invariant (models/invariant.py: rounding 0), so a difference
 there is a defect and fails the run.
 """
@@ -45,21 +47,22 @@ def classify(model, input_ids: torch.Tensor, reference: list[int], output: list[
     step = _step_logits(model, prefix)  # [vocab] plain decoding's logits there
     top = step.topk(2).values
     entry["margin"] = float(top[0] - top[1])
-    entry["rank"] = int((step > step[output[at]]).sum())  # 0 would be the reference's own choice
+    entry["rank"] = int((step > step[output[at]]).sum())  # 0: tied with the top
+    entry["gap"] = float(top[0] - step[output[at]])
     if own_method:
         other = _block_logits(model, prefix)
     else:
         with forwards.active(False):  # the model's own forward: PyTorch's kernels, as generate runs them
             other = model(torch.tensor([prefix], device=model.device)).logits[0, -1].float()
     entry["rounding"] = float((other - step).abs().max())
-    entry["verdict"] = verdict(entry["rank"], entry["margin"], entry["rounding"])
+    entry["verdict"] = verdict(entry["gap"], entry["rounding"])
     return entry
 
 
-def verdict(rank: int, margin: float, rounding: float) -> str:
-    """A near-tie: the differing token was the runner-up (rank 1) and the top two were closer
-    than the two computations' measured disagreement. Anything else is a defect."""
-    return "near-tie" if rank == 1 and margin <= rounding else "defect"
+def verdict(gap: float, rounding: float) -> str:
+    """A near-tie: the differing token's logit was within the two computations' measured
+    disagreement of the top one. Anything else is a defect."""
+    return "near-tie" if gap <= rounding else "defect"
 
 
 def _step_logits(model, prefix: list[int]) -> torch.Tensor:

@@ -187,11 +187,11 @@ def _difference_table(results: dict) -> list[str]:
     lines = ["", "## First differences from hasten's autoregressive output", "",
              "margin: the reference's top-2 logit gap there; rounding: the measured difference of the two "
              "computations' logits there (hasten methods: a verification block against one-token steps; "
-             "other implementations: the model's own PyTorch forward against hasten's); rank 2: the "
-             "differing token was the reference's runner-up.", "",
-             "| task | method | new token | margin | rounding | rank | verdict |", "|---" * 7 + "|"]
+             "other implementations: the model's own PyTorch forward against hasten's); gap: the top logit "
+             "minus the differing token's (0: a tie); a near-tie when the gap is within the rounding.", "",
+             "| task | method | new token | margin | gap | rounding | verdict |", "|---" * 7 + "|"]
     lines += [f"| {task} | {method} | {found['position']} | {_num(found.get('margin'), 4)} | "
-              f"{_num(found.get('rounding'), 4)} | {found['rank'] + 1 if 'rank' in found else '-'} | "
+              f"{_num(found.get('gap'), 4)} | {_num(found.get('rounding'), 4)} | "
               f"{found['verdict']} |" for task, method, found in rows]
     return lines
 
