@@ -447,7 +447,7 @@ def test_on_a_chunked_curve_a_drafter_always_right_drafts_deep():
 
 
 def test_an_empty_proposal_is_not_a_failed_probe():
-    rule = CostAwareSize(FLAT, probe_gap=2)
+    rule = CostAwareSize(FLAT, probe_gap=2, probe_share=0.03)  # probes often enough to see them here
     state = rule.begin(None)
     observe_steps(rule, state, 40, depth=4, accepted=0, seconds_per_depth=0.2)  # never right: plain steps
     while rule.depth(state, 4) == 0:
@@ -486,14 +486,23 @@ def test_evidence_classes_keep_their_own_acceptance():
     assert pooled_rate < 1.05  # pooled, drafting barely beats (or loses to) plain steps
 
 
-def test_an_unseen_evidence_class_is_explored_at_once():
-    rule = CostAwareSize(CHUNKED)
+@pytest.mark.parametrize("curve", [STEEP, CHUNKED], ids=["cheap probes", "probes dearer than a step"])
+def test_an_unseen_evidence_class_is_explored_at_once_where_a_probe_is_cheap(curve):
+    """Where a failed probe costs less than a plain step, a grade never drafted gets a probe's
+    depth at once; where it costs more (llama.cpp on a CPU: a block of 4 costs 3 steps), it
+    waits for the probes like any other grade."""
+    rule = CostAwareSize(curve, explore_scale=0.0)
     state = rule.begin(None)
     for _ in range(40):  # grade 1: always wrong, so plain steps follow
         depth = rule.depth(state, 15, 1)
         rule.observe(state, TokenTree.chain(depth), 0, 0.0, 1.0)
     assert rule.depth(state, 15, 1) == 0
-    assert rule.depth(state, 15, 2) == 3  # a grade never drafted: a probe's depth, without waiting
+    probe = rule.probe_depth(state, 15)
+    assert probe == (1 if curve is STEEP else 3)
+    if curve is STEEP:
+        assert rule.depth(state, 15, 2) >= probe  # a grade never drafted: at least a probe, without waiting
+    else:
+        assert rule.is_steep(state, 15) and rule.depth(state, 15, 2) == 0
 
 
 def test_prompt_lookup_grades_its_copy_by_how_long_the_match_is():

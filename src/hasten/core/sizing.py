@@ -22,8 +22,12 @@ fixed size accepted 3 tokens a step). So among the depths whose failure costs at
 plain step more than a plain step (on a flat or nearly flat curve), each step lets its
 estimates, shifted by a normal draw times their own uncertainty, choose (Thompson-style: an
 uncertain estimate is sometimes tried as if better); on a steep curve (llama.cpp on a CPU) exploring costs more than it finds, and only
-the probes remain. A class of evidence graded above every class drafted so far is tried at
-once (the start of a copy stretch is worth a probe). Replayed on recorded SmolLM2 outputs
+the probes remain. On a flat curve a class of evidence graded above every class drafted so far is
+tried at once (the start of a copy stretch is worth a probe); on a steep one, where a failed probe
+costs more than a plain step (SmolLM2 Q4_1 under llama.cpp: a block of 4 costs 3 steps), it waits
+for the probes like any other, and probes may take 1% of the time: replayed on 35 recorded
+Spec-Bench outputs of that model (`hasten replay`), the two took prompt lookup's auto sizing
+from 0.98x to 1.00x of plain decoding (conversation 0.98x to 1.00x, QA 0.97x to 0.99x). Replayed on recorded SmolLM2 outputs
 (tokens per unit of forward cost; tables in ``docs/benchmarks.md``), this took prompt lookup's auto sizing from
 0.96x to 1.06x of its fixed size on PyTorch and from 1.06x to 1.08x of plain decoding on llama.cpp
 (replays of November 2026; ``hasten replay`` measures it again).
@@ -105,6 +109,7 @@ class SizingState:
     skipped: int = 0  # plain steps in a row since the last draft
     probe_gap: int = 0  # plain steps before the next probe (at least; doubled after each failed probe)
     probing: bool = False  # this step is a probe
+    steep: bool | None = None  # a failed probe costs more than a plain step (set on the first step)
     chosen: int = 0  # the depth chosen for the step under way
     rows: int = 1  # sequences sharing the target's forward (a batch): its cost is split among them
     cap: int | None = None  # in a batch: the depth the batch's plan chose for every row
@@ -142,7 +147,7 @@ class CostAwareSize(SizingRule):
     uses_evidence = True
 
     def __init__(self, curve: CostCurve | None = None, prior: float = 0.5, prior_weight: float = 1.0,
-                 decay: float = 0.9, probe_gap: int = 4, max_probe_gap: int = 64, probe_share: float = 0.03,
+                 decay: float = 0.9, probe_gap: int = 4, max_probe_gap: int = 64, probe_share: float = 0.01,
                  explore_scale: float = 1.0):
         self.curve, self.prior, self.prior_weight, self.decay = curve, prior, prior_weight, decay
         self.explore_scale = explore_scale  # standard deviation of the exploration draw (0: none)
@@ -310,6 +315,8 @@ class CostAwareSize(SizingRule):
             state.chosen = limit
             return limit
         higher = evidence is not None and (state.top_grade is None or evidence > state.top_grade)
+        if higher and state.reach is not None and self.is_steep(state, limit):
+            state.top_grade, higher = evidence, False  # on a steep curve a better grade waits for a probe
         if state.reach is None or higher:
             # nothing drafted yet (or evidence above any drafted so far): the prior's best, at least a probe's
             first = min(limit, FIRST_DEPTHS)
@@ -336,6 +343,14 @@ class CostAwareSize(SizingRule):
                 best, state.probing = probe, True
         state.chosen = best
         return best
+
+    def is_steep(self, state: SizingState, limit: int) -> bool:
+        """Whether a failed probe costs more than a plain step (judged once a generation)."""
+        if state.steep is None:
+            probe = self.probe_depth(state, min(limit, FIRST_DEPTHS))
+            plain = state.forward_seconds(1)
+            state.steep = bool(probe) and state.forward_seconds(probe + 1) - plain > plain
+        return state.steep
 
     def exploring(self, state: SizingState, seconds: list[float]) -> tuple[float, int]:
         """This step's exploration draw (normal, ``explore_scale`` wide) and the deepest depth
