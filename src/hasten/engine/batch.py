@@ -116,7 +116,7 @@ class Scheduler:
         self.runtime = runtime_of(model)
         if drafter is not None:
             drafter.check_runtime(self.runtime, batched=True)  # before any forward
-        self.target = self.runtime.batch(max_batch)
+        self.target = self.runtime.batch(max_batch, drafter.needs if drafter is not None else frozenset())
         if drafter is not None:
             drafter.check_target(TargetView(self.target, drafter.needs, self.runtime.source))
         self.model = model

@@ -187,7 +187,7 @@ class LlamaCppModel(Runtime):
             llama.forget(0)
             self._give_back(llama)
 
-    def batch(self, max_rows: int) -> "LlamaCppBatch":
+    def batch(self, max_rows: int, needs: frozenset = frozenset()) -> "LlamaCppBatch":
         """A target for up to ``max_rows`` generations at once in one llama.cpp context."""
         return LlamaCppBatch(self, max_rows)
 

@@ -1,0 +1,161 @@
+"""The packed batch (models/packed_batch.py): rows of different lengths, positions and blocks
+(chains and trees) in one forward, each row's logits exactly (torch.equal) the ones it gets
+decoded alone, in float32 and bfloat16, with rows joining and leaving mid-stream."""
+import pytest
+import torch
+
+import hasten
+from hasten.core.runtime import Capability
+from hasten.core.tree import TokenTree
+from hasten.drafters import PromptLookup
+from hasten.models import invariant
+from hasten.models.adapter import ModelAdapter
+from hasten.models.arena import KVArena
+from hasten.models.batch import BatchAdapter
+from hasten.models.hf import HuggingFaceRuntime
+from hasten.models.packed_batch import PackedBatch
+from helpers import DEVICE, VOCAB, repetitive_prompt, tiny_model
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="the packed batch runs hasten's CPU kernels")
+
+TREE = TokenTree((-1, 0, 1, 0, -1, 4))  # siblings at depths 1 and 2
+TREE_PATHS = [(), (0,), (0, 1), (3,), (4, 5)]  # accepted paths the script cycles through
+
+
+def prepared(arch: str, dtype: torch.dtype):
+    model = tiny_model(arch).to(dtype)
+    assert invariant.prepare(model)
+    return model
+
+
+def script(row: int, steps: int) -> list[tuple[list[int], TokenTree | None, tuple[int, ...]]]:
+    """Row ``row``'s blocks: (tokens, tree or None for a chain, accepted node path), mixing
+    one-token steps, chains of several lengths and trees."""
+    g = torch.Generator().manual_seed(100 + row)
+    out = []
+    for step in range(steps):
+        kind = (row + step) % 3
+        if kind == 0:  # a chain, partly accepted
+            size = 1 + (row + 2 * step) % 6
+            tokens = torch.randint(3, VOCAB, (size,), generator=g).tolist()
+            out.append((tokens, None, tuple(range((step + row) % size))))
+        elif kind == 1:  # a tree, one of its paths accepted
+            tokens = torch.randint(3, VOCAB, (1 + len(TREE),), generator=g).tolist()
+            out.append((tokens, TREE, TREE_PATHS[(step + row) % len(TREE_PATHS)]))
+        else:  # a plain step
+            out.append((torch.randint(3, VOCAB, (1,), generator=g).tolist(), None, ()))
+    return out
+
+
+def alone(model, prompt: list[int], blocks) -> list[torch.Tensor]:
+    adapter = ModelAdapter(model)
+    adapter.start(torch.tensor([prompt]))
+    logits = []
+    for tokens, tree, accepted in blocks:
+        start = adapter.cache_length
+        logits.append(adapter.forward(tokens, tree).logits)
+        adapter.commit(start, tree or TokenTree.chain(len(tokens) - 1), accepted)
+    return logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_gets_its_own_logits_bit_for_bit(arch, dtype):
+    model = prepared(arch, dtype)
+    # (prompt length, step it joins at, steps it runs): rows join and leave mid-stream
+    rows = [(9, 0, 6), (23, 0, 3), (2, 1, 5), (40, 2, 4), (1, 3, 3), (15, 5, 2)]
+    prompts = [repetitive_prompt(length, seed=i)[0].tolist() if length > 1 else [7] for i, (length, _, _) in
+               enumerate(rows)]
+    scripts = [script(i, steps) for i, (_, _, steps) in enumerate(rows)]
+    expected = [alone(model, prompt, blocks) for prompt, blocks in zip(prompts, scripts)]
+    batch = PackedBatch(model)
+    live: dict[int, tuple[object, int]] = {}  # row -> (batch row, steps done)
+    got = [[] for _ in rows]
+    for step in range(8):
+        for i, (_, joins, _) in enumerate(rows):
+            if joins == step:
+                live[i] = (batch.add(prompts[i])[0], 0)
+        order = sorted(live, reverse=bool(step % 2))  # any order of rows
+        starts = {i: live[i][0].cache_length for i in order}
+        outs = batch.forward_rows([live[i][0] for i in order], [scripts[i][live[i][1]][0] for i in order],
+                                  [scripts[i][live[i][1]][1] for i in order], False)
+        for i, out in zip(order, outs):
+            row, done = live[i]
+            tokens, tree, accepted = scripts[i][done]
+            got[i].append(out.logits)
+            row.commit(starts[i], tree or TokenTree.chain(len(tokens) - 1), accepted)
+            live[i] = (row, done + 1)
+            if done + 1 == len(scripts[i]):
+                batch.remove(row)
+                del live[i]
+    assert not live and not batch.rows
+    for i in range(len(rows)):
+        assert len(got[i]) == len(expected[i])
+        for a, b in zip(got[i], expected[i]):
+            assert a.shape == b.shape and torch.equal(a, b), f"row {i}"
+
+
+def test_prefill_logits_and_features_are_the_models_own():
+    model = prepared("llama", torch.float32)
+    prompt = repetitive_prompt(30)
+    adapter = ModelAdapter(model)
+    _, features = adapter.start(prompt, hidden=True, logits=True)
+    batch = PackedBatch(model)
+    batch.add(repetitive_prompt(12, seed=3)[0].tolist())
+    row, packed_features = batch.add(prompt[0].tolist(), hidden=True, logits=True)
+    assert torch.equal(row.prompt_logits, adapter.prompt_logits)
+    assert torch.equal(packed_features, features)
+
+
+def test_a_row_that_outgrows_its_segment_moves_and_keeps_its_entries():
+    model = prepared("llama", torch.float32)
+    batch = PackedBatch(model)
+    prompt = repetitive_prompt(8)[0].tolist()
+    neighbour = batch.add(repetitive_prompt(10, seed=2)[0].tolist())[0]
+    row = batch.add(prompt)[0]
+    reference = ModelAdapter(model)
+    reference.start(torch.tensor([prompt]))
+    for step in range(12):  # 12 blocks of 9: past the segment's slack more than once
+        block = [3 + (step * 9 + j) % (VOCAB - 3) for j in range(9)]
+        start = row.cache_length
+        got = batch.forward_rows([row, neighbour], [block, [5]], [None, None], False)[0].logits
+        row.commit(start, TokenTree.chain(8), tuple(range(8)))
+        neighbour.commit(neighbour.cache_length - 1, TokenTree.chain(0), ())
+        want = reference.forward(block, None).logits
+        reference.commit(start, TokenTree.chain(8), tuple(range(8)))
+        assert torch.equal(got, want)
+
+
+def test_the_store_reuses_freed_space_and_compacts_before_growing():
+    arena = KVArena(layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    a, b, c = object(), object(), object()
+    arena.allocate(a, 10)
+    arena.allocate(b, 10)
+    arena.keys[0][:, 10:20] = 7.0
+    capacity = arena.capacity
+    arena.release(a)
+    arena.allocate(c, 10)  # the freed space, no growth
+    assert arena.segment(c).start == 0 and arena.capacity == capacity
+    arena.release(c)
+    arena.allocate(c, 4)
+    arena.release(c)
+    arena.allocate(c, 3)
+    free = sum(s.size for s in arena.free)
+    arena.allocate(a, free)  # fits only once b moves down: compaction, not growth
+    assert arena.capacity == capacity and torch.all(arena.keys[0][:, arena.segment(b).start:][:, :10] == 7.0)
+
+
+def test_the_runtime_packs_rows_unless_the_drafter_reads_the_models_modules():
+    runtime = HuggingFaceRuntime(tiny_model("llama"))
+    assert isinstance(runtime.batch(4), PackedBatch)
+    assert isinstance(runtime.batch(4, frozenset({Capability.MODULES})), BatchAdapter)
+    assert isinstance(HuggingFaceRuntime(tiny_model("gpt2")).batch(4), BatchAdapter)
+
+
+def test_a_batch_of_prompts_decodes_each_as_alone():
+    model = tiny_model("llama")
+    prompts = [repetitive_prompt(n, seed=n)[0] for n in (12, 30, 7)]
+    batched = hasten.generate(model, prompts, drafter=PromptLookup(), max_new_tokens=24)
+    for prompt, row in zip(prompts, batched.rows):
+        single = hasten.generate(model, prompt[None], max_new_tokens=24)
+        assert torch.equal(row.sequences, single.sequences)
