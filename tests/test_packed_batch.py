@@ -107,23 +107,37 @@ def test_prefill_logits_and_features_are_the_models_own():
     assert torch.equal(packed_features, features)
 
 
-def test_a_row_that_outgrows_its_segment_moves_and_keeps_its_entries():
+def test_rows_that_outgrow_their_segments_move_and_keep_their_entries(monkeypatch):
+    """Rows growing past their segments' slack, one leaving a hole: segments move, the store is
+    compacted (moving rows already placed for the step) and grows, and every row's logits stay
+    its own."""
     model = prepared("llama", torch.float32)
+    compactions = []
+    real = KVArena._compact
+    monkeypatch.setattr(KVArena, "_compact", lambda self: (compactions.append(1), real(self)))
     batch = PackedBatch(model)
-    prompt = repetitive_prompt(8)[0].tolist()
-    neighbour = batch.add(repetitive_prompt(10, seed=2)[0].tolist())[0]
-    row = batch.add(prompt)[0]
-    reference = ModelAdapter(model)
-    reference.start(torch.tensor([prompt]))
-    for step in range(12):  # 12 blocks of 9: past the segment's slack more than once
-        block = [3 + (step * 9 + j) % (VOCAB - 3) for j in range(9)]
-        start = row.cache_length
-        got = batch.forward_rows([row, neighbour], [block, [5]], [None, None], False)[0].logits
-        row.commit(start, TokenTree.chain(8), tuple(range(8)))
-        neighbour.commit(neighbour.cache_length - 1, TokenTree.chain(0), ())
-        want = reference.forward(block, None).logits
-        reference.commit(start, TokenTree.chain(8), tuple(range(8)))
-        assert torch.equal(got, want)
+    prompts = [repetitive_prompt(8 + 6 * i, seed=i)[0].tolist() for i in range(4)]
+    rows = [batch.add(prompt)[0] for prompt in prompts]
+    alone_rows = []
+    for prompt in prompts:
+        adapter = ModelAdapter(model)
+        adapter.start(torch.tensor([prompt]))
+        alone_rows.append(adapter)
+    live = [0, 1, 2, 3]
+    for step in range(14):
+        if step == 3:  # a row leaves: a hole between the others
+            batch.remove(rows[1])
+            live.remove(1)
+        blocks = {i: [3 + (step * 9 + j + i) % (VOCAB - 3) for j in range(9 if i != 3 else 3)] for i in live}
+        starts = {i: rows[i].cache_length for i in live}
+        outs = batch.forward_rows([rows[i] for i in live], [blocks[i] for i in live], [None] * len(live), False)
+        for i, out in zip(live, outs):
+            tree = TokenTree.chain(len(blocks[i]) - 1)
+            rows[i].commit(starts[i], tree, tuple(range(len(blocks[i]) - 2)))
+            want = alone_rows[i].forward(blocks[i], None).logits
+            alone_rows[i].commit(starts[i], tree, tuple(range(len(blocks[i]) - 2)))
+            assert torch.equal(out.logits, want), f"row {i} at step {step}"
+    assert compactions
 
 
 def test_the_store_reuses_freed_space_and_compacts_before_growing():

@@ -67,12 +67,14 @@ class SizingRule:
     def observe(self, state: Any, tree: TokenTree, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         """The step's verified (already cut) draft tree, its accepted path length and timings."""
 
-    def share(self, state: Any, rows: int) -> None:
-        """The next step's forward is shared by ``rows`` sequences (a batch)."""
+    def share(self, state: Any, rows: int, positions: int | None = None) -> None:
+        """The next step's forward is shared by ``rows`` sequences (a batch); once their drafts
+        are known, ``positions``: the tokens it runs (every row's block)."""
 
-    def plan(self, states: list[Any], limits: list[int], evidence: list[int | None]) -> None:
+    def plan(self, states: list[Any], limits: list[int], evidence: list[int | None], others: int = 0) -> None:
         """Before a batch's step: choose jointly for its rows (``limits``: each row's deepest
-        usable depth; ``evidence``: each row's drafter's class). Fixed sizes need no plan."""
+        usable depth; ``evidence``: each row's drafter's class; ``others``: rows of the same
+        forward this rule does not size, one position each at least). Fixed sizes need no plan."""
 
 
 class FixedSize(SizingRule):
@@ -107,8 +109,13 @@ class SizingState:
     probing: bool = False  # this step is a probe
     chosen: int = 0  # the depth chosen for the step under way
     rows: int = 1  # sequences sharing the target's forward (a batch): its cost is split among them
-    cap: int | None = None  # in a batch: the depth the batch's plan chose for every row
+    cap: int | None = None  # in a batch: the depth the batch's plan chose for this row
     timed: bool = False  # a step's verify time has been seen (the first is not used: see observe)
+    # a batch whose rows are packed along one token dimension (no padding): a forward's cost is
+    # batch_forward(rows, positions); else every row is padded to the widest block
+    packed: bool = False
+    rows_curve: CostCurve | None = None  # the batch path's cost by rows of one token each (packed batches)
+    positions: int | None = None  # tokens the batch's last forward ran (every row's block)
 
     @property
     def trials(self) -> list[float]:
@@ -125,6 +132,14 @@ class SizingState:
         what B extra positions cost (on a CPU that is far from free; on a GPU, at small
         batches, nearly). The calibrated curve, rescaled by the measured verify times."""
         return self.curve(positions * self.rows) * (self.scale or 1.0) / self.rows
+
+    def batch_forward(self, rows: int, positions: float) -> float:
+        """Calibrated seconds of a packed batch forward of ``rows`` rows running ``positions``
+        tokens in all: the one-row curve at that many positions, plus what running them as
+        separate rows costs more (each row's own attention over its own cache, its
+        bookkeeping), measured on the batch path as rows of one token each."""
+        extra = 0.0 if self.rows_curve is None else max(self.rows_curve(rows) - self.curve(rows), 0.0)
+        return self.curve(positions) + extra
 
 
 class CostAwareSize(SizingRule):
@@ -151,12 +166,18 @@ class CostAwareSize(SizingRule):
 
     def begin(self, target: Any) -> SizingState:
         curve = self.curve if self.curve is not None else self.curve_for(target)
-        return SizingState(curve, probe_gap=self.first_probe_gap)
+        packed = bool(getattr(target, "packed_rows", False))
+        rows_curve = self.rows_curve_for(target) if packed else None
+        return SizingState(curve, probe_gap=self.first_probe_gap, packed=packed, rows_curve=rows_curve)
 
     def curve_for(self, target: Any) -> CostCurve:
         """The target's cost curve when none was given (:mod:`hasten.engine.sizing` calibrates
         hasten's runtimes on this machine; here there is nothing to measure with)."""
         raise ValueError("CostAwareSize needs a cost curve: pass curve=")
+
+    def rows_curve_for(self, target: Any) -> CostCurve | None:
+        """A packed batch's cost by rows of one token each (None: priced by positions alone)."""
+        return None
 
     # estimates ----------------------------------------------------------------------------------
     def acceptances(self, state: SizingState, deepest: int, optimism: float = 0.0) -> list[float]:
@@ -257,25 +278,79 @@ class CostAwareSize(SizingRule):
         return 0.0, t / k
 
     # the rule ------------------------------------------------------------------------------------
-    def plan(self, states: list[SizingState], limits: list[int], evidence: list[int | None]) -> None:
-        """A batch pads every row's block to the widest one, so rows cannot choose alone: one
-        depth ``W`` for all rows, maximising the batch's expected tokens per second, where the
-        forward runs ``rows x (widest block)`` positions and every row drafts up to ``W``
-        (padding would cost as much)."""
-        rows = len(states)
+    def plan(self, states: list[SizingState], limits: list[int], evidence: list[int | None], others: int = 0) -> None:
+        """Choose the rows' depths together, for the batch's expected tokens per second.
+
+        Packed rows (no padding): each row its own depth. From no drafts at all (batched plain
+        decoding), the rule repeatedly takes the one row's deeper draft that raises the
+        batch's rate most, the forward priced at every row's positions together
+        (:meth:`SizingState.batch_forward`), until none raises it: an extra draft token pays
+        only where its chance of being accepted outweighs what one more position adds to
+        every row's step, so under a heavy load drafts shrink to the rows that are nearly
+        sure, and to none. Padded rows: one depth for all rows, every row's block padded to
+        the widest."""
         for state, grade in zip(states, evidence):
             self.grade(state, grade)
         if any(state.reach is None for state in states):  # someone has not drafted yet: all draft fully
             for state in states:
                 state.cap = None
             return
+        if states[0].packed:
+            self._plan_packed(states, limits, others)
+        else:
+            self._plan_padded(states, limits, others)
+        for state, limit in zip(states, limits):
+            state.probing = False
+            if state.cap == 0:  # now and then a probe re-measures acceptance (a failed one doubles the wait)
+                state.skipped += 1
+                if state.skipped > state.probe_gap and limit > 0:
+                    state.cap, state.probing = 1, True
+
+    def _plan_packed(self, states: list[SizingState], limits: list[int], others: int) -> None:
+        rows = len(states) + others
+        scale = sum(state.scale or 1.0 for state in states) / len(states)
+        options = [self.expected(state, self.top(state, limit)) for state, limit in zip(states, limits)]
+        drafting = [[self.drafting_seconds(state, d) for d in range(len(tokens))]
+                    for state, (tokens, _) in zip(states, options)]
+        chosen = [0] * len(states)
+        tokens_total, positions, draft_total = float(rows), float(rows), 0.0
+        first = states[0]
+
+        def rate(tokens: float, count: float, draft: float) -> float:
+            return tokens / (first.batch_forward(rows, count) * scale + draft)
+
+        best_rate = rate(tokens_total, positions, draft_total)
+        while True:
+            best = None  # (rate, row, depth)
+            for r, ((tokens, nodes), costs) in enumerate(zip(options, drafting)):
+                d0 = chosen[r]
+                for d in range(d0 + 1, len(tokens)):
+                    candidate = rate(tokens_total + tokens[d] - tokens[d0], positions + nodes[d] - nodes[d0],
+                                     draft_total + costs[d] - costs[d0])
+                    if candidate > best_rate * (1 + 1e-9) and (best is None or candidate > best[0]):
+                        best = (candidate, r, d)
+            if best is None:
+                break
+            best_rate, r, d = best
+            (tokens, nodes), costs = options[r], drafting[r]
+            tokens_total += tokens[d] - tokens[chosen[r]]
+            positions += nodes[d] - nodes[chosen[r]]
+            draft_total += costs[d] - costs[chosen[r]]
+            chosen[r] = d
+        for state, depth in zip(states, chosen):
+            state.cap = depth
+
+    def _plan_padded(self, states: list[SizingState], limits: list[int], others: int) -> None:
+        """One depth ``W`` for all rows: the forward runs ``rows x (widest block)`` positions
+        and every row drafts up to ``W`` (padding would cost as much)."""
+        rows = len(states) + others
         top = max(self.top(state, limit) for state, limit in zip(states, limits))
         per_row = [self.expected(state, self.top(state, limit)) for state, limit in zip(states, limits)]
-        scale = sum(state.scale or 1.0 for state in states) / rows
+        scale = sum(state.scale or 1.0 for state in states) / len(states)
         curve = states[0].curve
         best, best_rate = 0, 0.0
         for depth in range(top + 1):
-            tokens = sum(row_tokens[min(depth, len(row_tokens) - 1)] for row_tokens, _ in per_row)
+            tokens = others + sum(row_tokens[min(depth, len(row_tokens) - 1)] for row_tokens, _ in per_row)
             widest = max(row_nodes[min(depth, len(row_nodes) - 1)] for _, row_nodes in per_row)
             drafting = sum(self.drafting_seconds(state, depth) for state in states)
             rate = tokens / (curve(rows * (widest + 1)) * scale + drafting)
@@ -303,6 +378,8 @@ class CostAwareSize(SizingRule):
     def depth(self, state: SizingState, limit: int, evidence: int | None = None) -> int:
         if state.rows > 1 and state.cap is not None:  # a batch: the plan (which graded every row) chose
             state.chosen = min(state.cap, limit)
+            if state.chosen:
+                state.skipped = 0
             return state.chosen
         self.grade(state, evidence)
         state.probing = False
@@ -347,8 +424,10 @@ class CostAwareSize(SizingRule):
         cap = max((k for k in range(1, len(seconds)) if seconds[k] <= 2 * seconds[0]), default=0)
         return (state.draws.gauss(0.0, self.explore_scale), cap) if cap else (0.0, 0)
 
-    def share(self, state: SizingState, rows: int) -> None:
+    def share(self, state: SizingState, rows: int, positions: int | None = None) -> None:
         state.rows = rows
+        if positions is not None or rows == 1:
+            state.positions = positions
 
     def observe(self, state: SizingState, tree: TokenTree, accepted: int, draft_seconds: float,
                 verify_seconds: float) -> None:
@@ -358,7 +437,11 @@ class CostAwareSize(SizingRule):
         # the first step's timing is left out: on llama.cpp its block reuses the prompt's last
         # position (computed by the prefill), so it runs one position short of the curve
         if verify_seconds > 0 and state.timed:
-            ratio = verify_seconds / state.curve(positions * state.rows)  # the whole batch's forward
+            if state.packed and state.rows > 1 and state.positions:
+                predicted = state.batch_forward(state.rows, state.positions)  # the whole batch's forward
+            else:
+                predicted = state.curve(positions * state.rows)
+            ratio = verify_seconds / predicted
             state.scale = ratio if state.scale is None else 0.8 * state.scale + 0.2 * ratio
         state.timed = True
         if state.chosen and not drafted:  # no proposal (prompt lookup without a match): a plain step,

@@ -27,6 +27,8 @@ from ..models.hf import runtime_of
 
 CALIBRATION_CONTEXT = 96  # cached tokens before each timed block
 CALIBRATION_REPS = 5  # timed reps per size (median kept), after one warm-up round
+ROWS_CONTEXT = 32  # cached tokens per row before each timed batch step
+ROWS = (1, 2, 4, 8, 16, 32)  # batch sizes timed on the batch path (rows of one token each)
 
 
 @functools.lru_cache(maxsize=1)
@@ -84,7 +86,18 @@ _MEMO: dict[Path, CostCurve] = {}
 
 def load_or_calibrate(model, root: Path | None = None) -> CostCurve:
     """The model's cost curve from the disk cache, calibrating (and saving) on first use."""
-    key = calibration_key(model)
+    return _cached(calibration_key(model), root, lambda: calibrate(model))
+
+
+def load_or_calibrate_rows(model, root: Path | None = None) -> CostCurve:
+    """The batch path's cost by rows (one token each, ``ROWS_CONTEXT`` cached per row), cached
+    on disk as :func:`load_or_calibrate`'s curve: what a batch of packed rows costs more than
+    one row running as many tokens (each row's attention, its bookkeeping)."""
+    key = {**calibration_key(model), "path": "batch rows", "sizes": list(ROWS), "context": ROWS_CONTEXT}
+    return _cached(key, root, lambda: calibrate_rows(model))
+
+
+def _cached(key: dict, root: Path | None, measure) -> CostCurve:
     path = cost_file(key, root)
     if path in _MEMO:
         return _MEMO[path]
@@ -97,7 +110,7 @@ def load_or_calibrate(model, root: Path | None = None) -> CostCurve:
         except (OSError, ValueError, KeyError, TypeError):
             curve = None  # a damaged file is measured again
     if curve is None:
-        curve = calibrate(model)
+        curve = measure()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             scratch = path.with_suffix(".tmp")
@@ -107,3 +120,38 @@ def load_or_calibrate(model, root: Path | None = None) -> CostCurve:
             pass  # an unwritable cache only costs a calibration next time
     _MEMO[path] = curve
     return curve
+
+
+@torch.no_grad()
+def calibrate_rows(model, rows: tuple[int, ...] = ROWS, context: int = ROWS_CONTEXT,
+                   reps: int = CALIBRATION_REPS) -> CostCurve:
+    """Seconds of one batch step of ``r`` rows of one token each, for each ``r`` in ``rows``
+    (medians; each size on a batch of its own, rows of ``context`` cached tokens)."""
+    from ..core.tree import TokenTree
+
+    runtime = runtime_of(model)
+    vocab = runtime.vocab_size
+    times = {}
+    for count in rows:
+        batch = runtime.batch(count)
+        handles = [batch.add([3 + (7 * i + 11 * r) % max(vocab - 3, 1) for i in range(context + 1)])[0]
+                   for r in range(count)]
+
+        def run() -> None:
+            starts = [h.cache_length for h in handles]
+            batch.forward_rows(handles, [[5] for _ in handles], [None] * count, False)
+            runtime.synchronize()
+            for handle, start in zip(handles, starts):
+                handle.commit(start, TokenTree.chain(0), ())
+                handle.crop(start)
+
+        seconds = []
+        for rep in range(reps + 1):  # the first warms up
+            clock = time.perf_counter()
+            run()
+            if rep:
+                seconds.append(time.perf_counter() - clock)
+        times[count] = statistics.median(seconds)
+        for handle in handles:
+            batch.remove(handle)
+    return CostCurve(tuple(rows), tuple(times[r] for r in rows))

@@ -24,7 +24,7 @@ from ..models.adapter import ForwardOutput, Riders
 from .logprobs import TokenLogprob, token_logprobs
 from .sizing import FixedSize, SizingRule
 from .stops import StopStrings
-from .verify import Acceptance
+from .verify import Acceptance, RowCheck, Verdict, verify_all
 
 
 class RowCache(Protocol):
@@ -166,19 +166,25 @@ class Sequence:
     def block(self, draft: Draft) -> list[int]:
         return [self.tokens[-1], *draft.tokens]
 
-    def settle(self, draft: Draft, out: ForwardOutput) -> list[int]:
-        """Verify this sequence's part of the forward, commit it, apply the stop rules;
-        returns the newly committed tokens."""
-        ctx, cache, stats = self.ctx, self.cache, self.stats
-        start = self._start
+    def check(self, draft: Draft, out: ForwardOutput) -> RowCheck:
+        """What the verifier reads of this sequence's part of the forward: the target's logits
+        under the request's logit rules (the same rules plain decoding applies, each row after
+        its own path)."""
+        ctx = self.ctx
         logits = out.logits  # [n + 1, vocab] the target's, at each block index
-        if self.ruled:  # the same rules plain decoding applies, each row after its own path
+        if self.ruled:
             if self.rules is None:
                 split = len(self.tokens) - self.resumed
                 self.rules = LogitRules(ctx.sampling, logits.shape[-1], logits.device, self.tokens[:split],
                                         self.tokens[split:], self.suppressed_ids)
             logits = self.rules.apply(logits, draft.tree, draft.tokens)
-        verdict = self.acceptance.verify(draft.tree, draft.tokens, logits, draft.probs, ctx.sampling, ctx.generator)
+        return RowCheck(draft.tree, tuple(draft.tokens), logits, draft.probs, ctx.sampling, ctx.generator)
+
+    def settle(self, draft: Draft, out: ForwardOutput, check: RowCheck, verdict: Verdict) -> list[int]:
+        """Commit this sequence's verdict and apply the stop rules; returns the newly
+        committed tokens."""
+        ctx, cache, stats = self.ctx, self.cache, self.stats
+        start = self._start
         cache.commit(start, draft.tree, verdict.accepted)
         kept_blocks = [0, *(node + 1 for node in verdict.accepted)]  # the root and the accepted path
         if ctx.feature_buffer is not None:
@@ -189,7 +195,7 @@ class Sequence:
         if self.rules is not None:
             self.rules.commit(new)
         if self.logprobs is not None:  # each committed token was scored at its block index (kept_blocks)
-            self.scored = token_logprobs(self._scoring_rows(out.logits, logits, kept_blocks[: len(new)]), new,
+            self.scored = token_logprobs(self._scoring_rows(out.logits, check.logits, kept_blocks[: len(new)]), new,
                                          self.logprobs)
         self.tokens.extend(new)
         if cache.cache_length > len(self.tokens) - 1:  # a stop rule cut inside the accepted path
@@ -240,7 +246,8 @@ class Sequence:
 
 
 def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
-    """One decode step for every sequence: propose, one verification forward, settle.
+    """One decode step for every sequence: propose, one verification forward, one
+    verification pass over every row (:func:`~hasten.engine.verify.verify_all`), settle.
     Returns each sequence's newly committed tokens."""
     drafting = [sequence for sequence in sequences if sequence.drafter is not None]
     for sequence in sequences:
@@ -251,9 +258,14 @@ def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
     for sequence in drafting:
         by_rule.setdefault(id(sequence.sizing), []).append(sequence)
     for rows in by_rule.values():
-        if len(rows) > 1:
-            rows[0].sizing.plan([s.size_state for s in rows], [s.depth_limit for s in rows], [s.evidence for s in rows])
+        if len(sequences) > 1:
+            rows[0].sizing.plan([s.size_state for s in rows], [s.depth_limit for s in rows], [s.evidence for s in rows],
+                                len(sequences) - len(rows))
     drafts = [sequence.propose() for sequence in sequences]
+    if len(sequences) > 1:
+        positions = sum(len(draft) + 1 for draft in drafts)
+        for sequence in drafting:  # what the forward will run, for the rule's reading of its time
+            sequence.sizing.share(sequence.size_state, len(sequences), positions)
     riders = [draft.riders for draft in drafts]
     outs = target.forward_rows(
         [sequence.cache for sequence in sequences],
@@ -262,4 +274,7 @@ def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
         any(sequence.want_features for sequence in sequences),
         **({"riders": riders} if any(r is not None for r in riders) else {}),  # only a riders-capable target
     )
-    return [sequence.settle(draft, out) for sequence, draft, out in zip(sequences, drafts, outs)]
+    checks = [sequence.check(draft, out) for sequence, draft, out in zip(sequences, drafts, outs)]
+    verdicts = verify_all([sequence.acceptance for sequence in sequences], checks)
+    return [sequence.settle(draft, out, check, verdict)
+            for sequence, draft, out, check, verdict in zip(sequences, drafts, outs, checks, verdicts)]

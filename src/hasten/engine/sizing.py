@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from ..core.cost import CostCurve
 from ..core.sizing import FIRST_DEPTHS, CostAwareSize as CurveSize, FixedSize, SizingRule, SizingState
-from .calibration import load_or_calibrate
+from .calibration import load_or_calibrate, load_or_calibrate_rows
 
 __all__ = ["FIRST_DEPTHS", "CostAwareSize", "FixedSize", "SizingRule", "SizingState", "SIZES", "default_size",
            "SizingChoice", "sizing_rule"]
@@ -17,6 +17,9 @@ class CostAwareSize(CurveSize):
 
     def curve_for(self, target) -> CostCurve:
         return load_or_calibrate(target.model)
+
+    def rows_curve_for(self, target) -> CostCurve:
+        return load_or_calibrate_rows(target.model)
 
 
 SIZES = ("auto", "fixed")

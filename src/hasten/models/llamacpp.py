@@ -306,6 +306,7 @@ class LlamaCppRow:
     """
 
     encoder_decoder = False
+    packed_rows = True  # a llama.cpp batch runs every row's block in one llama_batch, unpadded (draft sizing prices it so)
     trees_ok = False  # chains only: the loop verifies a tree draft's main chain
     prompt_embeds = None  # text prompts only
     encoder_states = None  # causal models only

@@ -42,6 +42,7 @@ class PackedRow:
     prompt_embeds = None  # batches take no images
     encoder_states = None  # nor encoder-decoders
     kv_readable = False  # drafters run no forwards of their own on a batch's rows
+    packed_rows = True  # its batch runs rows end to end, unpadded (what draft sizing prices a step by)
     prompt_logits: torch.Tensor | None = None  # [T - 1, vocab] the prefill's logits, when add was asked for them
 
     def __init__(self, batch: "PackedBatch"):
@@ -167,13 +168,15 @@ class PackedBatch:
         if not lean.usable(self.model, self._modules):
             raise RuntimeError("the packed batch runs hasten's lean forward, which a model with forward hooks, in "
                                "training mode or off hasten's attention cannot take; batch it with BatchAdapter")
+        for row, block in zip(rows, blocks):  # first every move (finding room may move other rows' segments)
+            segment = self.arena.segment(row)
+            if row.length + len(block) > segment.size:  # it outgrew its segment: a larger one, its entries along
+                self.arena.allocate(row, max(2 * segment.size, row.length + len(block) + SLACK), keep=row.length)
         ids, positions, slots, start, prefix = [], [], [], [], []
         offsets, extra, any_tree = [0], [], False
         for row, block, tree in zip(rows, blocks, trees):
             size, past = len(block), row.length
             segment = self.arena.segment(row)
-            if past + size > segment.size:  # the row outgrew its segment: a larger one, its entries moved along
-                segment = self.arena.allocate(row, max(2 * segment.size, past + size + SLACK), keep=past)
             first = segment.start + past  # the store entry of the block's first token
             ids += block
             slots += range(first, first + size)

@@ -23,6 +23,9 @@ from pathlib import Path
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+# Spec-Bench's questions, vendored with hasten bench (data, not an import: bench is this floor's neighbour)
+SPEC_BENCH = Path(__file__).resolve().parents[1] / "bench" / "data" / "spec_bench" / "question.jsonl"
+SPEC_BENCH_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")  # and MT-bench's 8, as one
 
 
 @dataclass
@@ -61,6 +64,25 @@ def read_prompts(path: str) -> list[str]:
     if not prompts:
         raise ValueError(f"--prompts {path}: no prompts in the file")
     return prompts
+
+
+def spec_bench_questions(per_category: int) -> list[str]:
+    """First turns of Spec-Bench's six categories, ``per_category`` each, taken from the end of each
+    category (``hasten bench --tasks spec-bench`` takes them from the start): conversation's round
+    robin over MT-bench's eight categories (the last question of each, then the one before), then
+    translation, summarization, question answering, mathematical reasoning and RAG."""
+    records = [json.loads(line) for line in SPEC_BENCH.read_text(encoding="utf-8").splitlines() if line.strip()]
+    mt_bench: dict[str, list[str]] = {}
+    for record in records:
+        if record["category"] not in SPEC_BENCH_CATEGORIES:
+            mt_bench.setdefault(record["category"], []).append(record["turns"][0])
+    conversation = [questions[-1 - rank] for rank in range(max(map(len, mt_bench.values())))
+                    for questions in mt_bench.values() if rank < len(questions)]
+    chosen = conversation[:per_category]
+    for category in SPEC_BENCH_CATEGORIES:
+        questions = [r["turns"][0] for r in records if r["category"] == category]
+        chosen += questions[::-1][:per_category]
+    return chosen
 
 
 def builtin_prompts(count: int, context_chars: int = 1500) -> list[str]:
