@@ -21,6 +21,7 @@ from hasten.engine import sequence as sequence_module
 
 SPENT: collections.Counter = collections.Counter()  # seconds by phase
 CALLS: collections.Counter = collections.Counter()
+POSITIONS: list[int] = []  # tokens each target forward ran
 
 
 def timed(owner, name: str, phase: str) -> None:
@@ -66,6 +67,13 @@ def main() -> None:
     target = type(scheduler.target)
     timed(batch_module.Scheduler, "_admit", "admission (prefills)")
     timed(target, "forward_rows", "target forward")
+    counted = target.forward_rows
+
+    def forward_rows(self, rows, blocks, *args, **kwargs):
+        POSITIONS.append(sum(len(block) for block in blocks))
+        return counted(self, rows, blocks, *args, **kwargs)
+
+    target.forward_rows = forward_rows
     timed(sequence_module.Sequence, "propose", "drafting")
     timed(sequence_module.Sequence, "settle", "verify + commit")
     for name in ("verify_rows", "settle_all"):  # the batched verifier, where there is one
@@ -92,7 +100,8 @@ def main() -> None:
     print(f"{args.model}, {args.method}, {args.clients} clients, {args.requests} requests of {args.max_tokens} "
           f"tokens, {args.threads} thread(s), batch path {target.__name__}")
     print(f"{tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s; {steps} steps, {rows / max(steps, 1):.1f} rows "
-          f"and {tokens / max(steps, 1):.2f} tokens per step")
+          f"and {tokens / max(steps, 1):.2f} tokens per step, {sum(POSITIONS) / max(len(POSITIONS), 1):.2f} positions "
+          f"per forward")
     accounted = sum(SPENT.values())
     for phase, seconds in SPENT.most_common():
         print(f"  {phase:24s} {seconds:7.2f} s  {100 * seconds / step_seconds:5.1f} %  ({CALLS[phase]} calls)")

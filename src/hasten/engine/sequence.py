@@ -257,15 +257,18 @@ def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
     by_rule: dict[int, list[Sequence]] = {}  # rows resolved alike share a rule, which plans for all of them at once
     for sequence in drafting:
         by_rule.setdefault(id(sequence.sizing), []).append(sequence)
-    for rows in by_rule.values():
-        if len(sequences) > 1:
+    if len(sequences) > 1:
+        for rows in by_rule.values():
+            others = [s for s in sequences if s.drafter is None or s.sizing is not rows[0].sizing]
             rows[0].sizing.plan([s.size_state for s in rows], [s.depth_limit for s in rows], [s.evidence for s in rows],
-                                len(sequences) - len(rows))
+                                len(others), sum(s.cache.cache_length for s in others),
+                                [s.cache.cache_length for s in rows])
     drafts = [sequence.propose() for sequence in sequences]
     if len(sequences) > 1:
         positions = sum(len(draft) + 1 for draft in drafts)
+        keys = sum((len(draft) + 1) * sequence.cache.cache_length for sequence, draft in zip(sequences, drafts))
         for sequence in drafting:  # what the forward will run, for the rule's reading of its time
-            sequence.sizing.share(sequence.size_state, len(sequences), positions)
+            sequence.sizing.share(sequence.size_state, len(sequences), positions, keys)
     riders = [draft.riders for draft in drafts]
     outs = target.forward_rows(
         [sequence.cache for sequence in sequences],

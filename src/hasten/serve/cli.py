@@ -141,7 +141,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (default 0)")
     parser.add_argument("--chat", action="store_true", help="send each prompt as a user message to /chat/completions")
-    parser.add_argument("--prompts", metavar="PATH", help="JSONL file of prompts ({prompt} or Spec-Bench turns)")
+    parser.add_argument("--prompts", metavar="PATH", help="JSONL file of prompts ({prompt} or Spec-Bench turns), or "
+                        "spec-bench[:N]: N first-turn questions of each of Spec-Bench's six categories (default 5), "
+                        "from the end of each (hasten bench takes them from the start)")
     parser.add_argument("--num-prompts", type=int, default=16, metavar="N",
                         help="without --prompts: up to N built-in prompts, held-out standard-library code ending at a "
                         "function's signature (default 16)")
@@ -168,7 +170,7 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     from . import load
 
-    prompts = load.read_prompts(args.prompts) if args.prompts else load.builtin_prompts(args.num_prompts)
+    prompts = load.prompts_from(args.prompts) if args.prompts else load.builtin_prompts(args.num_prompts)
     results = load.run(args.url, args.api_key, args.model, prompts, levels, args.requests, args.max_tokens,
                        args.temperature, args.chat, args.warmup)
     print(load.table(results))

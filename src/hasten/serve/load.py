@@ -41,6 +41,16 @@ class Outcome:
     text: str = field(default="", repr=False)
 
 
+def prompts_from(source: str) -> list[str]:
+    """``spec-bench[:N]`` (:func:`spec_bench_questions`, N per category, 5 by default) or a JSONL file."""
+    name, _, count = source.partition(":")
+    if name == "spec-bench":
+        if count and (not count.isdigit() or not 1 <= int(count) <= 80):
+            raise ValueError(f"--prompts {source}: spec-bench:N takes N from 1 to 80")
+        return spec_bench_questions(int(count or 5))
+    return read_prompts(source)
+
+
 def read_prompts(path: str) -> list[str]:
     """Prompts from a JSONL file: ``{"prompt": str}`` a line, or Spec-Bench's ``{"turns": [str, ...]}`` (first turn)."""
     try:
