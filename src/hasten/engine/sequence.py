@@ -15,7 +15,8 @@ from typing import Protocol
 
 import torch
 
-from ..core.sampling import LogitRules, Sampling
+from ..core.request import Request
+from ..core.sampling import LogitRules
 from ..core.state import GrowingBuffer
 from ..core.stats import DecodeStats, holder_kv_bytes
 from ..core.tree import TokenTree
@@ -65,41 +66,37 @@ class Sequence:
     def __init__(
         self,
         cache: RowCache,
-        tokens: list[int],
+        tokens: list[int],  # committed tokens to decode after: the prompt (a seq2seq decoder's start token)
         prefilled: torch.Tensor | None,  # [len(tokens) - 1, hidden] features of the prefilled tokens
         drafter: Drafter | None,
-        sampling: Sampling,
-        generator: torch.Generator | None,
+        request: Request,  # admitted (Request.admit): its EOS ids and generator resolved
         acceptance: Acceptance,
-        eos_token_ids: frozenset[int],
-        max_new_tokens: int,
         stats: DecodeStats,
         sizing: SizingRule | None = None,
         source: list[int] | None = None,
-        stop: StopStrings | None = None,
         model_source: str = "",  # where the target was loaded from (a drafter's corpus may need its tokenizer)
-        logprobs: int | None = None,  # score each committed token, with this many alternatives (None: no scoring)
-        processed_logprobs: bool = False,  # score under the logit rules and the sampling transform (else raw)
-        suppressed_ids: frozenset[int] | None = None,  # what min_tokens holds back (None: eos_token_ids)
-        resumed: int = 0,  # the last ``resumed`` of ``tokens`` were generated already (a continuation)
     ):
+        drafter = drafter if request.speculate else None  # the request's drafting switch: a plain row
+        sampling, max_new_tokens, resumed, stop = request.sampling, request.max_new_tokens, request.resumed, request.stop
+        self.request = request
         self.cache = cache
         self.drafter = drafter
         self.acceptance = acceptance
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = request.ending_ids()  # what ends the row: EOS (unless ignored), stop ids
         self.max_new_tokens = max_new_tokens
         self.stats = stats
         self.stop = stop if stop else None
         if self.stop is not None and sampling.min_tokens > resumed:  # no stop string ends it before min_tokens
             self.stop = StopStrings(stop.tokenizer, stop.strings, sampling.min_tokens - resumed)
         self.generated: list[int] = []
-        self.logprobs = logprobs
-        self.processed_logprobs = processed_logprobs
+        self.logprobs = request.logprobs
+        self.processed_logprobs = request.processed_logprobs
         self.scored: list[TokenLogprob] = []  # the last settle's committed tokens, scored (when logprobs is set)
         self.finish_reason: str | None = "length" if max_new_tokens == 0 else None
         self.stop_token: int | None = None  # the EOS or stop id that ended the sequence
-        self.suppressed_ids = eos_token_ids if suppressed_ids is None else suppressed_ids
+        self.suppressed_ids = request.suppressed_ids()  # what min_tokens holds back
         self.resumed = resumed
+        generator = request.generator
         self.ruled = sampling.has_logit_rules  # asked once: a request without rules does no extra work per step
         self.rules: LogitRules | None = None  # the request's logit rules, from the first step
         self.want_features = drafter is not None and drafter.reads_features()

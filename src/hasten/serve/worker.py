@@ -138,7 +138,8 @@ class Worker:
                     if update.finished:
                         del self._rows[row_id], self._by_scheduler_id[update.row_id]
             if update.finished and self.metrics:
-                self.metrics.row_finished(update.finish_reason or "stop", update.stats, update.queued_seconds)
+                self.metrics.row_finished(update.finish_reason or "stop", update.stats, update.queued_seconds,
+                                          update.speculated)
             if row is not None:
                 row.sink.put(update)
 
@@ -146,6 +147,9 @@ class Worker:
         info = getattr(self.scheduler, "last_step", None)
         if self.metrics and info is not None:
             self.metrics.step(info, self.scheduler.running, self.scheduler.waiting)
+            held = getattr(self.scheduler.target, "held_bytes", None)
+            if callable(held):
+                self.metrics.kv_bytes.set(held())
 
     def _recover(self, err: Exception) -> None:
         """After a step raised: a fresh scheduler, the rows that fail alone failed with the
