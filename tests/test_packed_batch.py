@@ -173,3 +173,32 @@ def test_a_batch_of_prompts_decodes_each_as_alone():
     for prompt, row in zip(prompts, batched.rows):
         single = hasten.generate(model, prompt[None], max_new_tokens=24)
         assert torch.equal(row.sequences, single.sequences)
+
+
+def test_a_hooked_model_takes_its_own_forward_with_the_same_numbers():
+    """A forward hook (a user's, a profiler's) rules the lean forward out: the rows run the
+    model's own forward over their entries, with the same logits."""
+    model = prepared("llama", torch.float32)
+    prompts = [repetitive_prompt(12, seed=1)[0].tolist(), repetitive_prompt(20, seed=2)[0].tolist()]
+    blocks, trees = [[5, 6, 7], [8, 9, 10, 11, 12, 13, 14]], [None, TREE]
+    lean_batch = PackedBatch(model)
+    lean_rows = [lean_batch.add(p)[0] for p in prompts]
+    want = lean_batch.forward_rows(lean_rows, blocks, trees, False)
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    try:
+        hooked = PackedBatch(model)
+        rows = [hooked.add(p)[0] for p in prompts]
+        got = hooked.forward_rows(rows, blocks, trees, False)
+        for row in rows:
+            row.commit(row.cache_length - len(blocks[rows.index(row)]), trees[rows.index(row)] or TokenTree.chain(2), ())
+        again = hooked.forward_rows(rows, [[3], [4]], [None, None], False)  # after the hooked blocks' entries
+    finally:
+        handle.remove()
+    assert calls
+    for a, b in zip(got, want):
+        assert torch.equal(a.logits, b.logits)
+    for row, block, tree in zip(lean_rows, blocks, trees):
+        row.commit(row.cache_length - len(block), tree or TokenTree.chain(2), ())
+    for a, b in zip(again, lean_batch.forward_rows(lean_rows, [[3], [4]], [None, None], False)):
+        assert torch.equal(a.logits, b.logits)

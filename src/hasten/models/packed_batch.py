@@ -14,15 +14,18 @@ kernels.
 A row is a :class:`PackedRow`: the same ``cache_length`` / ``commit`` / ``crop`` interface as a
 single sequence's :class:`~hasten.models.adapter.ModelAdapter`, so the decode step does not know
 which one it drives. A tree's accepted path is moved into place lazily, every row's at once,
-before the next forward. Other architectures, and drafters that hook the target's modules
-(their needs hold ``Capability.MODULES``), use :class:`~hasten.models.batch.BatchAdapter`
-(the model's own forward, padded rows); the runtime picks one of the two per batch.
+before the next forward. Other architectures, and drafters that read (and may hook) the
+target's modules (their needs hold ``Capability.MODULES``), use
+:class:`~hasten.models.batch.BatchAdapter` (the model's own forward, padded rows); the runtime
+picks one of the two per batch. Should a hook appear anyway (a user's, a profiler's), each row
+runs the model's own forward over its entries, with the same numbers, one row at a time.
 """
 from __future__ import annotations
 
 import torch
 from transformers import PreTrainedModel
 
+from . import cache as kv
 from . import forwards, lean
 from .adapter import ForwardOutput, ModelAdapter, vocab_size
 from .arena import KVArena
@@ -165,13 +168,12 @@ class PackedBatch:
                  hidden: bool, scored: bool) -> list[ForwardOutput]:
         """The rows' blocks after their cached entries, which the store gains (each row's
         length is moved on by the caller). ``scored``: logits at every block position (else none)."""
-        if not lean.usable(self.model, self._modules):
-            raise RuntimeError("the packed batch runs hasten's lean forward, which a model with forward hooks, in "
-                               "training mode or off hasten's attention cannot take; batch it with BatchAdapter")
         for row, block in zip(rows, blocks):  # first every move (finding room may move other rows' segments)
             segment = self.arena.segment(row)
             if row.length + len(block) > segment.size:  # it outgrew its segment: a larger one, its entries along
                 self.arena.allocate(row, max(2 * segment.size, row.length + len(block) + SLACK), keep=row.length)
+        if not lean.usable(self.model, self._modules):  # hooks (a user's, a profiler's), training mode
+            return [self._own_forward(row, block, tree, hidden, scored) for row, block, tree in zip(rows, blocks, trees)]
         ids, positions, slots, start, prefix = [], [], [], [], []
         offsets, extra, any_tree = [0], [], False
         for row, block, tree in zip(rows, blocks, trees):
@@ -214,6 +216,27 @@ class PackedBatch:
             outs.append(ForwardOutput(None if logits is None else logits[at:end], states[at:end] if hidden else None))
             at = end
         return outs
+
+    def _own_forward(self, row: PackedRow, block: list[int], tree: TokenTree | None, hidden: bool,
+                     scored: bool) -> ForwardOutput:
+        """One row through the model's own forward (the same numbers as the lean one,
+        tests/test_lean.py), for what the lean forward does not take: the row's entries lent as
+        a cache, the block's entries written back to its segment."""
+        start, past, size = self.arena.segment(row).start, row.length, len(block)
+        cache = kv.new_cache(False)
+        for keys, values in zip(self.arena.keys, self.arena.values):
+            layer = kv.GrowingLayer()
+            layer.lazy_initialization(keys[None, :, :0], values[None, :, :0])
+            layer.keys, layer.values = keys[None, :, start:start + past], values[None, :, start:start + past]
+            cache.layers.append(layer)
+        single = ModelAdapter(self.model)
+        single.cache = cache
+        out = single.forward(block, tree, hidden, logits_to_keep=0 if scored else 1)
+        slots = torch.arange(start + past, start + past + size, device=self.device)
+        for index, layer in enumerate(cache.layers):  # [1, H_kv, past + size, D]: the block's entries back
+            self.arena.write(index, slots, layer.keys[0, :, past:].transpose(0, 1), layer.values[0, :, past:].transpose(0, 1))
+        self.pending[id(row)] = size
+        return ForwardOutput(out.logits if scored else None, out.hidden)
 
     def _flush(self) -> None:
         """Move the trees' accepted paths into place, every row's at once."""
