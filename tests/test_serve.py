@@ -744,6 +744,24 @@ def test_serve_bench_reports_every_level(base, cli, tmp_path):
     assert all(len(row.split(" | ")) == 8 for row in rows)  # every column filled
 
 
+def test_serve_bench_compares_servers_level_by_level_and_draws_them(base, cli, tmp_path):
+    """Two servers (here the same one under two names): every level of each, each answer
+    compared with the first server's, and a chart of throughput against clients."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]))
+    out, chart = tmp_path / "load.json", tmp_path / "load.png"
+    code, table, err = cli("serve-bench", "--url", f"first={base}/v1", "--url", f"second={base}/v1", "--api-key", KEY,
+                           "--concurrency", "1,2", "--requests", "2", "--max-tokens", "6", "--prompts", str(prompts),
+                           "--out", str(out), "--chart", str(chart))
+    assert code == 0, err
+    results = json.loads(out.read_text())
+    assert [(lv["server"], lv["concurrency"]) for lv in results["levels"]] == [
+        ("first", 1), ("second", 1), ("first", 2), ("second", 2)]
+    assert all(lv["identical"] == lv["compared"] == 2 for lv in results["levels"])  # greedy: the same answers
+    assert "answers equal to first's" in table and "| second | 2 |" in table
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_serve_bench_without_a_server_is_one_line(cli, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "x"}))

@@ -128,8 +128,10 @@ def is_loopback(host: str) -> bool:
 
 # ---- hasten serve-bench --------------------------------------------------------------------------
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's API base URL "
-                        "(default http://127.0.0.1:8000/v1)")
+    parser.add_argument("--url", action="append", metavar="[NAME=]URL",
+                        help="a server's API base URL (default http://127.0.0.1:8000/v1); repeat it to measure several "
+                        "servers in one run, level by level (e.g. hasten=http://127.0.0.1:8000/v1 "
+                        "vllm=http://127.0.0.1:8100/v1): each answer is compared with the first server's")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
                         help=f"the server's API key (default: ${API_KEY_ENV})")
     parser.add_argument("--model", metavar="NAME", help="model name to ask for (default: the one the server lists)")
@@ -149,6 +151,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         "function's signature (default 16)")
     parser.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed requests first (default 1)")
     parser.add_argument("--out", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--chart", metavar="PATH", help="also draw throughput against concurrency as a PNG here")
 
 
 def concurrency_levels(text: str) -> list[int]:
@@ -171,12 +174,16 @@ def run_bench(args: argparse.Namespace) -> int:
     from . import load
 
     prompts = load.prompts_from(args.prompts) if args.prompts else load.builtin_prompts(args.num_prompts)
-    results = load.run(args.url, args.api_key, args.model, prompts, levels, args.requests, args.max_tokens,
-                       args.temperature, args.chat, args.warmup)
+    servers = load.servers_from(args.url or ["http://127.0.0.1:8000/v1"], args.api_key, args.model)
+    results = load.run(servers, prompts, levels, args.requests, args.max_tokens, args.temperature, args.chat,
+                       args.warmup)
     print(load.table(results))
     if args.out:
         load.write_json(results, args.out)
         print(f"hasten serve-bench: wrote {args.out}", file=sys.stderr)
+    if args.chart:
+        load.chart(results, args.chart)
+        print(f"hasten serve-bench: drew {args.chart}", file=sys.stderr)
     return 0 if not any(level["errors"] for level in results["levels"]) else 1
 
 
