@@ -115,7 +115,7 @@ def test_rows_that_outgrow_their_segments_move_and_keep_their_entries(monkeypatc
     compactions = []
     real = KVArena._compact
     monkeypatch.setattr(KVArena, "_compact", lambda self: (compactions.append(1), real(self)))
-    batch = PackedBatch(model)
+    batch = PackedBatch(model, keep_bytes=0)  # no room kept for finished rows: the store grows only when it must
     prompts = [repetitive_prompt(8 + 6 * i, seed=i)[0].tolist() for i in range(4)]
     rows = [batch.add(prompt)[0] for prompt in prompts]
     alone_rows = []
@@ -202,3 +202,34 @@ def test_a_hooked_model_takes_its_own_forward_with_the_same_numbers():
         row.commit(row.cache_length - len(block), tree or TokenTree.chain(2), ())
     for a, b in zip(again, lean_batch.forward_rows(lean_rows, [[3], [4]], [None, None], False)):
         assert torch.equal(a.logits, b.logits)
+
+
+def test_a_prompt_that_starts_as_a_finished_row_reuses_its_entries_with_the_same_numbers():
+    """A finished row's entries (prompt and generated tokens) serve the next prompt that starts
+    with them: its first decode step's logits equal a fresh prefill's; kept entries give way
+    when running rows need their room."""
+    model = prepared("llama", torch.float32)
+    batch = PackedBatch(model)
+    first = repetitive_prompt(60, seed=4)[0].tolist()  # 59 cached, then 6 generated: 64 reused
+    row = batch.add(first)[0]
+    for step in range(3):  # three decode steps: generated tokens are kept too
+        start = row.cache_length
+        batch.forward_rows([row], [[first[-1] if step == 0 else 9, 5, 6]], [None], False)
+        row.commit(start, TokenTree.chain(2), (0,))
+    history = list(row.tokens)
+    batch.remove(row)
+    assert len(batch.prefixes) == 1 and not batch.rows
+    follow_up = history + [7, 8, 9, 10]  # a conversation's next turn: all of the history, then more
+    again = batch.add(follow_up)[0]
+    assert batch.reused_tokens == len(history) // 16 * 16 > len(first)
+    got = batch.forward_rows([again], [[follow_up[-1], 3, 4]], [None], False)[0].logits
+    assert torch.equal(got, alone(model, follow_up, [([follow_up[-1], 3, 4], None, ())])[0])
+    batch.remove(again)
+
+    # past the room kept for them, kept entries give way to running rows before the store grows
+    tight = PackedBatch(model, keep_bytes=0)
+    tight.remove(tight.add(first)[0])
+    capacity = tight.arena.capacity
+    assert len(tight.prefixes) == 1
+    tight.add(repetitive_prompt(60, seed=5)[0].tolist())
+    assert not tight.prefixes and tight.arena.capacity == capacity

@@ -5,10 +5,12 @@ The batched decoder (``models/packed_batch.py``) writes every row's new keys of 
 ``index_copy_`` and attends over every row with one kernel call, each query row reading its own
 segment (hasten's attention kernel takes a key list per query row, ``kernels/ops.py``), so nothing
 is padded and no row sees another's entries. A segment is sized for what its sequence may hold
-(its prompt and token budget, when the caller knows them) and moves to a larger one when a block
-would overflow it. Space is found first-fit among the free segments; when none fits, the rows are
-moved to the front (compaction) if that frees enough, else the store grows. It never shrinks: its
-size is the high-water mark of what the rows held together, so memory stays flat under a steady load.
+and moves to a larger one when a block would overflow it. Space is found first-fit among the free
+segments; when none fits, the store grows while it stays within ``keep_bytes`` (room for finished
+rows' entries kept for later, ``models/prefix_cache.py``), then kept segments give way (``reclaim``),
+then the rows are moved to the front (compaction) if that frees enough, else the store grows. It
+never shrinks: its size is the high-water mark of ``keep_bytes`` and what the rows held together,
+so memory stays flat under a steady load.
 """
 from __future__ import annotations
 
@@ -26,12 +28,17 @@ class Segment:
 
 
 class KVArena:
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 keep_bytes: int = 0):
         self.shape, self.dtype, self.device = (kv_heads, head_dim), dtype, device
+        # the store may grow to this many bytes before what is only kept (reclaim) gives way
+        self.entry_bytes = 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
+        self.keep_entries = keep_bytes // self.entry_bytes
         self.keys = [self._empty(0) for _ in range(layers)]  # per layer [kv_heads, capacity, head_dim]
         self.values = [self._empty(0) for _ in range(layers)]
         self.free: list[Segment] = []  # sorted by start, coalesced
         self.owned: dict[int, Segment] = {}  # by id of the owner (a row)
+        self.reclaim = lambda: False  # frees some owner's segment that may go (kept prefixes), True if it did
 
     @property
     def capacity(self) -> int:
@@ -50,6 +57,11 @@ class KVArena:
         """A segment of ``size`` entries for ``owner``; if it had one, its first ``keep`` entries
         move into the new one and the old one is freed."""
         start = self._find(size)
+        if start is None and self.capacity + size <= self.keep_entries:  # room to grow and keep what is kept
+            self._grow(min(max(int(GROWTH * self.capacity), self.capacity + size), self.keep_entries))
+            start = self._find(size)
+        while start is None and self.reclaim():  # past that, what is only kept for later gives way first
+            start = self._find(size)
         if start is None and sum(s.size for s in self.free) >= size:
             self._compact()
             start = self._find(size)
@@ -73,6 +85,19 @@ class KVArena:
 
     def segment(self, owner: object) -> Segment:
         return self.owned[id(owner)]
+
+    def hand_over(self, owner: object, heir: object, size: int) -> None:
+        """``owner``'s segment becomes ``heir``'s, cut to its first ``size`` entries (the rest freed)."""
+        segment = self.owned.pop(id(owner))
+        if size < segment.size:
+            self._release(Segment(segment.start + size, segment.size - size))
+            segment = Segment(segment.start, size)
+        self.owned[id(heir)] = segment
+
+    def copy(self, source: object, target: object, count: int) -> None:
+        """The first ``count`` entries of ``source``'s segment to the start of ``target``'s."""
+        a, b = self.segment(source).start, self.segment(target).start
+        self._copy(torch.arange(a, a + count), torch.arange(b, b + count))
 
     def _find(self, size: int) -> int | None:
         return next((s.start for s in self.free if s.size >= size), None)

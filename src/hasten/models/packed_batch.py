@@ -30,10 +30,12 @@ from . import forwards, lean
 from .adapter import ForwardOutput, ModelAdapter, vocab_size
 from .arena import KVArena
 from .layers import model_name
+from .prefix_cache import PrefixCache
 from ..core.tree import TokenTree
 from ..kernels import ops
 
 SLACK = 64  # entries a segment holds past what its row has when it is (re)sized
+KEEP_BYTES = 1 << 30  # the KV store grows to this size, if need be, to keep finished rows' entries for later
 
 
 class PackedRow:
@@ -51,6 +53,7 @@ class PackedRow:
     def __init__(self, batch: "PackedBatch"):
         self.batch = batch
         self.length = 0  # committed tokens cached (all but the root)
+        self.tokens: list[int] = []  # the tokens whose entries the row's segment holds, in order
 
     @property
     def model(self):
@@ -77,12 +80,14 @@ class PackedRow:
         if not (tree.is_chain or list(accepted) == list(range(len(accepted)))):
             base = self.batch.arena.segment(self).start + start + 1
             self.batch.moves.append(([base + node for node in accepted], list(range(base, base + len(accepted)))))
+        self.tokens[start + 1:] = [self.tokens[start + 1 + node] for node in accepted]
         self.length = start + 1 + len(accepted)
 
     def crop(self, new_length: int) -> None:
         if new_length > self.length:
             raise ValueError(f"cannot crop a row of {self.length} cached tokens to {new_length}")
         self.length = new_length
+        del self.tokens[new_length:]
 
 
 class PackedBatch:
@@ -92,7 +97,7 @@ class PackedBatch:
     encoder_decoder = False
     kv_readable = False
 
-    def __init__(self, model: PreTrainedModel):
+    def __init__(self, model: PreTrainedModel, keep_bytes: int = KEEP_BYTES):
         ModelAdapter(model)  # the single-sequence adapter checks the model once
         if not lean.eligible(model):
             raise ValueError(f"{model_name(model)!r} does not take the lean forward; batch it with BatchAdapter")
@@ -102,11 +107,16 @@ class PackedBatch:
         config = model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        self.arena = KVArena(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype, self.device)
+        self.arena = KVArena(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype, self.device,
+                             keep_bytes)
         self.rows: list[PackedRow] = []
         self.pending: dict[int, int] = {}  # id(row) -> block size cached by the last forward, until commit
         self.moves: list[tuple[list[int], list[int]]] = []  # trees' accepted paths: (from entries, to entries)
         self._modules = list(model.modules())
+        self.prefixes = PrefixCache()  # finished rows' entries, for prompts that start the same way
+        self._pinned: object | None = None  # kept entries being copied from: not to be reclaimed meanwhile
+        self.arena.reclaim = self._reclaim
+        self.reused_tokens = 0  # prompt tokens whose entries came from the prefix cache (not prefilled)
 
     def held_bytes(self) -> int:
         """Bytes of the batch's KV store (allocated; it never shrinks, see models/arena.py)."""
@@ -117,35 +127,61 @@ class PackedBatch:
     def add(self, tokens: list[int], hidden: bool = False,
             logits: bool = False) -> tuple[PackedRow, torch.Tensor | None]:
         """Prefill a new sequence (every prompt token but the last, the root) and give it a row.
-        Returns the row and, if asked, the prefilled tokens' features [T - 1, hidden];
-        ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab]."""
+        Entries a finished row left for the same first tokens are copied, not computed
+        (:mod:`~hasten.models.prefix_cache`; not when features or logits of every prompt
+        position are asked for). Returns the row and, if asked, the prefilled tokens' features
+        [T - 1, hidden]; ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab]."""
         self._flush()
+        prompt = tokens[:-1]
         row = PackedRow(self)
-        self.arena.allocate(row, len(tokens) - 1 + SLACK)
+        kept, reused = (None, 0) if hidden or logits else self.prefixes.find(prompt)
+        self._pinned = kept
+        try:
+            self.arena.allocate(row, len(prompt) + SLACK)
+            if reused:
+                self.arena.copy(kept, row, reused)
+        finally:
+            self._pinned = None
         self.rows.append(row)
+        row.length, row.tokens = reused, list(prompt[:reused])
+        self.reused_tokens += reused
         if logits:
             row.prompt_logits = torch.zeros(0, self.vocab_size, device=self.device)  # [0, vocab] a one-token prompt
-        if len(tokens) < 2:
+        if reused == len(prompt):
             return row, None
         try:
-            out = self._forward([row], [tokens[:-1]], [None], hidden, scored=logits)[0]
+            out = self._forward([row], [prompt[reused:]], [None], hidden, scored=logits)[0]
         except BaseException:
             self.remove(row)
             raise
         self.pending.pop(id(row))
-        row.length = len(tokens) - 1
+        row.length, row.tokens = len(prompt), list(prompt)
         if logits:
             row.prompt_logits = out.logits  # [T - 1, vocab]
         return row, out.hidden
 
     def remove(self, row: PackedRow) -> None:
-        """Forget a row (finished or cancelled); its entries' space is free again."""
+        """Forget a row (finished or cancelled); its entries are kept for a prompt that starts
+        the same way (until a running row needs their room)."""
         self._flush()
         if row.batch is not self or row not in self.rows:
             raise ValueError("this row is not in this batch")
         self.rows.remove(row)
         self.pending.pop(id(row), None)
-        self.arena.release(row)
+        kept = self.prefixes.keep(row.tokens[:row.length])
+        if kept is None:
+            self.arena.release(row)
+        else:
+            self.arena.hand_over(row, kept, len(kept.tokens))
+
+    def _reclaim(self) -> bool:
+        """Free the least recently used kept entries (True), if any may go."""
+        kept = next((k for k in self.prefixes.kept if k is not self._pinned), None)  # least recently used first
+        if kept is None:
+            return False
+        self.prefixes.forget(kept)
+        self.arena.release(kept)
+        return True
 
     # ---- the packed forward --------------------------------------------------------------------
     @torch.no_grad()
@@ -162,6 +198,7 @@ class PackedBatch:
         outs = self._forward(rows, blocks, trees, hidden, scored=True)
         for row, block in zip(rows, blocks):
             row.length += len(block)  # cached until commit keeps the root and the accepted path
+            row.tokens += block
         return outs
 
     def _forward(self, rows: list[PackedRow], blocks: list[list[int]], trees: list[TokenTree | None],

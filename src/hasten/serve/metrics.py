@@ -55,6 +55,8 @@ class Metrics:
                                    ["speculated"], registry=r)
         self.kv_bytes = Gauge("hasten_kv_cache_bytes", "bytes the running batch's KV cache holds allocated",
                               registry=r)
+        self.reused_tokens = Counter("hasten_prefix_cached_tokens", "prompt tokens whose KV entries a finished "
+                                     "request left (the prefix cache), copied instead of prefilled", registry=r)
         # what a client waits for, as vLLM reports it: the first token, each next token, the whole answer
         self.first_token_seconds = Histogram("hasten_time_to_first_token_seconds",
                                              "seconds from a request's submission to its first generated token",
