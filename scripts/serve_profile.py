@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import json
 import time
 
 import torch
@@ -58,12 +59,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--warm", action="store_true", help="first run every prompt once, untimed (1 token each), so "
+                        "the timed run finds the prompts in the prefix cache: decoding alone is measured")
+    parser.add_argument("--out", help="append the result as a JSON line here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     engine = hasten.load(args.model, args.method, draft_size=args.draft_size, threads=args.threads)
     prompts = [engine.encode_chat(m)[0].tolist() for m in spec_bench_messages(5)]
     scheduler = batch_module.Scheduler(engine.runtime, engine.drafter, max_batch=args.max_batch,
                                        draft_size=engine.draft_size)
+    if args.warm:
+        for prompt in prompts:
+            scheduler.submit(batch_module.Request(prompt, 1))
+        scheduler.run()
     target = type(scheduler.target)
     timed(batch_module.Scheduler, "_admit", "admission (prefills)")
     timed(target, "forward_rows", "target forward")
@@ -107,6 +115,13 @@ def main() -> None:
         print(f"  {phase:24s} {seconds:7.2f} s  {100 * seconds / step_seconds:5.1f} %  ({CALLS[phase]} calls)")
     print(f"  {'the rest of the step':24s} {step_seconds - accounted:7.2f} s  "
           f"{100 * (step_seconds - accounted) / step_seconds:5.1f} %")
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(json.dumps({"method": args.method, "clients": args.clients, "requests": args.requests,
+                                "max_tokens": args.max_tokens, "warm": args.warm, "tokens": tokens,
+                                "seconds": round(wall, 3), "tokens_per_second": round(tokens / wall, 2), "steps": steps,
+                                "phases": {k: round(v, 3) for k, v in SPENT.items()},
+                                "load": open("/proc/loadavg").read().split()[:3]}) + "\n")
 
 
 if __name__ == "__main__":

@@ -233,9 +233,9 @@ class Scheduler:
         want_features = drafter is not None and drafter.reads_features()
         prompt_scored = None
         if request.prompt_logprobs is None:
-            row, prefilled = self.target.add(request.input_ids, hidden=want_features)
+            row, prefilled = self.target.add(request.input_ids, hidden=want_features, room=reserved)
         else:  # the prefill keeps its logits, scored here and dropped
-            row, prefilled = self.target.add(request.input_ids, hidden=want_features, logits=True)
+            row, prefilled = self.target.add(request.input_ids, hidden=want_features, logits=True, room=reserved)
             prompt_scored = token_logprobs(row.prompt_logits, request.input_ids[1:], request.prompt_logprobs)
             row.prompt_logits = None
         sizing = self.sizing.for_request(not request.sampling.greedy, seeded=request.generator is not None)

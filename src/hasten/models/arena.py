@@ -86,13 +86,9 @@ class KVArena:
     def segment(self, owner: object) -> Segment:
         return self.owned[id(owner)]
 
-    def hand_over(self, owner: object, heir: object, size: int) -> None:
-        """``owner``'s segment becomes ``heir``'s, cut to its first ``size`` entries (the rest freed)."""
-        segment = self.owned.pop(id(owner))
-        if size < segment.size:
-            self._release(Segment(segment.start + size, segment.size - size))
-            segment = Segment(segment.start, size)
-        self.owned[id(heir)] = segment
+    def hand_over(self, owner: object, heir: object) -> None:
+        """``owner``'s segment becomes ``heir``'s."""
+        self.owned[id(heir)] = self.owned.pop(id(owner))
 
     def copy(self, source: object, target: object, count: int) -> None:
         """The first ``count`` entries of ``source``'s segment to the start of ``target``'s."""

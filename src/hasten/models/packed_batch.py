@@ -35,6 +35,7 @@ from ..core.tree import TokenTree
 from ..kernels import ops
 
 SLACK = 64  # entries a segment holds past what its row has when it is (re)sized
+DRAFT_SLACK = 16  # past a row's prompt and budget: a tree draft may run a few positions beyond them
 KEEP_BYTES = 1 << 30  # the KV store grows to this size, if need be, to keep finished rows' entries for later
 
 
@@ -124,24 +125,32 @@ class PackedBatch:
 
     # ---- rows joining and leaving ------------------------------------------------------------------
     @torch.no_grad()
-    def add(self, tokens: list[int], hidden: bool = False,
-            logits: bool = False) -> tuple[PackedRow, torch.Tensor | None]:
+    def add(self, tokens: list[int], hidden: bool = False, logits: bool = False,
+            room: int | None = None) -> tuple[PackedRow, torch.Tensor | None]:
         """Prefill a new sequence (every prompt token but the last, the root) and give it a row.
         Entries a finished row left for the same first tokens are copied, not computed
         (:mod:`~hasten.models.prefix_cache`; not when features or logits of every prompt
         position are asked for). Returns the row and, if asked, the prefilled tokens' features
-        [T - 1, hidden]; ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab]."""
+        [T - 1, hidden]; ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab].
+        ``room``: the tokens the row may come to hold (its prompt and token budget), its segment's
+        size (past it, the segment moves)."""
         self._flush()
         prompt = tokens[:-1]
         row = PackedRow(self)
+        size = max(room or 0, len(tokens)) + DRAFT_SLACK if room else len(prompt) + SLACK
         kept, reused = (None, 0) if hidden or logits else self.prefixes.find(prompt)
-        self._pinned = kept
-        try:
-            self.arena.allocate(row, len(prompt) + SLACK)
-            if reused:
-                self.arena.copy(kept, row, reused)
-        finally:
-            self._pinned = None
+        if kept is not None and reused == len(kept.tokens) and self.arena.segment(kept).size >= size:
+            # all it holds is this prompt's start: the row takes its segment over (no copy, no second one kept)
+            self.prefixes.forget(kept)
+            self.arena.hand_over(kept, row)
+        else:
+            self._pinned = kept
+            try:
+                self.arena.allocate(row, size)
+                if reused:
+                    self.arena.copy(kept, row, reused)
+            finally:
+                self._pinned = None
         self.rows.append(row)
         row.length, row.tokens = reused, list(prompt[:reused])
         self.reused_tokens += reused
@@ -171,8 +180,8 @@ class PackedBatch:
         kept = self.prefixes.keep(row.tokens[:row.length])
         if kept is None:
             self.arena.release(row)
-        else:
-            self.arena.hand_over(row, kept, len(kept.tokens))
+        else:  # the whole segment: a row that takes it over later has room to go on
+            self.arena.hand_over(row, kept)
 
     def _reclaim(self) -> bool:
         """Free the least recently used kept entries (True), if any may go."""
