@@ -29,6 +29,7 @@ from ..core.request import Request  # the one request object, re-exported here b
 from ..core.stats import DecodeStats
 from ..drafters.base import Drafter, TargetView
 from ..models.hf import runtime_of
+from .calibration import load_or_calibrate_batch
 from .logprobs import TokenLogprob, token_logprobs
 from .sequence import RowCache, Sequence, step
 from .sizing import SizingChoice, SizingRule
@@ -105,6 +106,8 @@ class Scheduler:
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_prefill_tokens = max_prefill_tokens
         self.sizing = SizingChoice(draft_size)
+        if drafter is not None and draft_size in ("auto", None) and getattr(self.target, "packed_rows", False):
+            load_or_calibrate_batch(model)  # a packed batch's cost, measured now rather than inside the first step
         self.lossy_acceptance = lossy_acceptance
         self.last_step: StepInfo | None = None
         self._lock = threading.Lock()

@@ -430,7 +430,9 @@ class LlamaCppTarget(LlamaCppRow):
 
 
 class LlamaCppBatch:
-    """Many generations in one llama.cpp context, each row a llama.cpp sequence id: the
+    """
+
+    packed_rows = True  # every row's block in one llama_batch, unpadded: what draft sizing prices a step byMany generations in one llama.cpp context, each row a llama.cpp sequence id: the
     interface of :class:`~hasten.models.batch.BatchAdapter` (``add``, ``remove``,
     ``forward_rows``) for the scheduler. Each step every row's block goes into one
     ``llama_batch`` (entries tagged with the row's sequence id and positions), and each

@@ -97,6 +97,7 @@ class PackedBatch:
     trees_ok = True
     encoder_decoder = False
     kv_readable = False
+    packed_rows = True  # rows end to end, unpadded: what draft sizing prices a step by
 
     def __init__(self, model: PreTrainedModel, keep_bytes: int = KEEP_BYTES):
         ModelAdapter(model)  # the single-sequence adapter checks the model once

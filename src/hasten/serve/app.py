@@ -237,7 +237,7 @@ def create_app(engine, make_scheduler: Callable[[], object], options: ServeOptio
     return app
 
 
-def scheduler_factory(engine, max_batch: int = 8, max_tokens_in_flight: int | None = None,
+def scheduler_factory(engine, max_batch: int = 32, max_tokens_in_flight: int | None = None,
                       max_prefill_tokens: int | None = None) -> Callable[[], object]:
     """Builds the continuous-batching scheduler over the engine's model and drafter."""
     from ..engine.batch import Scheduler
