@@ -430,9 +430,7 @@ class LlamaCppTarget(LlamaCppRow):
 
 
 class LlamaCppBatch:
-    """
-
-    packed_rows = True  # every row's block in one llama_batch, unpadded: what draft sizing prices a step byMany generations in one llama.cpp context, each row a llama.cpp sequence id: the
+    """Many generations in one llama.cpp context, each row a llama.cpp sequence id: the
     interface of :class:`~hasten.models.batch.BatchAdapter` (``add``, ``remove``,
     ``forward_rows``) for the scheduler. Each step every row's block goes into one
     ``llama_batch`` (entries tagged with the row's sequence id and positions), and each
@@ -441,6 +439,7 @@ class LlamaCppBatch:
     trees_ok = False
     encoder_decoder = False
     kv_readable = False  # llama.cpp's KV cells are not exposed
+    packed_rows = True  # every row's block in one llama_batch, unpadded: what draft sizing prices a step by
     device = torch.device("cpu")
 
     def __init__(self, model: LlamaCppModel, rows: int):
