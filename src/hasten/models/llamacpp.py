@@ -306,7 +306,6 @@ class LlamaCppRow:
     """
 
     encoder_decoder = False
-    packed_rows = True  # a llama.cpp batch runs every row's block in one llama_batch, unpadded (draft sizing prices it so)
     trees_ok = False  # chains only: the loop verifies a tree draft's main chain
     prompt_embeds = None  # text prompts only
     encoder_states = None  # causal models only
@@ -439,7 +438,6 @@ class LlamaCppBatch:
     trees_ok = False
     encoder_decoder = False
     kv_readable = False  # llama.cpp's KV cells are not exposed
-    packed_rows = True  # every row's block in one llama_batch, unpadded: what draft sizing prices a step by
     device = torch.device("cpu")
 
     def __init__(self, model: LlamaCppModel, rows: int):
