@@ -8,8 +8,8 @@ chart, and stops them. docs/serve.md quotes its output.
         --out bench-out/serve
 
 vLLM comes from ``$HASTEN_VLLM_PYTHON`` or ``.venv-vllm`` (``make vllm``). Each server computes on
-one thread (vLLM's OpenMP threads bound to one core, hasten's ``--threads 1``); vLLM runs the model
-in float32, eager, as hasten does.
+one thread (vLLM's OpenMP threads bound to one core, hasten's ``--threads 1``), eager, in one
+dtype (``--dtype``, float32 unless told).
 """
 from __future__ import annotations
 
@@ -40,9 +40,10 @@ def model_directory(name: str) -> str:
     return model.config._name_or_path
 
 
-def vllm_command(python: str, directory: str, name: str, port: int, max_seqs: int, speculative: dict | None) -> list[str]:
+def vllm_command(python: str, directory: str, name: str, port: int, max_seqs: int, speculative: dict | None,
+                 dtype: str) -> list[str]:
     command = [python, "-P", "-m", "vllm.entrypoints.openai.api_server", "--model", directory, "--served-model-name",
-               name, "--dtype", "float32", "--enforce-eager", "--max-num-seqs", str(max_seqs), "--port", str(port),
+               name, "--dtype", dtype, "--enforce-eager", "--max-num-seqs", str(max_seqs), "--port", str(port),
                "--seed", "0"]
     if speculative:
         command += ["--speculative-config", json.dumps(speculative)]
@@ -79,6 +80,8 @@ def main() -> int:
                         "vLLM's --max-num-seqs)")
     parser.add_argument("--vllm-python", default=os.environ.get("HASTEN_VLLM_PYTHON", ".venv-vllm/bin/python"))
     parser.add_argument("--kv-cache-gib", default="2", help="vLLM's VLLM_CPU_KVCACHE_SPACE")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="every server's dtype (vLLM's CPU default is bfloat16 where the CPU has bf16 instructions)")
     parser.add_argument("--start-timeout", type=float, default=600)
     parser.add_argument("--out", default="bench-out/serve")
     args = parser.parse_args()
@@ -94,11 +97,11 @@ def main() -> int:
             if name in ("hasten", "hasten_plain"):
                 method = "prompt_lookup" if name == "hasten" else "autoregressive"
                 command = [sys.executable, "-m", "hasten", "serve", "--model", args.model, "--method", method,
-                           "--port", str(port), "--max-batch", str(args.max_batch), "--threads", "1"]
+                           "--port", str(port), "--max-batch", str(args.max_batch), "--threads", "1", "--dtype", args.dtype]
                 env = dict(os.environ)
             elif name in ("vllm", "vllm_ngram"):
                 command = vllm_command(args.vllm_python, directory, args.model, port, args.max_batch,
-                                       NGRAM if name == "vllm_ngram" else None)
+                                       NGRAM if name == "vllm_ngram" else None, args.dtype)
                 env = {**os.environ, **binding}
             else:
                 raise SystemExit(f"unknown server {name!r}")

@@ -79,7 +79,8 @@ def kv_bytes(base: str) -> float:
 
 def start_server(args, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "hasten", "serve", "--model", args.model, "--method", args.method,
-               "--port", str(port), "--max-batch", str(args.max_batch), "--threads", str(args.threads)]
+               "--port", str(port), "--max-batch", str(args.max_batch), "--threads", str(args.threads),
+               "--dtype", args.dtype, "--prefix-cache-mib", str(args.prefix_cache_mib)]
     if args.draft_size:
         command += ["--draft-size", args.draft_size]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -169,7 +170,7 @@ def references(args, prompts: list[str], jobs: list[Job]) -> dict[tuple[int, int
     """Each (prompt, budget) asked for, decoded alone: plain greedy decoding of the same model."""
     import hasten
 
-    engine = hasten.load(args.model, "autoregressive", threads=args.threads)
+    engine = hasten.load(args.model, "autoregressive", threads=args.threads, dtype=args.dtype)
     wanted = sorted({(job.prompt, job.max_tokens) for job in jobs})
     return {(p, m): engine.generate(prompts[p], max_new_tokens=m).text for p, m in wanted}
 
@@ -189,6 +190,10 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--prefix-cache-mib", type=int, default=64,
+                        help="the server's (default 64: the store reaches it during warm-up, after which it must stay "
+                        "flat; the server's own default, 1 GiB, takes a long soak to fill)")
+    parser.add_argument("--dtype", default="float32", help="the server's and the references' (one dtype for both)")
     parser.add_argument("--draft-size", choices=("auto", "fixed"), help="the server's (default: its own)")
     parser.add_argument("--cancel-share", type=float, default=0.15, help="streamed requests whose client leaves early")
     parser.add_argument("--memory-slack", type=float, default=0.05)

@@ -166,6 +166,16 @@ def test_the_runtime_packs_rows_unless_the_drafter_reads_the_models_modules():
     assert isinstance(HuggingFaceRuntime(tiny_model("gpt2")).batch(4), BatchAdapter)
 
 
+def test_the_scheduler_passes_its_prefix_cache_budget_to_the_batch():
+    from hasten.engine.batch import Scheduler
+
+    model = tiny_model("llama")
+    assert Scheduler(model, max_batch=2).target.arena.keep_entries > 0  # the runtime's default budget
+    assert Scheduler(model, max_batch=2, prefix_cache_bytes=0).target.arena.keep_entries == 0
+    with pytest.raises(ValueError, match="prefix_cache_bytes"):
+        Scheduler(model, max_batch=2, prefix_cache_bytes=-1)
+
+
 def test_a_batch_of_prompts_decodes_each_as_alone():
     model = tiny_model("llama")
     prompts = [repetitive_prompt(n, seed=n)[0] for n in (12, 30, 7)]

@@ -82,7 +82,8 @@ class _Running:
 class Scheduler:
     def __init__(self, model: PreTrainedModel, drafter: Drafter | None = None, *, max_batch: int = 8,
                  max_tokens_in_flight: int | None = None, draft_size: str | SizingRule | None = None,
-                 lossy_acceptance: Acceptance | None = None, max_prefill_tokens: int | None = None):
+                 lossy_acceptance: Acceptance | None = None, max_prefill_tokens: int | None = None,
+                 prefix_cache_bytes: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if max_tokens_in_flight is not None and (
@@ -97,7 +98,11 @@ class Scheduler:
         self.runtime = runtime_of(model)
         if drafter is not None:
             drafter.check_runtime(self.runtime, batched=True)  # before any forward
-        self.target = self.runtime.batch(max_batch, drafter.needs if drafter is not None else frozenset())
+        if prefix_cache_bytes is not None and (
+                isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0):
+            raise ValueError(f"prefix_cache_bytes must be an integer >= 0 or None, got {prefix_cache_bytes!r}")
+        self.target = self.runtime.batch(max_batch, drafter.needs if drafter is not None else frozenset(),
+                                         prefix_cache_bytes)
         if drafter is not None:
             drafter.check_target(TargetView(self.target, drafter.needs, self.runtime.source))
         self.model = model

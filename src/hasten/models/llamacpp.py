@@ -187,8 +187,9 @@ class LlamaCppModel(Runtime):
             llama.forget(0)
             self._give_back(llama)
 
-    def batch(self, max_rows: int, needs: frozenset = frozenset()) -> "LlamaCppBatch":
-        """A target for up to ``max_rows`` generations at once in one llama.cpp context."""
+    def batch(self, max_rows: int, needs: frozenset = frozenset(), keep_bytes: int | None = None) -> "LlamaCppBatch":
+        """A target for up to ``max_rows`` generations at once in one llama.cpp context (it keeps
+        no finished rows' entries: ``keep_bytes`` is not used)."""
         return LlamaCppBatch(self, max_rows)
 
     def close(self) -> None:
