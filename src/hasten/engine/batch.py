@@ -31,6 +31,7 @@ from ..core.stats import DecodeStats
 from ..drafters.base import Drafter, TargetView
 from ..models.batch import BatchRow
 from ..models.hf import runtime_of
+from .constraint import check_constraint
 from .inputs import check_positions, eos_ids
 from .logprobs import TokenLogprob, token_logprobs
 from .sequence import Sequence, step
@@ -54,6 +55,9 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # end the row after any of these, as after EOS (vLLM's)
     ignore_eos: bool = False  # EOS does not end the row (it may still be generated; min_tokens holds it back)
     resumed: int = 0  # the last ``resumed`` input ids were generated already (a continuation): penalties count them
+    # a compiled hasten.core.constraint.Constraint the generated text follows (a continuation replays its
+    # generated tokens into a fresh matcher); the one field of structured output, read where the Sequence is made
+    constraint: object = None
 
 
 @dataclass
@@ -203,6 +207,8 @@ class Scheduler:
         if request.prompt_logprobs is not None and Capability.PROMPT_LOGITS not in self.runtime.capabilities:
             raise FieldError("prompt_logprobs", "unsupported_parameter",
                              "{field} needs the prefill's logits, which this model's runtime does not keep")
+        if request.constraint is not None:
+            check_constraint(request.constraint, vocab, self._ending(request), request.sampling, request.ignore_eos)
         if self.max_tokens_in_flight is not None and len(ids) + budget > self.max_tokens_in_flight:
             raise FieldError("max_new_tokens", "over_capacity",
                              f"the prompt ({len(ids)} tokens) and {{field}} ({budget}) exceed "
@@ -289,20 +295,22 @@ class Scheduler:
         if generator is None and request.seed is not None:
             generator = torch.Generator(self.target.device).manual_seed(request.seed)
         sizing = self.sizing.for_request(not request.sampling.greedy, seeded=generator is not None)
-        eos = self._eos(request)
-        stops = (frozenset() if request.ignore_eos else eos) | frozenset(request.stop_token_ids)
         sequence = Sequence(
             row, list(request.input_ids), prefilled, self.drafter, request.sampling, generator,
-            acceptance_rule(request.sampling, self.lossy_acceptance), stops, request.max_new_tokens, stats,
+            acceptance_rule(request.sampling, self.lossy_acceptance), self._ending(request), request.max_new_tokens, stats,
             sizing, stop=request.stop, model_source=self.runtime.source, logprobs=request.logprobs,
             processed_logprobs=request.processed_logprobs,
-            suppressed_ids=self._suppressed(request), resumed=request.resumed,
+            suppressed_ids=self._suppressed(request), resumed=request.resumed, constraint=request.constraint,
         )
         stats.prefill_seconds += time.perf_counter() - clock
         return _Running(sequence, row, queued_seconds, reserved, prompt_scored)
 
     def _eos(self, request: Request) -> frozenset[int]:
         return self._default_eos if request.eos_token_ids is None else frozenset(request.eos_token_ids)
+
+    def _ending(self, request: Request) -> frozenset[int]:
+        """The tokens that end the row: EOS (unless ignored) and the stop ids."""
+        return (frozenset() if request.ignore_eos else self._eos(request)) | frozenset(request.stop_token_ids)
 
     def _suppressed(self, request: Request) -> frozenset[int]:
         """What min_tokens holds back: EOS (even with ignore_eos, as vLLM) and the stop ids."""

@@ -13,6 +13,7 @@ from typing import Generator
 import torch
 from transformers import PreTrainedModel
 
+from ..core.constraint import compiled
 from ..core.sampling import Sampling
 from ..core.generators import consume
 from ..core.stats import DecodeStats
@@ -22,6 +23,7 @@ from ..core.runtime import Runtime
 from ..models.hf import runtime_of
 from ..models.attention import MaskedTree, attention_path
 from .batch import Request, Scheduler
+from .constraint import check_constraint
 from .inputs import check_inputs, eos_ids
 from .sequence import Sequence, step
 from .sizing import SizingChoice, SizingRule
@@ -62,12 +64,14 @@ def decode(
     stop: StopStrings | None = None,
     kv_compression=None,
     tree_attention: MaskedTree | None = None,
+    constraint=None,
     **model_inputs: torch.Tensor,
 ) -> Generator[list[int], None, str | None]:
     """Yield each step's committed tokens of one sequence, then return why it ended. Inputs are assumed validated
     (see generate). The step itself, shared with batched decoding, is
     :func:`hasten.engine.sequence.step`; the :class:`Sequence` owns the committed state
-    (tokens, target features, the drafter's per-generation state). ``model_inputs``: a
+    (tokens, target features, the drafter's per-generation state). ``constraint``: a compiled
+    :class:`~hasten.core.constraint.Constraint`, checked (see generate). ``model_inputs``: a
     vision-language target's images (``pixel_values``, ...), read by the prefill only."""
     if drafter is not None:
         drafter.check_runtime(runtime)  # before any forward
@@ -82,7 +86,7 @@ def decode(
         tokens, prefilled = kv_compression.start(target, input_ids, want_features, max_new_tokens=max_new_tokens)
     source = input_ids[0].tolist() if target.encoder_decoder else None
     sequence = Sequence(target, tokens, prefilled, drafter, sampling, generator, acceptance, eos_token_ids,
-                        max_new_tokens, stats, sizing, source, stop, runtime.source)
+                        max_new_tokens, stats, sizing, source, stop, runtime.source, constraint=constraint)
     stats.prefill_seconds += time.perf_counter() - clock
     while not sequence.finished:
         yield step(target, [sequence])[0]
@@ -116,6 +120,7 @@ def generate(
     allowed_token_ids: list[int] | None = None,
     min_tokens: int = 0,
     threads: int | None = DEFAULT_THREADS,
+    constraint=None,
     **model_inputs: torch.Tensor,
 ) -> GenerationOutput | BatchGenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
@@ -151,6 +156,13 @@ def generate(
     ``image_sizes``, ...); the prefill reads them, decoding is text only (see
     :mod:`hasten.models.vlm`). One prompt at a time: batches take no images.
 
+    ``constraint``: the generated text follows it (structured output): a spec of
+    :mod:`hasten.structured` (``JsonSchema(schema)``, ``Regex(pattern)``, ``Choice([...])``,
+    ``Grammar(text)``, compiled for ``tokenizer``, which it then needs) or a compiled constraint. The
+    target's logits are masked at every verified position, so greedy output is plain constrained
+    decoding's (the argmax of the masked logits), token for token, and sampled output follows the
+    masked law, whichever drafter is used (see :mod:`hasten.engine.constraint`).
+
     ``threads``: CPU threads torch computes with during the call, the caller's count restored
     after it; 1 by default, as on the command line (on a busy machine torch's default of one per
     core was 4-10x slower: :mod:`hasten.core.threads`); 0 takes every core, None leaves torch's
@@ -168,20 +180,23 @@ def generate(
             raise ValueError(f"kv_compression compresses a text prompt's cache; {', '.join(sorted(model_inputs))} "
                              "cannot go with it")
         runtime = runtime_of(model)
+        constraint = compiled(constraint, tokenizer, runtime.vocab_size)
         if prompts is not None:
             if kv_compression is not None:
                 raise ValueError("kv_compression takes one prompt at a time, not a batch")
             return _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
-                                   lossy_acceptance, draft_size, stop)
+                                   lossy_acceptance, draft_size, stop, constraint)
         check_inputs(runtime, input_ids, drafter, max_new_tokens, generator, model_inputs)
         sampling.check_vocab(runtime.vocab_size)
         stats = DecodeStats()
         eos = eos_ids(runtime, eos_token_id)
+        if constraint is not None:
+            check_constraint(constraint, runtime.vocab_size, eos, sampling, ignore_eos=False)
         acceptance = acceptance_rule(sampling, lossy_acceptance)
         sizing = SizingChoice(draft_size).for_request(not sampling.greedy, seeded=generator is not None)
         new: list[int] = []
         pieces = decode(runtime, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance,
-                        sizing, stop, kv_compression, attention, **model_inputs)
+                        sizing, stop, kv_compression, attention, constraint, **model_inputs)
         reason = consume(pieces, new.extend)
         head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
         return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
@@ -251,14 +266,15 @@ def batch_prompts(input_ids, attention_mask) -> list[torch.Tensor] | None:
 
 
 def _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator, lossy_acceptance,
-                    draft_size, stop) -> BatchGenerationOutput:
+                    draft_size, stop, constraint) -> BatchGenerationOutput:
     for prompt in prompts:
         check_inputs(runtime, prompt, drafter, max_new_tokens, generator)
     eos = eos_ids(runtime, eos_token_id)
     scheduler = Scheduler(runtime, drafter, max_batch=len(prompts), draft_size=draft_size,
                           lossy_acceptance=lossy_acceptance)
     row_ids = [
-        scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, None, eos, stop, generator))
+        scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, None, eos, stop, generator,
+                                 constraint=constraint))
         for prompt in prompts
     ]
     results = scheduler.run()
