@@ -220,3 +220,42 @@ def test_bad_constraints_are_refused_naming_the_field(model, tokenizer, prompt):
     assert err.value.code == "no_allowed_token"
     with pytest.raises(ConstraintError, match="tokenizer="):
         hasten.generate(model, prompt, max_new_tokens=4, constraint=SPECS["choice"])
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer):
+    path = tmp_path_factory.mktemp("json-model")
+    tiny_model("llama", vocab_size=len(tokenizer)).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_engine_and_batch_take_a_constraint(checkpoint, references):
+    engine = hasten.load(checkpoint, "prompt_lookup", draft_size="fixed")
+    assert engine.generate(PROMPT_TEXT, max_new_tokens=NEW, constraint=hasten.JsonSchema(SCHEMA)).token_ids \
+        == references["json"]
+    rows = engine.generate_batch([PROMPT_TEXT, PROMPT_TEXT], max_new_tokens=NEW, constraint=SPECS["regex"])
+    assert [row.token_ids for row in rows] == [references["regex"]] * 2
+    streamed = "".join(engine.stream(PROMPT_TEXT, max_new_tokens=NEW, constraint=SPECS["choice"]))
+    assert streamed == engine.tokenizer.decode(references["choice"], skip_special_tokens=True)
+
+
+def test_the_command_line_flags(checkpoint, tmp_path, cli, references, tokenizer):
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps(SCHEMA))
+    grammar = tmp_path / "yes.lark"
+    grammar.write_text('start: "yes" | "no"')
+    for flags, name in ((["--json-schema", str(schema)], "json"), (["--regex", SPECS["regex"].pattern], "regex"),
+                        (["--choice", "maybe,yes,no"], "choice")):
+        code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT_TEXT, "--max-new-tokens", str(NEW),
+                             "--draft-size", "fixed", "--json", *flags)
+        assert code == 0, err
+        assert json.loads(out)["token_ids"] == references[name]
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT_TEXT, "--max-new-tokens", "12",
+                         "--grammar", str(grammar))
+    assert code == 0 and out.strip() in ("yes", "no") and "forced" in err
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT_TEXT, "--json-object",
+                         "--max-new-tokens", "8", "--json")
+    assert code == 0 and json.loads(out)["text"].startswith("{")
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT_TEXT, "--regex", "(unclosed")
+    assert code != 0 and "--regex" in err and "does not compile" in err

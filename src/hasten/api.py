@@ -12,6 +12,7 @@ from .drafters.base import REGISTRY, Drafter, create
 from .engine.inputs import check_inputs, eos_ids
 from .engine.loop import decode
 from .engine.calibration import load_or_calibrate
+from .engine.constraint import check_constraint
 from .engine.sizing import SizingChoice, SizingRule
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
@@ -22,6 +23,7 @@ from .loading import (
 from .models import vlm
 from .models.adapter import vocab_size
 from .models.hf import runtime_of
+from .core.constraint import compiled
 from .core.runtime import Capability
 from .core.sampling import Sampling
 from .core.generators import consume, mapped
@@ -95,22 +97,25 @@ class Engine:
 
     def generate_batch(self, prompts: list[str], *, max_new_tokens: int = 128, temperature: float = 0.0,
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                       stop: str | list[str] | None = None, max_batch: int | None = None,
+                       stop: str | list[str] | None = None, max_batch: int | None = None, constraint=None,
                        **rules) -> list[EngineOutput]:
         """Several prompts decoded together (continuous batching, one target forward per step
         for all rows), each exactly as :meth:`generate` would alone; ``seed`` seeds row i with
-        ``seed + i``. ``max_batch`` rows run at once (default: all)."""
+        ``seed + i``. ``max_batch`` rows run at once (default: all). ``constraint``: as in
+        :meth:`steps`, for every row."""
         from .engine.batch import Request, Scheduler
 
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings")
         sampling, stops = self._options(temperature, top_k, top_p, seed, stop, rules)
+        constraint = self.constraint(constraint)
         scheduler = Scheduler(self.runtime, self.drafter, max_batch=max_batch or len(prompts),
                               draft_size=self.draft_size)
         rows = {}
         for i, prompt in enumerate(prompts):
             ids = self.encode(prompt)[0].tolist()
-            request = Request(ids, max_new_tokens, sampling, None if seed is None else seed + i, stop=stops)
+            request = Request(ids, max_new_tokens, sampling, None if seed is None else seed + i, stop=stops,
+                              constraint=constraint)
             rows[scheduler.submit(request)] = i
         outputs = [None] * len(prompts)
         with using_threads(self.threads):
@@ -216,6 +221,11 @@ class Engine:
     def _pieces(self, input_ids: torch.Tensor, kwargs: dict) -> Iterator[str]:
         return (piece for piece, _ in self.steps(input_ids, DecodeStats(), **kwargs))
 
+    def constraint(self, constraint):
+        """A request's constraint compiled for this engine's tokenizer (a spec of
+        :mod:`hasten.structured`; a compiled one is checked against the vocabulary; None stays None)."""
+        return compiled(constraint, self.tokenizer, self.runtime.vocab_size)
+
     def _options(self, temperature, top_k, top_p, seed, stop, rules: dict) -> tuple[Sampling, StopStrings]:
         """The sampling settings and stop strings of one call, checked."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -236,6 +246,7 @@ class Engine:
         seed: int | None = None,
         stop: str | list[str] | None = None,
         images: list | None = None,
+        constraint=None,
         **rules,
     ) -> Generator[tuple[str, list[int]], None, str | None]:
         """Yield (text piece, token ids) per decode step; ``stats`` fills in as it runs.
@@ -247,7 +258,11 @@ class Engine:
         vision-language model (see :meth:`encode_images`). ``rules``: the other fields of
         :class:`~hasten.core.sampling.Sampling` (``min_p``, ``repetition_penalty``,
         ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``allowed_token_ids``,
-        ``min_tokens``), which transform the target distribution as vLLM's. Returns (as a
+        ``min_tokens``), which transform the target distribution as vLLM's. ``constraint``: the
+        text follows it (structured output): ``hasten.JsonSchema(schema)`` (``JsonSchema()``: any
+        JSON object), ``hasten.Regex(pattern)``, ``hasten.Choice([...])`` or ``hasten.Grammar(text)``
+        (Lark or GBNF); greedy text is plain constrained decoding's, token for token, with any
+        method (see :mod:`hasten.engine.constraint`). Returns (as a
         generator returns) why it ended: "stop" (EOS or a stop string) or "length"."""
         model_inputs: dict = {}
         if images is not None:
@@ -260,6 +275,7 @@ class Engine:
         else:
             input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         sampling, stops = self._options(temperature, top_k, top_p, seed, stop, rules)
+        constraint = self.constraint(constraint)
         check_inputs(self.runtime, input_ids, self.drafter, max_new_tokens, None, model_inputs)
         device = self.runtime.device
         input_ids = input_ids.to(device)
@@ -267,11 +283,14 @@ class Engine:
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
         eos = eos_ids(self.runtime, None)  # the generation config's, as in Hugging Face generate
+        if constraint is not None:
+            check_constraint(constraint, self.runtime.vocab_size, eos, sampling, ignore_eos=False)
         acceptance = acceptance_rule(sampling)
         text = TextStream(self.tokenizer, stops)
         decoding = stepped_in_threads(decode(
             self.runtime, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats, acceptance,
-            self.sizing.for_request(not sampling.greedy, seed is not None), stops, **model_inputs), self.threads)
+            self.sizing.for_request(not sampling.greedy, seed is not None), stops, constraint=constraint,
+            **model_inputs), self.threads)
         reason = yield from mapped(decoding, lambda step: (text.push(step), step))
         tail = text.finish()
         if tail:

@@ -73,7 +73,18 @@ def grammar_text(kind: str, source) -> str:
             return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(s) for s in source))
         return llguidance.grammar_from("grammar", source)
     except ValueError as err:
-        raise ConstraintError(f"the {kind} does not compile: {err}") from None
+        raise ConstraintError(f"the {_NAMES.get(kind, kind)} does not compile: {err}") from None
+
+
+def validate(kind: str, source) -> None:
+    """ConstraintError unless the spec compiles to a valid grammar (no tokenizer needed: cheap)."""
+    grammar = grammar_text(kind, source)
+    problem = llguidance.LLMatcher.validate_grammar(grammar)
+    if problem and not problem.startswith("WARNING"):
+        raise ConstraintError(f"the {_NAMES.get(kind, kind)} does not compile: {problem}")
+
+
+_NAMES = {"json": "JSON schema"}
 
 
 class LLGuidanceConstraint:

@@ -23,8 +23,9 @@ MAX_SPEC_BYTES = 64 * 1024  # a schema, pattern, choice list or grammar; OpenAI'
 MAX_CHOICES = 1024
 COMPILE_SECONDS = 10.0
 CACHED = 64
-# name -> compile(kind, source, tokenizer, vocab_size, description) -> Constraint; the first is the default
-ENGINES = {"llguidance": default_engine.LLGuidanceConstraint}
+# name -> (compile(kind, source, tokenizer, vocab_size, description) -> Constraint, validate(kind, source));
+# the first is the default
+ENGINES = {"llguidance": (default_engine.LLGuidanceConstraint, default_engine.validate)}
 
 _pool = ThreadPoolExecutor(2, thread_name_prefix="hasten-grammar")  # two: one runaway compile does not block the next
 _cache: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # tokenizer -> OrderedDict[(spec, vocab), Constraint]
@@ -42,17 +43,20 @@ class Spec:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def validate(self, engine: str = "llguidance") -> None:
+        """ConstraintError unless the spec compiles (no tokenizer needed: a quick check before any model loads)."""
+        _engine(engine)[1](self.kind, self.source())
+
     def compile(self, tokenizer, vocab_size: int, engine: str = "llguidance") -> Constraint:
         """The compiled constraint for ``tokenizer`` and a model of ``vocab_size`` tokens (cached)."""
-        if engine not in ENGINES:
-            raise ConstraintError(f"unknown grammar engine {engine!r}; known: {', '.join(ENGINES)}")
+        build = _engine(engine)[0]
         key = (self, vocab_size, engine)
         with _cache_lock:
             known = _cache.setdefault(tokenizer, OrderedDict())
             if key in known:
                 known.move_to_end(key)
                 return known[key]
-        future = _pool.submit(ENGINES[engine], self.kind, self.source(), tokenizer, vocab_size, self.describe())
+        future = _pool.submit(build, self.kind, self.source(), tokenizer, vocab_size, self.describe())
         try:
             constraint = future.result(timeout=COMPILE_SECONDS)
         except FutureTimeout:
@@ -63,6 +67,12 @@ class Spec:
             while len(known) > CACHED:
                 known.popitem(last=False)
         return constraint
+
+
+def _engine(name: str):
+    if name not in ENGINES:
+        raise ConstraintError(f"unknown grammar engine {name!r}; known: {', '.join(ENGINES)}")
+    return ENGINES[name]
 
 
 def _sized(text: str, what: str) -> str:
