@@ -217,7 +217,7 @@ def test_bad_constraints_are_refused_naming_the_field(model, tokenizer, prompt):
     assert err.value.field == "allowed_token_ids"
     with pytest.raises(ConstraintError) as err:  # the choice is complete after "no": EOS only, held back
         hasten.generate(model, prompt, max_new_tokens=8, tokenizer=tokenizer, constraint=Choice(["no"]), min_tokens=4)
-    assert err.value.code == "no_allowed_token"
+    assert err.value.code == "no_allowed_token" and err.value.field == "min_tokens"
     with pytest.raises(ConstraintError, match="tokenizer="):
         hasten.generate(model, prompt, max_new_tokens=4, constraint=SPECS["choice"])
 

@@ -183,7 +183,7 @@ class Engine:
             raise ValueError("prompt is empty")
         return prompt
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> torch.Tensor:
+    def encode_chat(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> torch.Tensor:
         """``messages`` through the chat template with the assistant's turn opened, as ids
         [1, T]. Tokenized as Hugging Face's ``apply_chat_template`` does: the template writes
         its own BOS where the model wants one, so the tokenizer must not add another."""
@@ -196,8 +196,9 @@ class Engine:
                 "send plain text instead (generate(prompt), or hasten generate without --chat)"
             )
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+            encoded = self.tokenizer.apply_chat_template(  # tools: for a template that shows them to the model
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+                **({"tools": tools} if tools else {}),
             )
         except TemplateError as err:  # the template's own check, e.g. "roles must alternate"
             raise ValueError(f"the chat template refused these messages: {err}") from err

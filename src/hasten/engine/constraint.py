@@ -163,13 +163,16 @@ class RowConstraint:
             masked[empty] = 0.0
         return masked
 
-    def check_end(self, accepted: tuple[int, ...], generated: int) -> None:
-        """Refuse a step whose verdict ends where no token was allowed."""
+    def check_end(self, accepted: tuple[int, ...], generated: int, sampling) -> None:
+        """Refuse a step whose verdict ends where no token was allowed, naming the rule that took the
+        last ones away (min_tokens while it holds EOS back, else allowed_token_ids)."""
         end = accepted[-1] + 1 if accepted else 0
         if end in self._empty:
-            raise ConstraintError(
-                f"after {generated + len(accepted)} generated tokens the constraint allows no token that the "
-                "request's other rules allow (allowed_token_ids, min_tokens, ignore_eos)", "no_allowed_token")
+            written = generated + len(accepted)
+            field = "min_tokens" if written < sampling.min_tokens else (
+                "allowed_token_ids" if sampling.allowed_token_ids is not None else "constraint")
+            raise ConstraintError(f"after {written} generated tokens the constraint allows no token that {field} "
+                                  "allows", "no_allowed_token", field)
 
     def commit(self, tokens: list[int]) -> None:
         """The row committed ``tokens`` (the last may end it)."""
@@ -229,6 +232,8 @@ def check_constraint(constraint, vocab: int, ending_ids: frozenset[int], samplin
     first = np.empty(words(constraint.vocab_size), dtype=np.uint32)
     row._fill(first)
     allowed = np.flatnonzero(np.unpackbits(first.view(np.uint8), bitorder="little")[: constraint.vocab_size])
+    if not len(allowed):
+        raise ConstraintError("no token of this model's vocabulary can start text the constraint allows")
     if allowed_token_ids is not None and not set(allowed_token_ids) & set(allowed.tolist()):
         raise ConstraintError("none of allowed_token_ids can start the constrained text", "conflicting_parameters",
                               "allowed_token_ids")

@@ -190,7 +190,7 @@ class Sequence:
             logits = self.constraint.mask(logits)
         verdict = self.acceptance.verify(draft.tree, draft.tokens, logits, draft.probs, ctx.sampling, ctx.generator)
         if self.constraint is not None:
-            self.constraint.check_end(verdict.accepted, len(self.generated))
+            self.constraint.check_end(verdict.accepted, len(self.generated), ctx.sampling)
         cache.commit(start, draft.tree, verdict.accepted)
         kept_blocks = [0, *(node + 1 for node in verdict.accepted)]  # the root and the accepted path
         if ctx.feature_buffer is not None:

@@ -16,7 +16,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import AsyncIterator, Callable
 
 from starlette.applications import Starlette
@@ -31,6 +31,7 @@ from ..engine.stops import TextStream
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .metrics import CONTENT_TYPE, Metrics
 from .schema import DEFAULT_MAX_TOKENS, MAX_SEED, APIError, Params, invalid, parse_body, parse_messages, parse_params, parse_prompts
+from .structured import parse_structured, tool_calls
 from .worker import RowError, Sink, Worker
 
 OPEN_PATHS = ("/health",)  # answered without an API key, for load balancers' probes
@@ -74,6 +75,7 @@ class Generation:
     submitted: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # when its latest tokens arrived
     generated: int = 0  # tokens the row generated (a stop token among them, which the text leaves out)
+    fields: dict = field(default_factory=dict)  # the request's field names for the scheduler's (FieldError.field)
 
     @property
     def prompt_tokens(self) -> int:
@@ -102,8 +104,13 @@ class Encoder:
     async def text(self, prompt: str) -> list[int]:
         return await self._run(self.engine.encode, prompt)
 
-    async def chat(self, messages: list[dict]) -> list[int]:
-        return await self._run(self.engine.encode_chat, messages)
+    async def chat(self, messages: list[dict], tools: list | None = None) -> list[int]:
+        return await self._run(lambda m: self.engine.encode_chat(m, tools), messages)
+
+    async def compile(self, spec):
+        """A structured-output spec compiled for the model, on this thread (the grammar engine reads
+        this thread's private tokenizer; the compile itself is bounded in time and cached)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.engine.constraint, spec)
 
     async def _run(self, encode: Callable, argument) -> list[int]:
         ids = await asyncio.get_running_loop().run_in_executor(self.pool, encode, argument)  # [1, T]
@@ -140,7 +147,7 @@ class Service:
 
     async def completions(self, request: HTTPRequest) -> Response:
         body = await self._read_json(request)
-        params = parse_params(body)
+        params = replace(parse_params(body), structured=parse_structured(body, chat=False))
         self._check_model(params.model)
         prompts = []  # (input ids, max tokens, echoed text) of each prompt, every one checked before any row starts
         for prompt in parse_prompts(body):
@@ -155,10 +162,12 @@ class Service:
     async def chat_completions(self, request: HTTPRequest) -> Response:
         body = await self._read_json(request)
         params = parse_params(body, ("max_tokens", "max_completion_tokens"), chat=True)
+        params = replace(params, structured=parse_structured(body, chat=True))
         self._check_model(params.model)
         messages = parse_messages(body)
+        tools = body["tools"] if params.structured is not None and params.structured.tool else None
         try:
-            input_ids = await self.encode.chat(messages)
+            input_ids = await self.encode.chat(messages, tools)
         except ValueError as err:  # no chat template, or the template refused the messages
             raise invalid("messages", str(err)) from None
         asked_as = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
@@ -216,7 +225,7 @@ class Service:
         return asked
 
     # ---- decoding ----------------------------------------------------------------------------------
-    def _submit_all(self, prompts: list[tuple[list[int], int, str]], params: Params) -> list[Generation]:
+    def _submit_all(self, prompts: list[tuple[list[int], int, str]], params: Params, constraint=None) -> list[Generation]:
         """One row per sample: ``params.best_of`` (= ``n`` unless asked) per prompt, in the order of
         the response's choices (sample j of a prompt uses ``seed + j``, so choice 0 is the single
         request's)."""
@@ -225,7 +234,7 @@ class Service:
             for input_ids, max_tokens, echo in prompts:
                 for j in range(params.best_of):
                     seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
-                    gens.append(self._submit(input_ids, max_tokens, params, seed, echo))
+                    gens.append(self._submit(input_ids, max_tokens, params, seed, echo, constraint))
         except BaseException:
             for gen in gens:  # a refused row refuses the request: the rows already started stop
                 self.worker.cancel(gen.row_id)
@@ -233,7 +242,7 @@ class Service:
         return gens
 
     def _submit(self, input_ids: list[int], max_tokens: int, params: Params, seed: int | None,
-                echo: str = "") -> Generation:
+                echo: str = "", constraint=None) -> Generation:
         from ..engine.batch import Request  # the scheduler's request type, beside the scheduler
 
         stop = None
@@ -252,18 +261,20 @@ class Service:
         request = Request(input_ids=input_ids, max_new_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop,
                           logprobs=self._scoring(params), prompt_logprobs=self._prompt_scoring(params),
                           processed_logprobs=self.options.logprobs_mode == "processed",
-                          stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos)
+                          stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                          constraint=constraint)
         queue: asyncio.Queue = asyncio.Queue()
+        fields = {**REQUEST_FIELDS, "constraint": params.structured.field if params.structured else "constraint"}
         try:
             row_id = self.worker.submit(request, Sink(asyncio.get_running_loop(), queue))
         except FieldError as err:  # e.g. over --max-tokens-in-flight: the field named in the API's words
-            param = REQUEST_FIELDS.get(err.field, err.field)
+            param = fields.get(err.field, err.field)
             raise invalid(param, err.render(param), err.code) from None
         except ValueError as err:
             raise invalid(None, str(err)) from None
         self.metrics.prompt_tokens.inc(len(input_ids))
         text = TextStream(self.engine.tokenizer, params.stop, sampling.min_tokens, params.include_stop)
-        return Generation(row_id, input_ids, text, queue, echo)
+        return Generation(row_id, input_ids, text, queue, echo, fields=fields)
 
     @staticmethod
     def _scoring(params: Params) -> int | None:
@@ -291,6 +302,9 @@ class Service:
                 item = await self._next(gen.queue, disconnected, checked)
                 if isinstance(item, RowError):
                     done = True  # the worker already dropped the row
+                    if item.field is not None:  # the request's own fields cannot be honoured together
+                        param = gen.fields.get(item.field, item.field)
+                        raise APIError(400, item.message, param, item.code)
                     raise APIError(500, item.message, None, "decode_failed")
                 self._timed(gen, len(item.tokens))
                 gen.generated += len(item.tokens)
@@ -338,9 +352,19 @@ class Service:
             except asyncio.TimeoutError:
                 continue
 
+    async def _constraint(self, params: Params):
+        """The request's structured output compiled, off the event loop (None: free text)."""
+        if params.structured is None:
+            return None
+        try:
+            return await self.encode.compile(params.structured.spec)
+        except FieldError as err:
+            raise invalid(params.structured.field, f"'{params.structured.field}': {err}", err.code) from None
+
     async def _answer(self, request: HTTPRequest, kind: str, prompts: list[tuple[list[int], int, str]],
                       params: Params) -> Response:
-        gens = self._submit_all(prompts, params)
+        constraint = await self._constraint(params)
+        gens = self._submit_all(prompts, params, constraint)
         ids = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         head = {"id": ids, "created": int(time.time()), "model": self.options.model_name}
         if params.stream:
@@ -360,8 +384,7 @@ class Service:
             keep = self._best(gens, params)
             gens, texts, lasts, reasons = ([items[i] for i in keep] for items in (gens, texts, lasts, reasons))
         if kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                        "logprobs": self._logprobs(gen, params, chat=True)}
+            choices = [{"index": i, **self._message(text, reason, params), "logprobs": self._logprobs(gen, params, chat=True)}
                        for i, (gen, text, reason) in enumerate(zip(gens, texts, reasons))]
             # vLLM's prompt_logprobs: the request's, beside the choices (null when not asked, as vLLM)
             body = {**head, "object": "chat.completion", "choices": choices,
@@ -373,6 +396,17 @@ class Service:
                        for i, (gen, text, reason) in enumerate(zip(gens, texts, reasons))]
             body = {**head, "object": "text_completion", "choices": choices}
         return JSONResponse({**body, "usage": usage, "hasten": self._all_stats(lasts)})
+
+    @staticmethod
+    def _message(text: str, reason: str | None, params: Params) -> dict:
+        """A chat choice's message and finish reason: the text, or for a tool request the calls its
+        text makes (OpenAI's ``tool_calls``, finish reason "tool_calls"; the text as content when
+        max_tokens or a stop string cut the call short)."""
+        calls = tool_calls(params.structured, text) if params.structured and params.structured.tool else None
+        if calls is None:
+            return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
+        return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
+                "finish_reason": "tool_calls" if reason == "stop" else reason}
 
     @staticmethod
     def _best(gens: list[Generation], params: Params) -> list[int]:
@@ -486,6 +520,8 @@ class Service:
                 yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None, "logprobs": None}], **extra(index)})
         lasts = [None] * len(gens)
+        calling = chat and params.structured is not None and params.structured.tool is not None
+        held = [""] * len(gens)  # a tool request's text, sent as its calls once complete
         try:
             # aclosing: when the client leaves, the rows' generators close (and cancel) at once
             async with aclosing(self._merged(gens)) as updates:
@@ -493,10 +529,21 @@ class Service:
                     if lasts[index] is None and params.echo:  # a completion's first event: the prompt first
                         yield scored_chunk(index, gens[index].echo, last.prompt_logprobs or [], prompt=True)
                     lasts[index] = last
+                    if calling:
+                        held[index] += piece
+                        piece = ""
                     event = scored_chunk(index, piece, last.logprobs or [])
                     if event is not None:
                         yield event
                     if reason is not None:
+                        if calling:
+                            message = self._message(held[index], reason, params)
+                            calls = message["message"].get("tool_calls")
+                            delta = {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]} if calls \
+                                else {"content": held[index]}
+                            yield sse({**head, "choices": [{"index": index, "delta": delta, "finish_reason": None,
+                                                            "logprobs": None}], **extra(index)})
+                            reason = message["finish_reason"]
                         yield chunk(index, None if chat else "", reason, hasten=self._stats(lasts[index]))
         except APIError as err:
             yield sse(err.body())
@@ -526,6 +573,7 @@ class Service:
         stats = update.stats
         return {"method": self.engine.method, "tau": round(stats.mean_accepted, 4), "steps": stats.steps,
                 "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position],
+                "forced_tokens": stats.forced_tokens,  # accepted tokens of text a constraint forced (drafted)
                 "queued_seconds": round(update.queued_seconds, 6)}
 
     def _model_card(self) -> dict:

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..core.errors import FieldError
 from .metrics import Metrics
 
 log = logging.getLogger("hasten.serve")
@@ -34,6 +35,8 @@ class RowError:
     """Put on a row's queue instead of an update when the step decoding it failed."""
 
     message: str
+    field: str | None = None  # a refusal of the request's own fields (FieldError: e.g. a constraint that
+    code: str | None = None  # leaves no token min_tokens allows), which the client hears as a 400 naming it
 
 
 class Sink:
@@ -163,7 +166,10 @@ class Worker:
                     self._rows.pop(row_id, None)
                 if self.metrics:
                     self.metrics.finished.labels("error").inc()
-                row.sink.put(RowError(f"the decode step failed: {type(failure).__name__}: {failure}"))
+                if isinstance(failure, FieldError):
+                    row.sink.put(RowError(str(failure), failure.field, failure.code))
+                else:
+                    row.sink.put(RowError(f"the decode step failed: {type(failure).__name__}: {failure}"))
                 continue
             with self._lock:
                 row.scheduler_id = self.scheduler.submit(continuation)
