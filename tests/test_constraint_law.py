@@ -136,7 +136,7 @@ def empirical_tv(propose) -> tuple[float, float]:
         row = RowConstraint(ToyConstraint(), frozenset({EOS}), [])
         draft = row.fit(propose(rng), 0, [], trees_ok=True)
         prefixes = [()] + [tuple(draft.tokens[a] for a in draft.tree.ancestors(i)) for i in range(len(draft))]
-        logits = row.mask(torch.stack([P[prefix].log() for prefix in prefixes]))
+        logits = row.mask(torch.stack([P[prefix].log() for prefix in prefixes]), ruled=False)
         verdict = accept_sampling(draft.tree, draft.tokens, sampling.probs(logits), draft.probs, generator)
         out = [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]
         while len(out) < LENGTH:

@@ -23,6 +23,7 @@ from .arguments import (
 )
 from .bench import cli as bench_cli
 from .bench import replay_cli
+from .bench import structured as structured_bench
 from .bench import vlm as vlm_bench
 from .core import settings as settings_io
 from .core.constraint import ConstraintError
@@ -221,6 +222,7 @@ COMMANDS: list[Command] = [
     ("generate", "generate text with an acceleration method", _add_generate, _run_generate),
     *bench_cli.COMMANDS,
     *replay_cli.COMMANDS,
+    *structured_bench.COMMANDS,
     *training_cli.COMMANDS,
     *diffusion_cli.COMMANDS,
     *dlm_cli.COMMANDS,

@@ -150,17 +150,21 @@ class RowConstraint:
         return tokens[:valid]
 
     # ---- after the forward ---------------------------------------------------------------------
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """[n + 1, vocab] logits (after the request's logit rules) -> float32 with every token the
-        grammar refuses at -inf. A row left with no token is recorded (:meth:`check_end`) and
-        scored as uniform so that no NaN reaches the verifier; only the walk ending there matters."""
+    def mask(self, logits: torch.Tensor, ruled: bool) -> torch.Tensor:
+        """[n + 1, vocab] logits (after the request's logit rules, if ``ruled``) -> float32 with every
+        token the grammar refuses at -inf. A row left with no token is recorded (:meth:`check_end`)
+        and scored as uniform so that no NaN reaches the verifier; only the walk ending there matters.
+        Without logit rules only the grammar can empty a row, which its bitmask tells on the host."""
         bits = torch.from_numpy(self._bits.view(np.int32)).to(logits.device, non_blocking=True)  # [n + 1, words]
         allowed = ((bits[:, :, None] >> _SHIFTS.to(logits.device)) & 1).bool().flatten(1)[:, : logits.shape[-1]]
         masked = logits.float().masked_fill(~allowed, float("-inf"))  # [n + 1, vocab]
-        empty = torch.isneginf(masked).all(-1)  # [n + 1]
-        self._empty = empty.nonzero().flatten().tolist() if bool(empty.any()) else []
+        if ruled:
+            empty = torch.isneginf(masked).all(-1)  # [n + 1]
+            self._empty = empty.nonzero().flatten().tolist() if bool(empty.any()) else []
+        else:
+            self._empty = np.flatnonzero(~self._bits.any(axis=1)).tolist()
         if self._empty:
-            masked[empty] = 0.0
+            masked[self._empty] = 0.0
         return masked
 
     def check_end(self, accepted: tuple[int, ...], generated: int, sampling) -> None:

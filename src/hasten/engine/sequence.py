@@ -187,7 +187,7 @@ class Sequence:
                                         self.tokens[split:], self.suppressed_ids)
             logits = self.rules.apply(logits, draft.tree, draft.tokens)
         if self.constraint is not None:  # after the logit rules, before the acceptance rule
-            logits = self.constraint.mask(logits)
+            logits = self.constraint.mask(logits, self.ruled)
         verdict = self.acceptance.verify(draft.tree, draft.tokens, logits, draft.probs, ctx.sampling, ctx.generator)
         if self.constraint is not None:
             self.constraint.check_end(verdict.accepted, len(self.generated), ctx.sampling)
