@@ -12,7 +12,7 @@ from .drafters.base import REGISTRY, Drafter, create
 from .engine.inputs import check_inputs, eos_ids
 from .engine.loop import decode
 from .engine.calibration import load_or_calibrate
-from .engine.constraint import check_constraint
+from .engine.constraint import check_constraint, start_mask
 from .engine.sizing import SizingChoice, SizingRule
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
@@ -225,7 +225,10 @@ class Engine:
     def constraint(self, constraint):
         """A request's constraint compiled for this engine's tokenizer (a spec of
         :mod:`hasten.structured`; a compiled one is checked against the vocabulary; None stays None)."""
-        return compiled(constraint, self.tokenizer, self.runtime.vocab_size)
+        constraint = compiled(constraint, self.tokenizer, self.runtime.vocab_size)
+        if constraint is not None:
+            start_mask(constraint)  # its first mask now, on the caller's thread (the server's: not the event loop)
+        return constraint
 
     def _options(self, temperature, top_k, top_p, seed, stop, rules: dict) -> tuple[Sampling, StopStrings]:
         """The sampling settings and stop strings of one call, checked."""

@@ -225,22 +225,31 @@ def check_constraint(constraint, vocab: int, ending_ids: frozenset[int], samplin
     if constraint.vocab_size != vocab:
         raise ConstraintError(f"the constraint was compiled for a vocabulary of {constraint.vocab_size} tokens; "
                               f"the model has {vocab}")
-    allowed_token_ids, min_tokens = sampling.allowed_token_ids, sampling.min_tokens
     if ignore_eos:
         raise ConstraintError("a constrained row ends with EOS once its text is complete; ignore_eos would "
                               "leave it nothing to write after that", "conflicting_parameters", "ignore_eos")
     if not ending_ids:
         raise ConstraintError("a constrained row needs an EOS or stop token to end with once its text is complete",
                               "conflicting_parameters", "eos_token_ids")
-    row = RowConstraint(constraint, ending_ids, [])
-    first = np.empty(words(constraint.vocab_size), dtype=np.uint32)
-    row._fill(first)
-    allowed = np.flatnonzero(np.unpackbits(first.view(np.uint8), bitorder="little")[: constraint.vocab_size])
-    if not len(allowed):
+    bits, empty_text_ok = start_mask(constraint)
+    allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[: constraint.vocab_size])
+    allowed = np.setdiff1d(allowed, list(ending_ids | frozenset(getattr(constraint, "end_ids", ()))))
+    if not len(allowed) and not empty_text_ok:
         raise ConstraintError("no token of this model's vocabulary can start text the constraint allows")
-    if allowed_token_ids is not None and not set(allowed_token_ids) & set(allowed.tolist()):
+    allowed_token_ids = sampling.allowed_token_ids
+    if allowed_token_ids is not None and not set(allowed_token_ids) & set(allowed.tolist()) and not empty_text_ok:
         raise ConstraintError("none of allowed_token_ids can start the constrained text", "conflicting_parameters",
                               "allowed_token_ids")
-    if min_tokens and set(allowed.tolist()) <= set(ending_ids):
-        raise ConstraintError("the constraint allows only an ending token first, which min_tokens holds back",
-                              "conflicting_parameters", "min_tokens")
+
+
+def start_mask(constraint: Constraint) -> tuple[np.ndarray, bool]:
+    """([words] uint32 the tokens that may start the constrained text, whether the empty text is
+    complete); computed once per compiled constraint (where it is compiled: off the server's event
+    loop) and kept on it."""
+    start = getattr(constraint, "_hasten_start", None)
+    if start is None:
+        bits = np.empty(words(constraint.vocab_size), dtype=np.uint32)
+        matcher = constraint.matcher()
+        matcher.fill_bitmask(bits)
+        start = constraint._hasten_start = (bits, matcher.accepting())
+    return start
