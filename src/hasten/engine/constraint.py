@@ -37,7 +37,6 @@ from ..drafters.base import Draft
 
 MAX_FORCED = 16  # forced tokens proposed at once: their verification positions are nearly always accepted
 TAIL = 3  # committed tokens re-tokenized with the forced text, so the draft is tokenized across the boundary
-_SHIFTS = torch.arange(32, dtype=torch.int32)
 
 
 class RowConstraint:
@@ -155,9 +154,9 @@ class RowConstraint:
         token the grammar refuses at -inf. A row left with no token is recorded (:meth:`check_end`)
         and scored as uniform so that no NaN reaches the verifier; only the walk ending there matters.
         Without logit rules only the grammar can empty a row, which its bitmask tells on the host."""
-        bits = torch.from_numpy(self._bits.view(np.int32)).to(logits.device, non_blocking=True)  # [n + 1, words]
-        allowed = ((bits[:, :, None] >> _SHIFTS.to(logits.device)) & 1).bool().flatten(1)[:, : logits.shape[-1]]
-        masked = logits.float().masked_fill(~allowed, float("-inf"))  # [n + 1, vocab]
+        refused = np.unpackbits(~self._bits.view(np.uint8), axis=1, bitorder="little")[:, : logits.shape[-1]]
+        refused = torch.from_numpy(refused.view(bool)).to(logits.device, non_blocking=True)  # [n + 1, vocab]
+        masked = logits.float().masked_fill(refused, float("-inf"))  # [n + 1, vocab]
         if ruled:
             empty = torch.isneginf(masked).all(-1)  # [n + 1]
             self._empty = empty.nonzero().flatten().tolist() if bool(empty.any()) else []
