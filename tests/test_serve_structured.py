@@ -229,3 +229,23 @@ def test_a_row_whose_matcher_fails_fails_alone(engine, base):
     assert [(status, body["choices"][0]["text"]) for status, body in results] == [(200, want)] * 3
     status, body = call(base, "/v1/completions", good, key=None)
     assert status == 200 and body["choices"][0]["text"] == want
+
+
+def test_a_compile_past_the_time_bound_is_a_400(base, monkeypatch):
+    from hasten.structured import specs
+
+    build, validate = specs.ENGINES["llguidance"]
+
+    def slow(*args):
+        time.sleep(0.5)
+        return build(*args)
+
+    monkeypatch.setattr(specs, "COMPILE_SECONDS", 0.1)
+    monkeypatch.setitem(specs.ENGINES, "llguidance", (slow, validate))
+    schema = {"type": "object", "properties": {"unseen": {"type": "string"}}}  # not in the cache
+    status, body = chat(base, guided_json=schema)
+    assert_error(status, body, 400, "guided_json")
+    assert body["error"]["code"] == "compile_timeout"
+    monkeypatch.undo()
+    status, body = chat(base, guided_choice=["yes", "no"])
+    assert status == 200
