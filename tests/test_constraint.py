@@ -4,6 +4,7 @@ The reference is written from the definition with llguidance itself (not hasten'
 step the full forward's last logits, every token the grammar refuses at -inf, the EOS token allowed
 exactly where the text is complete, the argmax; one token a step."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -259,3 +260,23 @@ def test_the_command_line_flags(checkpoint, tmp_path, cli, references, tokenizer
     assert code == 0 and json.loads(out)["text"].startswith("{")
     code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT_TEXT, "--regex", "(unclosed")
     assert code != 0 and "--regex" in err and "does not compile" in err
+
+
+def test_processed_logprobs_report_the_masked_law(model, tokenizer, prompt, references):
+    """Processed log-probabilities are read after the mask: the first token's alternatives are the
+    tokens that can start one of the choices, and their probabilities sum to one."""
+    from hasten.engine.batch import Request, Scheduler
+    from hasten.core.sampling import Sampling
+
+    constraint = SPECS["choice"].compile(tokenizer, model.config.vocab_size)
+    scheduler = Scheduler(model, PromptLookup(num_tokens=4), draft_size="fixed")
+    row = scheduler.submit(Request(prompt[0].tolist(), NEW, Sampling(), eos_token_ids=frozenset({EOS}), logprobs=20,
+                                   processed_logprobs=True, constraint=constraint))
+    first = None
+    while scheduler.has_work():
+        for update in scheduler.step():
+            if update.row_id == row and update.logprobs and first is None:
+                first = update.logprobs[0]
+    starts = {tokenizer.decode([t]) for t, logprob in first.top if logprob > float("-inf")}
+    assert starts and all(any(option.startswith(s) for option in ("maybe", "yes", "no")) for s in starts)
+    assert sum(math.exp(logprob) for _, logprob in first.top) == pytest.approx(1.0, abs=1e-4)
