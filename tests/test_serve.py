@@ -352,7 +352,7 @@ BAD_BODIES = [
     ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": [5, 6], "max_tokens": 10**9}, "max_tokens"),  # checked at admission, against the prompt's ids
     ({"prompt": "x", "max_tokens": 4.5}, "max_tokens"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
@@ -389,7 +389,7 @@ BAD_BODIES = [
     ({"prompt": [5, 6], "stop_token_ids": [VOCAB + 1]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
     ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
-    ({"prompt": "x", "min_tokens": 8, "max_tokens": 4}, "min_tokens"),
+    ({"prompt": [5, 6], "min_tokens": 8, "max_tokens": 4}, "min_tokens"),
     ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
     ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -565,6 +565,30 @@ def test_metrics_parse_and_move(base, client):
     assert count("hasten_time_to_first_token_seconds_sum{}") <= count("hasten_request_seconds_sum{}")
 
 
+def test_a_request_can_turn_drafting_off_and_sees_its_own_acceptance(engine, client, base):
+    """speculate=false (a body field, hasten's) decodes that request plainly, the same text;
+    each answer carries its own drafted and accepted tokens, and /metrics counts them."""
+    before = metrics(base)
+    drafted = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0)
+    plain = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                                      extra_body={"speculate": False})
+    after = metrics(base)
+    assert plain.choices[0].text == drafted.choices[0].text == reference(engine, PROMPTS[0]).text
+    ours, theirs = drafted.model_extra["hasten"], plain.model_extra["hasten"]
+    assert ours["speculated"] and ours["drafted_tokens"] > 0 and 0 < ours["accepted_tokens"] <= ours["drafted_tokens"]
+    assert ours["steps"] < NEW and ours["tau"] > 1
+    assert not theirs["speculated"] and theirs["drafted_tokens"] == theirs["accepted_tokens"] == 0
+    assert theirs["steps"] == NEW and theirs["tau"] == 1.0 and theirs["acceptance_by_position"] == []
+    count = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    assert count("hasten_drafted_tokens_total{}") == ours["drafted_tokens"]
+    assert count("hasten_accepted_tokens_total{}") == ours["accepted_tokens"]
+    assert count("hasten_rows_speculating_total{speculated=true}") == 1
+    assert count("hasten_rows_speculating_total{speculated=false}") == 1
+    assert after["hasten_kv_cache_bytes{}"] > 0
+    status, body = call(base, "/v1/completions", {"model": NAME, "prompt": "x", "speculate": "no"})
+    assert_error(status, body, 400, "speculate")
+
+
 def test_latency_shares_are_exact():
     from hasten.serve.metrics import Metrics
 
@@ -718,6 +742,24 @@ def test_serve_bench_reports_every_level(base, cli, tmp_path):
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 3"]  # one table row per level
     assert all(len(row.split(" | ")) == 8 for row in rows)  # every column filled
+
+
+def test_serve_bench_compares_servers_level_by_level_and_draws_them(base, cli, tmp_path):
+    """Two servers (here the same one under two names): every level of each, each answer
+    compared with the first server's, and a chart of throughput against clients."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]))
+    out, chart = tmp_path / "load.json", tmp_path / "load.png"
+    code, table, err = cli("serve-bench", "--url", f"first={base}/v1", "--url", f"second={base}/v1", "--api-key", KEY,
+                           "--concurrency", "1,2", "--requests", "2", "--max-tokens", "6", "--prompts", str(prompts),
+                           "--out", str(out), "--chart", str(chart))
+    assert code == 0, err
+    results = json.loads(out.read_text())
+    assert [(lv["server"], lv["concurrency"]) for lv in results["levels"]] == [
+        ("first", 1), ("second", 1), ("first", 2), ("second", 2)]
+    assert all(lv["identical"] == lv["compared"] == 2 for lv in results["levels"])  # greedy: the same answers
+    assert "answers equal to first's" in table and "| second | 2 |" in table
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_serve_bench_without_a_server_is_one_line(cli, tmp_path):

@@ -9,10 +9,8 @@ import torch
 from transformers import PreTrainedModel
 
 from .drafters.base import REGISTRY, Drafter, create
-from .engine.inputs import check_inputs, eos_ids
 from .engine.loop import decode
 from .engine.calibration import load_or_calibrate
-from .engine.constraint import check_constraint, start_mask
 from .engine.sizing import SizingChoice, SizingRule
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
@@ -23,7 +21,8 @@ from .loading import (
 from .models import vlm
 from .models.adapter import vocab_size
 from .models.hf import runtime_of
-from .core.constraint import compiled
+from .core.constraint import compiled, start_mask
+from .core.request import Request
 from .core.runtime import Capability
 from .core.sampling import Sampling
 from .core.generators import consume, mapped
@@ -103,25 +102,24 @@ class Engine:
         for all rows), each exactly as :meth:`generate` would alone; ``seed`` seeds row i with
         ``seed + i``. ``max_batch`` rows run at once (default: all). ``constraint``: as in
         :meth:`steps`, for every row."""
-        from .engine.batch import Request, Scheduler
+        from .engine.batch import Scheduler
 
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings")
-        sampling, stops = self._options(temperature, top_k, top_p, seed, stop, rules)
-        constraint = self.constraint(constraint)
+        constraint = self.constraint(constraint)  # compiled once, shared by every row
         scheduler = Scheduler(self.runtime, self.drafter, max_batch=max_batch or len(prompts),
                               draft_size=self.draft_size)
         rows = {}
         for i, prompt in enumerate(prompts):
-            ids = self.encode(prompt)[0].tolist()
-            request = Request(ids, max_new_tokens, sampling, None if seed is None else seed + i, stop=stops,
-                              constraint=constraint)
+            request = self.request(self.encode(prompt), max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, seed=None if seed is None else seed + i, stop=stop,
+                                   constraint=constraint, **rules)
             rows[scheduler.submit(request)] = i
         outputs = [None] * len(prompts)
         with using_threads(self.threads):
             results = scheduler.run()
         for row_id, result in results.items():
-            stream = TextStream(self.tokenizer, stops)
+            stream = TextStream(self.tokenizer, request.stop)
             text = stream.push(result.tokens) + stream.finish()
             outputs[rows[row_id]] = EngineOutput(text, stream.token_ids, result.stats, result.finish_reason)
         return outputs
@@ -230,13 +228,22 @@ class Engine:
             start_mask(constraint)  # its first mask now, on the caller's thread (the server's: not the event loop)
         return constraint
 
-    def _options(self, temperature, top_k, top_p, seed, stop, rules: dict) -> tuple[Sampling, StopStrings]:
-        """The sampling settings and stop strings of one call, checked."""
+    def request(self, input_ids: torch.Tensor | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
+                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                stop: str | list[str] | None = None, speculate: bool = True, model_inputs: dict | None = None,
+                constraint=None, **rules) -> Request:
+        """The one request object of a generation from this engine's keywords (those of
+        :meth:`steps`); ``speculate=False`` decodes plainly. Checked when it is admitted."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        sampling = Sampling(temperature, top_k, top_p, **rules)
-        sampling.check_vocab(self.runtime.vocab_size)
-        return sampling, StopStrings(self.tokenizer, stop or [])
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+                raise ValueError(f"input_ids must have shape [1, T], got {list(input_ids.shape)}")
+            input_ids = input_ids[0].tolist()
+        # the generation config's EOS ids, as in Hugging Face generate (filled in at admission)
+        return Request(input_ids, max_new_tokens, Sampling(temperature, top_k, top_p, **rules), seed=seed,
+                       stop=StopStrings(self.tokenizer, stop or []), speculate=speculate,
+                       model_inputs=model_inputs or {}, constraint=self.constraint(constraint))
 
     def steps(
         self,
@@ -278,23 +285,13 @@ class Engine:
             input_ids, model_inputs = prompt
         else:
             input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
-        sampling, stops = self._options(temperature, top_k, top_p, seed, stop, rules)
-        constraint = self.constraint(constraint)
-        check_inputs(self.runtime, input_ids, self.drafter, max_new_tokens, None, model_inputs)
-        device = self.runtime.device
-        input_ids = input_ids.to(device)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=device).manual_seed(seed)
-        eos = eos_ids(self.runtime, None)  # the generation config's, as in Hugging Face generate
-        if constraint is not None:
-            check_constraint(constraint, self.runtime.vocab_size, eos, sampling, ignore_eos=False)
-        acceptance = acceptance_rule(sampling)
-        text = TextStream(self.tokenizer, stops)
-        decoding = stepped_in_threads(decode(
-            self.runtime, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats, acceptance,
-            self.sizing.for_request(not sampling.greedy, seed is not None), stops, constraint=constraint,
-            **model_inputs), self.threads)
+        request = self.request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=seed, stop=stop, model_inputs=model_inputs,
+                               constraint=constraint, **rules)
+        text = TextStream(self.tokenizer, request.stop)
+        sizing = self.sizing.for_request(not request.sampling.greedy, seed is not None)
+        decoding = stepped_in_threads(decode(self.runtime, request, self.drafter, stats,
+                                             acceptance_rule(request.sampling), sizing), self.threads)
         reason = yield from mapped(decoding, lambda step: (text.push(step), step))
         tail = text.finish()
         if tail:

@@ -22,7 +22,7 @@ import torch
 from .core import settings as settings_io
 from .core.errors import FieldError, HastenWarning
 from .core.threads import DEFAULT_THREADS, set_threads
-from .machine import native_bfloat16
+from .core.cpu import native_bfloat16
 
 
 class UserError(Exception):

@@ -29,11 +29,11 @@ import torch
 from tqdm import tqdm
 
 from ..core.runtime import Capability, Runtime
-from ..core.sampling import Sampling
 from ..core.stats import DecodeStats
 from ..core.tree import TokenTree
 from ..drafters.base import Drafter
 from ..engine.loop import generate
+from ..core.request import Request
 from ..engine.sequence import Sequence, step
 from ..engine.calibration import CostCurve, load_or_calibrate
 from ..engine.sizing import SizingRule
@@ -189,8 +189,8 @@ def replay(recording: Recording, entry: Recorded, drafter: Drafter | None, sizin
     clock = SimulatedClock()
     target = RecordedTarget(recording, entry, clock)
     stats = DecodeStats()
-    sequence = Sequence(target, list(entry.prompt), None, drafter, Sampling(), None, GreedyAcceptance(),
-                        frozenset(), len(entry.output), stats, sizing)
+    request = Request(list(entry.prompt), len(entry.output), eos_token_ids=frozenset())  # greedy, no EOS
+    sequence = Sequence(target, list(entry.prompt), None, drafter, request, GreedyAcceptance(), stats, sizing)
     sequence.clock = clock
     began = clock()
     while not sequence.finished:

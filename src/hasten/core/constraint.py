@@ -93,9 +93,7 @@ def compiled(constraint, tokenizer, vocab_size: int) -> Constraint | None:
     if constraint is None:
         return None
     if callable(getattr(constraint, "matcher", None)):
-        if constraint.vocab_size != vocab_size:
-            raise ConstraintError(f"the constraint was compiled for a vocabulary of {constraint.vocab_size} tokens; "
-                                  f"the model has {vocab_size}")
+        _check_vocab(constraint, vocab_size)
         return constraint
     if not callable(getattr(constraint, "compile", None)):
         raise ConstraintError(f"constraint must be a hasten.structured spec (JsonSchema, Regex, Choice, Grammar) or "
@@ -103,3 +101,46 @@ def compiled(constraint, tokenizer, vocab_size: int) -> Constraint | None:
     if tokenizer is None:
         raise ConstraintError("a constraint is compiled for the model's tokenizer: pass tokenizer= as well")
     return constraint.compile(tokenizer, vocab_size)
+
+
+def check_constraint(constraint, vocab: int, ending_ids: frozenset[int], sampling, ignore_eos: bool) -> None:
+    """Refuse, at admission, a constraint that is not a compiled one for this vocabulary, or a request
+    whose other rules leave it nothing to write or no way to end: ConstraintError naming the field."""
+    if not callable(getattr(constraint, "matcher", None)):
+        raise ConstraintError(f"constraint must be a compiled constraint (a spec's .compile(tokenizer, vocab_size)), "
+                              f"got {type(constraint).__name__}", "invalid_type")
+    _check_vocab(constraint, vocab)
+    if ignore_eos:
+        raise ConstraintError("a constrained row ends with EOS once its text is complete; ignore_eos would "
+                              "leave it nothing to write after that", "conflicting_parameters", "ignore_eos")
+    if not ending_ids:
+        raise ConstraintError("a constrained row needs an EOS or stop token to end with once its text is complete",
+                              "conflicting_parameters", "eos_token_ids")
+    bits, empty_text_ok = start_mask(constraint)
+    allowed = np.flatnonzero(np.unpackbits(bits.view(np.uint8), bitorder="little")[: constraint.vocab_size])
+    allowed = np.setdiff1d(allowed, list(ending_ids | frozenset(getattr(constraint, "end_ids", ()))))
+    if not len(allowed) and not empty_text_ok:
+        raise ConstraintError("no token of this model's vocabulary can start text the constraint allows")
+    allowed_token_ids = sampling.allowed_token_ids
+    if allowed_token_ids is not None and not set(allowed_token_ids) & set(allowed.tolist()) and not empty_text_ok:
+        raise ConstraintError("none of allowed_token_ids can start the constrained text", "conflicting_parameters",
+                              "allowed_token_ids")
+
+
+def start_mask(constraint: Constraint) -> tuple[np.ndarray, bool]:
+    """([words] uint32 the tokens that may start the constrained text, whether the empty text is
+    complete); computed once per compiled constraint (where it is compiled: off the server's event
+    loop) and kept on it."""
+    start = getattr(constraint, "_hasten_start", None)
+    if start is None:
+        bits = np.empty(words(constraint.vocab_size), dtype=np.uint32)
+        matcher = constraint.matcher()
+        matcher.fill_bitmask(bits)
+        start = constraint._hasten_start = (bits, matcher.accepting())
+    return start
+
+
+def _check_vocab(constraint: Constraint, vocab: int) -> None:
+    if constraint.vocab_size != vocab:
+        raise ConstraintError(f"the constraint was compiled for a vocabulary of {constraint.vocab_size} tokens; "
+                              f"the model has {vocab}")

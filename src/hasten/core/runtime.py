@@ -90,8 +90,9 @@ class Runtime:
         """A fresh one-row target for one generation."""
         raise NotImplementedError
 
-    def batch(self, max_rows: int) -> Any:
-        """A target for up to ``max_rows`` generations at once."""
+    def batch(self, max_rows: int, needs: frozenset[Capability] = frozenset()) -> Any:
+        """A target for up to ``max_rows`` generations at once, for a drafter that needs
+        ``needs`` (a runtime with several batch paths picks one by them)."""
         raise NotImplementedError
 
     def warm_up(self) -> None:

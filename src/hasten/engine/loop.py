@@ -13,7 +13,6 @@ from typing import Generator
 import torch
 from transformers import PreTrainedModel
 
-from ..core.constraint import compiled
 from ..core.sampling import Sampling
 from ..core.generators import consume
 from ..core.stats import DecodeStats
@@ -22,8 +21,9 @@ from ..drafters.base import Drafter, TargetView
 from ..core.runtime import Runtime
 from ..models.hf import runtime_of
 from ..models.attention import MaskedTree, attention_path
-from .batch import Request, Scheduler
-from .constraint import check_constraint
+from ..core.constraint import compiled
+from ..core.request import Request
+from .batch import Scheduler
 from .inputs import check_inputs, eos_ids
 from .sequence import Sequence, step
 from .sizing import SizingChoice, SizingRule
@@ -52,27 +52,22 @@ class BatchGenerationOutput:
 
 def decode(
     runtime: Runtime,
-    input_ids: torch.Tensor,
+    request: Request,
     drafter: Drafter | None,
-    max_new_tokens: int,
-    sampling: Sampling,
-    eos_token_ids: frozenset[int],
-    generator: torch.Generator | None,
     stats: DecodeStats,
     acceptance: Acceptance,
     sizing: SizingRule | None = None,
-    stop: StopStrings | None = None,
     kv_compression=None,
     tree_attention: MaskedTree | None = None,
-    constraint=None,
-    **model_inputs: torch.Tensor,
 ) -> Generator[list[int], None, str | None]:
-    """Yield each step's committed tokens of one sequence, then return why it ended. Inputs are assumed validated
-    (see generate). The step itself, shared with batched decoding, is
-    :func:`hasten.engine.sequence.step`; the :class:`Sequence` owns the committed state
-    (tokens, target features, the drafter's per-generation state). ``constraint``: a compiled
-    :class:`~hasten.core.constraint.Constraint`, checked (see generate). ``model_inputs``: a
-    vision-language target's images (``pixel_values``, ...), read by the prefill only."""
+    """Yield each step's committed tokens of one sequence, then return why it ended. The
+    request is admitted here (checked against the model, its defaults filled in). The step
+    itself, shared with batched decoding, is :func:`hasten.engine.sequence.step`; the
+    :class:`Sequence` owns the committed state (tokens, target features, the drafter's
+    per-generation state). A vision-language request's images (``request.model_inputs``) are
+    read by the prefill only."""
+    request = request.admit(runtime)
+    drafter = drafter if request.speculate else None
     if drafter is not None:
         drafter.check_runtime(runtime)  # before any forward
     target = runtime.session(tree_attention)
@@ -80,13 +75,14 @@ def decode(
         drafter.check_target(TargetView(target, drafter.needs, runtime.source))
     clock = time.perf_counter()
     want_features = drafter is not None and drafter.reads_features()
+    input_ids = torch.tensor([request.input_ids], dtype=torch.long, device=runtime.device)  # [1, T]
     if kv_compression is None:
-        tokens, prefilled = target.start(input_ids, hidden=want_features, **model_inputs)
+        tokens, prefilled = target.start(input_ids, hidden=want_features, **request.model_inputs)
     else:  # lossy, asked for by name: the target keeps a compressed cache of the prompt
-        tokens, prefilled = kv_compression.start(target, input_ids, want_features, max_new_tokens=max_new_tokens)
-    source = input_ids[0].tolist() if target.encoder_decoder else None
-    sequence = Sequence(target, tokens, prefilled, drafter, sampling, generator, acceptance, eos_token_ids,
-                        max_new_tokens, stats, sizing, source, stop, runtime.source, constraint=constraint)
+        tokens, prefilled = kv_compression.start(target, input_ids, want_features,
+                                                 max_new_tokens=request.max_new_tokens)
+    source = list(request.input_ids) if target.encoder_decoder else None
+    sequence = Sequence(target, tokens, prefilled, drafter, request, acceptance, stats, sizing, source, runtime.source)
     stats.prefill_seconds += time.perf_counter() - clock
     while not sequence.finished:
         yield step(target, [sequence])[0]
@@ -187,16 +183,13 @@ def generate(
             return _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
                                    lossy_acceptance, draft_size, stop, constraint)
         check_inputs(runtime, input_ids, drafter, max_new_tokens, generator, model_inputs)
-        sampling.check_vocab(runtime.vocab_size)
+        request = Request(input_ids[0].tolist(), max_new_tokens, sampling, eos_token_ids=eos_ids(runtime, eos_token_id),
+                          stop=stop, generator=generator, model_inputs=model_inputs, constraint=constraint)
         stats = DecodeStats()
-        eos = eos_ids(runtime, eos_token_id)
-        if constraint is not None:
-            check_constraint(constraint, runtime.vocab_size, eos, sampling, ignore_eos=False)
         acceptance = acceptance_rule(sampling, lossy_acceptance)
         sizing = SizingChoice(draft_size).for_request(not sampling.greedy, seeded=generator is not None)
         new: list[int] = []
-        pieces = decode(runtime, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance,
-                        sizing, stop, kv_compression, attention, constraint, **model_inputs)
+        pieces = decode(runtime, request, drafter, stats, acceptance, sizing, kv_compression, attention)
         reason = consume(pieces, new.extend)
         head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
         return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
@@ -273,8 +266,8 @@ def _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_tok
     scheduler = Scheduler(runtime, drafter, max_batch=len(prompts), draft_size=draft_size,
                           lossy_acceptance=lossy_acceptance)
     row_ids = [
-        scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, None, eos, stop, generator,
-                                 constraint=constraint))
+        scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, eos_token_ids=eos, stop=stop,
+                                 generator=generator, constraint=constraint))
         for prompt in prompts
     ]
     results = scheduler.run()

@@ -111,12 +111,13 @@ class BatchAdapter:
 
     # ---- rows joining and leaving ------------------------------------------------------
     @torch.no_grad()
-    def add(self, tokens: list[int], hidden: bool = False,
-            logits: bool = False) -> tuple[BatchRow, torch.Tensor | None]:
+    def add(self, tokens: list[int], hidden: bool = False, logits: bool = False,
+            room: int | None = None) -> tuple[BatchRow, torch.Tensor | None]:
         """Prefill a new sequence (alone, exactly as a single generation does) and give it a
         row. Returns the row and, if asked, the prefilled tokens' features [T - 1, hidden].
         ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab]
-        (row i scores token i + 1) until its reader drops them."""
+        (row i scores token i + 1) until its reader drops them. ``room``: the tokens the row may
+        come to hold (the padded cache widens as it must: nothing to reserve)."""
         self.flush()
         single = ModelAdapter(self.model)
         _, prefilled = single.start(torch.tensor([tokens], dtype=torch.long), hidden=hidden, logits=logits)

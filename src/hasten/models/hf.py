@@ -17,6 +17,7 @@ from . import invariant, lean, vlm
 from .adapter import ModelAdapter, decoder_start_token, vocab_size
 from .attention import MaskedTree
 from .batch import BatchAdapter
+from .packed_batch import PackedBatch
 from .layers import model_name
 
 # Config names of the number of positions a model was built for (learned position
@@ -78,7 +79,13 @@ class HuggingFaceRuntime(Runtime):
     def session(self, tree_attention: MaskedTree | None = None) -> ModelAdapter:
         return ModelAdapter(self.model, tree_attention)
 
-    def batch(self, max_rows: int) -> BatchAdapter:
+    def batch(self, max_rows: int, needs: frozenset[Capability] = frozenset()) -> BatchAdapter | PackedBatch:
+        """Rows packed along one token dimension on the lean forward where the model takes it
+        (models/packed_batch.py), unless the drafter reads the target's modules (it may hook
+        them, and only the model's own forward runs hooks): then padded rows through the
+        model's own forward (models/batch.py). Decided once per batch."""
+        if lean.eligible(self.model) and Capability.MODULES not in needs:
+            return PackedBatch(self.model)
         return BatchAdapter(self.model)
 
     def warm_up(self, tokens: int = 8) -> None:

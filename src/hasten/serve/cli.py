@@ -41,8 +41,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         f"(default: ${API_KEY_ENV}, else no key)")
     parser.add_argument("--served-model-name", metavar="NAME",
                         help="the name clients pass as 'model' (default: the --model argument)")
-    parser.add_argument("--max-batch", type=int, default=8, metavar="N",
-                        help="rows decoded together at most; more requests wait their turn (default 8)")
+    parser.add_argument("--max-batch", type=int, default=32, metavar="N",
+                        help="rows decoded together at most; more requests wait their turn (default 32: a packed "
+                        "batch costs little more per row than one row, and draft sizing drafts less as it fills)")
     parser.add_argument("--max-tokens-in-flight", type=int, default=None, metavar="N",
                         help="admit a request only while the running rows' prompts plus token budgets stay within N "
                         "(default: no limit but --max-batch)")
@@ -68,8 +69,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         "'hasten[llamacpp]'; docs/cpu.md)")
     add_runtime_arguments(parser)
     add_draft_size_argument(parser, None, ", or fixed for a request that samples with a seed, so a seed gives the "
-                            "same text every run; a batch pads every row's draft to the widest, so on a busy server "
-                            "fixed drafts can cost more than they bring")
+                            "same text every run; auto sizes every row of a batch for the batch's rate, down to no "
+                            "drafts on a busy server, where fixed drafts can cost more than they bring")
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -131,8 +132,10 @@ def is_loopback(host: str) -> bool:
 
 # ---- hasten serve-bench --------------------------------------------------------------------------
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the server's API base URL "
-                        "(default http://127.0.0.1:8000/v1)")
+    parser.add_argument("--url", action="append", metavar="[NAME=]URL",
+                        help="a server's API base URL (default http://127.0.0.1:8000/v1); repeat it to measure several "
+                        "servers in one run, level by level (e.g. hasten=http://127.0.0.1:8000/v1 "
+                        "vllm=http://127.0.0.1:8100/v1): each answer is compared with the first server's")
     parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
                         help=f"the server's API key (default: ${API_KEY_ENV})")
     parser.add_argument("--model", metavar="NAME", help="model name to ask for (default: the one the server lists)")
@@ -144,12 +147,15 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
     parser.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (default 0)")
     parser.add_argument("--chat", action="store_true", help="send each prompt as a user message to /chat/completions")
-    parser.add_argument("--prompts", metavar="PATH", help="JSONL file of prompts ({prompt} or Spec-Bench turns)")
+    parser.add_argument("--prompts", metavar="PATH", help="JSONL file of prompts ({prompt} or Spec-Bench turns), or "
+                        "spec-bench[:N]: N first-turn questions of each of Spec-Bench's six categories (default 5), "
+                        "from the end of each (hasten bench takes them from the start)")
     parser.add_argument("--num-prompts", type=int, default=16, metavar="N",
                         help="without --prompts: up to N built-in prompts, held-out standard-library code ending at a "
                         "function's signature (default 16)")
     parser.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed requests first (default 1)")
     parser.add_argument("--out", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument("--chart", metavar="PATH", help="also draw throughput against concurrency as a PNG here")
 
 
 def concurrency_levels(text: str) -> list[int]:
@@ -171,13 +177,17 @@ def run_bench(args: argparse.Namespace) -> int:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
     from . import load
 
-    prompts = load.read_prompts(args.prompts) if args.prompts else load.builtin_prompts(args.num_prompts)
-    results = load.run(args.url, args.api_key, args.model, prompts, levels, args.requests, args.max_tokens,
-                       args.temperature, args.chat, args.warmup)
+    prompts = load.prompts_from(args.prompts) if args.prompts else load.builtin_prompts(args.num_prompts)
+    servers = load.servers_from(args.url or ["http://127.0.0.1:8000/v1"], args.api_key, args.model)
+    results = load.run(servers, prompts, levels, args.requests, args.max_tokens, args.temperature, args.chat,
+                       args.warmup)
     print(load.table(results))
     if args.out:
         load.write_json(results, args.out)
         print(f"hasten serve-bench: wrote {args.out}", file=sys.stderr)
+    if args.chart:
+        load.chart(results, args.chart)
+        print(f"hasten serve-bench: drew {args.chart}", file=sys.stderr)
     return 0 if not any(level["errors"] for level in results["levels"]) else 1
 
 

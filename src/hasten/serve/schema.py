@@ -66,6 +66,7 @@ class Params:
     ignore_eos: bool = False  # vLLM's: EOS does not end a choice
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string or stop token stays in the text
     best_of: int = 1  # samples per prompt, of which the n with the highest mean log-probability per token return
+    speculate: bool = True  # hasten's: false decodes this request plainly (the same text, no drafting)
     structured: object = None  # serve.structured.Structured: the structured output asked for (None: free text)
 
 
@@ -112,10 +113,8 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
                       "invalid_type")
     max_tokens = None
     for name in max_tokens_names:  # chat also takes OpenAI's newer name, max_completion_tokens
-        value = optional(body, name, is_int, "an integer")
+        value = optional(body, name, is_int, "an integer")  # its range: checked once, at admission
         if value is not None:
-            if value < 0:
-                raise invalid(name, f"'{name}' must be at least 1 (or 0 with 'echo': true), got {value}")
             max_tokens = value
     temperature = optional(body, "temperature", is_number, "a number", 1.0)
     low, high = TEMPERATURE_RANGE
@@ -139,13 +138,14 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
         raise invalid(name, f"'{name}' must be at least 1; 0 only asks a completion to score its prompt, with "
                       "'echo': true")
     check_unsupported(body)
-    rules = parse_rules(body, max_tokens)
+    rules = parse_rules(body)
     stop_token_ids = _token_ids(body, "stop_token_ids", allow_empty=True) or ()
     ignore_eos = optional(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     include_stop = optional(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "true or false", False)
+    speculate = optional(body, "speculate", lambda v: isinstance(v, bool), "true or false", True)
     return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
                   parse_stop(body), seed, stream, include_usage, continuous_usage, n, logprobs, prompt_logprobs, echo,
-                  rules, tuple(stop_token_ids), ignore_eos, include_stop, best_of)
+                  rules, tuple(stop_token_ids), ignore_eos, include_stop, best_of, speculate)
 
 
 def _token_ids(body: dict, name: str, allow_empty: bool) -> list[int] | None:
@@ -156,7 +156,7 @@ def _token_ids(body: dict, name: str, allow_empty: bool) -> list[int] | None:
     return ids
 
 
-def parse_rules(body: dict, max_tokens: int | None) -> dict:
+def parse_rules(body: dict) -> dict:
     """The fields that transform the target distribution (hasten.core.sampling.Sampling's
     names), only those present and not neutral: a request without them does no extra work."""
     rules = {}
@@ -178,7 +178,7 @@ def parse_rules(body: dict, max_tokens: int | None) -> dict:
     if min_p:
         rules["min_p"] = float(min_p)
     min_tokens = optional(body, "min_tokens", is_int, "an integer", 0)
-    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+    if min_tokens < 0:  # more than max_tokens: the request refuses it at admission
         raise invalid("min_tokens", f"'min_tokens' must be in [0, max_tokens], got {min_tokens}")
     if min_tokens:
         rules["min_tokens"] = min_tokens

@@ -35,8 +35,9 @@ class RowError:
     """Put on a row's queue instead of an update when the step decoding it failed."""
 
     message: str
-    field: str | None = None  # a refusal of the request's own fields (FieldError: e.g. a constraint that
-    code: str | None = None  # leaves no token min_tokens allows), which the client hears as a 400 naming it
+    # a refusal of the request's own fields (e.g. a constraint that leaves no token min_tokens allows),
+    # which the client hears as a 400 naming the field
+    refusal: FieldError | None = None
 
 
 class Sink:
@@ -77,6 +78,7 @@ class Worker:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reused = 0  # the prefix cache's reused tokens counted so far (the scheduler's batch counts them)
 
     # ---- called from the event loop ------------------------------------------------------------
     def start(self) -> None:
@@ -141,7 +143,8 @@ class Worker:
                     if update.finished:
                         del self._rows[row_id], self._by_scheduler_id[update.row_id]
             if update.finished and self.metrics:
-                self.metrics.row_finished(update.finish_reason or "stop", update.stats, update.queued_seconds)
+                self.metrics.row_finished(update.finish_reason or "stop", update.stats, update.queued_seconds,
+                                          update.speculated)
             if row is not None:
                 row.sink.put(update)
 
@@ -149,12 +152,21 @@ class Worker:
         info = getattr(self.scheduler, "last_step", None)
         if self.metrics and info is not None:
             self.metrics.step(info, self.scheduler.running, self.scheduler.waiting)
+            target = self.scheduler.target
+            held = getattr(target, "held_bytes", None)
+            if callable(held):
+                self.metrics.kv_bytes.set(held())
+            reused = getattr(target, "reused_tokens", 0)
+            if reused > self._reused:
+                self.metrics.reused_tokens.inc(reused - self._reused)
+            self._reused = reused
 
     def _recover(self, err: Exception) -> None:
         """After a step raised: a fresh scheduler, the rows that fail alone failed with the
         error, the others moved over as continuations (see the module's doc)."""
         with self._lock:
             old, self.scheduler = self.scheduler, self.make_scheduler()
+            self._reused = 0  # a fresh batch counts from 0
             rows, self._by_scheduler_id = dict(self._rows), {}
         log.warning("a decode step failed (%s: %s); trying its %d rows one by one", type(err).__name__, err, len(rows))
         for row_id, row in rows.items():
@@ -167,7 +179,7 @@ class Worker:
                 if self.metrics:
                     self.metrics.finished.labels("error").inc()
                 if isinstance(failure, FieldError):
-                    row.sink.put(RowError(str(failure), failure.field, failure.code))
+                    row.sink.put(RowError(str(failure), failure))
                 else:
                     row.sink.put(RowError(f"the decode step failed: {type(failure).__name__}: {failure}"))
                 continue
