@@ -223,6 +223,39 @@ def test_bad_constraints_are_refused_naming_the_field(model, tokenizer, prompt):
         hasten.generate(model, prompt, max_new_tokens=4, constraint=SPECS["choice"])
 
 
+
+def test_ignore_eos_and_no_eos_are_refused(model, tokenizer, prompt):
+    """A constrained row ends with EOS once its text is complete: without one it could not end."""
+    from hasten.engine.batch import Request, Scheduler
+
+    with pytest.raises(ConstraintError) as err:
+        hasten.generate(model, prompt, max_new_tokens=4, tokenizer=tokenizer, constraint=SPECS["regex"],
+                        eos_token_id=[])
+    assert err.value.field == "eos_token_ids" and err.value.code == "conflicting_parameters"
+    constraint = SPECS["regex"].compile(tokenizer, model.config.vocab_size)
+    with pytest.raises(ConstraintError) as err:
+        Scheduler(model).submit(Request(prompt[0].tolist(), 4, ignore_eos=True, constraint=constraint))
+    assert err.value.field == "ignore_eos"
+
+
+def test_forced_text_is_tokenized_as_the_tokenizer_writes_it(model, tokenizer):
+    """The forced draft at the start is the tokenizer's own tokenization of the forced text; inside
+    a string value nothing is forced; once the value closes, the draft continues across the boundary."""
+    from hasten.drafters.base import EMPTY_DRAFT
+    from hasten.engine.constraint import RowConstraint
+
+    constraint = SPECS["json"].compile(tokenizer, model.config.vocab_size)
+    start = RowConstraint(constraint, frozenset({EOS}), []).fit(EMPTY_DRAFT, 16, [], trees_ok=True)
+    assert start.tokens and tokenizer.encode(tokenizer.decode(start.tokens)) == list(start.tokens)
+    assert tokenizer.decode(start.tokens) == '{"name": "'
+    written = tokenizer.encode('{"name": "ada')
+    inside = RowConstraint(constraint, frozenset({EOS}), written)
+    assert len(inside.fit(EMPTY_DRAFT, 16, written, trees_ok=True)) == 0
+    closed = written + tokenizer.encode('"')
+    after = RowConstraint(constraint, frozenset({EOS}), closed).fit(EMPTY_DRAFT, 16, closed, trees_ok=True)
+    assert tokenizer.decode(after.tokens).startswith(', "age": ')
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory, tokenizer):
     path = tmp_path_factory.mktemp("json-model")
