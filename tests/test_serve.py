@@ -681,7 +681,7 @@ def test_serve_flags_and_defaults(cli):
     for flag in ("--host", "--port", "--api-key", "--max-batch", "--max-tokens-in-flight", "--method-arg", "--draft"):
         assert flag in out
     args = build_parser().parse_args(["serve", "--model", "m"])
-    assert args.host == "127.0.0.1" and args.max_batch == 8 and args.max_tokens_in_flight is None
+    assert args.host == "127.0.0.1" and args.max_batch == 32 and args.max_tokens_in_flight is None
     assert "--default-max-tokens" in out and args.default_max_tokens == DEFAULT_MAX_TOKENS == 512
 
 
