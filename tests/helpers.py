@@ -139,6 +139,31 @@ def tiny_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
+def json_tokenizer():
+    """A byte-level BPE tokenizer of a JSON alphabet (braces, quotes, digits, lower-case letters),
+    trained on a few JSON lines: what the structured-output tests write with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_char = _byte_chars()
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = [byte_char[b] for b in b'{}[]":,.-_ 0123456789abcdefghijklmnopqrstuvwxyz\n']
+    text = ['{"name": "ada", "age": 36, "tags": ["math", "code"]}', '{"name": "alan", "age": 41, "ok": true}',
+            '{"city": "paris", "people": 2100000}', "yes", "no", "maybe"] * 20
+    trainer = trainers.BpeTrainer(vocab_size=128, special_tokens=["<pad>", "<s>", "</s>"], initial_alphabet=alphabet)
+    tok.train_from_iterator(text, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def _byte_chars() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: byte -> the character that stands for it."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+
+
 def save_checkpoint(path, arch="llama", seed=0) -> str:
     tiny_model(arch, seed=seed).save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)

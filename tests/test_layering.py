@@ -2,7 +2,7 @@
 
 Floors, bottom up (a package may import only from strictly lower floors, or within itself):
 core and version; machine and the shared CLI arguments; models and the zoo; drafters,
-diffusion and diffusion LMs; the engine; lossy approximations; the API and the exporters; training, the benchmark and the server;
+diffusion and diffusion LMs; the engine; lossy approximations and the grammar engine; the API and the exporters; training, the benchmark and the server;
 the command line; the package's front door; the demo and `python -m hasten`, which use it as a user would.
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ FLOORS = {
     "drafters": 3, "diffusion": 3, "dlm": 3,
     "engine": 4,
     "approx": 5, "loading": 5,
+    "structured": 5,  # the grammar engine behind core.constraint (an optional extra)
     "api": 6, "export": 6,  # export: a trained drafter in an engine's layout
     "training": 7, "bench": 7, "serve": 7,
     "cli": 8,

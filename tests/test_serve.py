@@ -382,7 +382,7 @@ BAD_BODIES = [
     ({"prompt": "x", "model": 123}, "model"),
     ({"prompt": "a\ud800b"}, "prompt"),  # a lone surrogate: no tokenizer can read it
     # fields that would change the answer are refused, never silently ignored
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": [5, 6], "response_format": {"type": "json_object"}}, "response_format"),  # no token writes "{"
     ({"prompt": "x", "functions": [{"name": "f"}]}, "functions"),
     # the fields that transform the target distribution, out of range (vLLM's and OpenAI's bounds)
     ({"prompt": [5, 6], "stop_token_ids": [-1]}, "stop_token_ids"),
@@ -423,7 +423,7 @@ def test_bad_completion_requests_are_400_naming_the_field(base, body, param):
     ({"messages": [{"content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),  # OpenAI's roles only
     ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4", "tool_call_id": "a"}]},
-     "messages[1].role"),  # tool calls are not supported (nor is 'tools')
+     "messages[1].role"),  # a tool's answer: a conversation with tool results is not supported
     ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function"}]}]}, "messages[0].tool_calls"),
     ({"messages": [{"role": "user"}]}, "messages[0].content"),
     ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": None}]}, "messages[1].content"),
@@ -681,7 +681,7 @@ def test_serve_flags_and_defaults(cli):
     for flag in ("--host", "--port", "--api-key", "--max-batch", "--max-tokens-in-flight", "--method-arg", "--draft"):
         assert flag in out
     args = build_parser().parse_args(["serve", "--model", "m"])
-    assert args.host == "127.0.0.1" and args.max_batch == 8 and args.max_tokens_in_flight is None
+    assert args.host == "127.0.0.1" and args.max_batch == 32 and args.max_tokens_in_flight is None
     assert "--default-max-tokens" in out and args.default_max_tokens == DEFAULT_MAX_TOKENS == 512
 
 

@@ -10,11 +10,15 @@ from .version import __version__
 
 # public name -> the module that defines it
 _EXPORTS = {
+    "Choice": ".structured",
     "DecodeStats": ".core.stats",
     "Engine": ".api",
     "EngineOutput": ".api",
     "GenerationOutput": ".engine.loop",
+    "Grammar": ".structured",
     "HastenWarning": ".core.errors",
+    "JsonSchema": ".structured",
+    "Regex": ".structured",
     "Sampling": ".core.sampling",
     "drafters": ".drafters",
     "generate": ".engine.loop",

@@ -21,6 +21,7 @@ from .loading import (
 from .models import vlm
 from .models.adapter import vocab_size
 from .models.hf import runtime_of
+from .core.constraint import compiled, start_mask
 from .core.request import Request
 from .core.runtime import Capability
 from .core.sampling import Sampling
@@ -95,21 +96,24 @@ class Engine:
 
     def generate_batch(self, prompts: list[str], *, max_new_tokens: int = 128, temperature: float = 0.0,
                        top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                       stop: str | list[str] | None = None, max_batch: int | None = None,
+                       stop: str | list[str] | None = None, max_batch: int | None = None, constraint=None,
                        **rules) -> list[EngineOutput]:
         """Several prompts decoded together (continuous batching, one target forward per step
         for all rows), each exactly as :meth:`generate` would alone; ``seed`` seeds row i with
-        ``seed + i``. ``max_batch`` rows run at once (default: all)."""
+        ``seed + i``. ``max_batch`` rows run at once (default: all). ``constraint``: as in
+        :meth:`steps`, for every row."""
         from .engine.batch import Scheduler
 
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings")
+        constraint = self.constraint(constraint)  # compiled once, shared by every row
         scheduler = Scheduler(self.runtime, self.drafter, max_batch=max_batch or len(prompts),
                               draft_size=self.draft_size)
         rows = {}
         for i, prompt in enumerate(prompts):
             request = self.request(self.encode(prompt), max_new_tokens=max_new_tokens, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=None if seed is None else seed + i, stop=stop, **rules)
+                                   top_k=top_k, top_p=top_p, seed=None if seed is None else seed + i, stop=stop,
+                                   constraint=constraint, **rules)
             rows[scheduler.submit(request)] = i
         outputs = [None] * len(prompts)
         with using_threads(self.threads):
@@ -177,7 +181,7 @@ class Engine:
             raise ValueError("prompt is empty")
         return prompt
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> torch.Tensor:
+    def encode_chat(self, messages: list[dict[str, str]], tools: list[dict] | None = None) -> torch.Tensor:
         """``messages`` through the chat template with the assistant's turn opened, as ids
         [1, T]. Tokenized as Hugging Face's ``apply_chat_template`` does: the template writes
         its own BOS where the model wants one, so the tokenizer must not add another."""
@@ -190,8 +194,9 @@ class Engine:
                 "send plain text instead (generate(prompt), or hasten generate without --chat)"
             )
         try:
-            encoded = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+            encoded = self.tokenizer.apply_chat_template(  # tools: for a template that shows them to the model
+                messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt",
+                **({"tools": tools} if tools else {}),
             )
         except TemplateError as err:  # the template's own check, e.g. "roles must alternate"
             raise ValueError(f"the chat template refused these messages: {err}") from err
@@ -215,10 +220,18 @@ class Engine:
     def _pieces(self, input_ids: torch.Tensor, kwargs: dict) -> Iterator[str]:
         return (piece for piece, _ in self.steps(input_ids, DecodeStats(), **kwargs))
 
+    def constraint(self, constraint):
+        """A request's constraint compiled for this engine's tokenizer (a spec of
+        :mod:`hasten.structured`; a compiled one is checked against the vocabulary; None stays None)."""
+        constraint = compiled(constraint, self.tokenizer, self.runtime.vocab_size)
+        if constraint is not None:
+            start_mask(constraint)  # its first mask now, on the caller's thread (the server's: not the event loop)
+        return constraint
+
     def request(self, input_ids: torch.Tensor | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
                 stop: str | list[str] | None = None, speculate: bool = True, model_inputs: dict | None = None,
-                **rules) -> Request:
+                constraint=None, **rules) -> Request:
         """The one request object of a generation from this engine's keywords (those of
         :meth:`steps`); ``speculate=False`` decodes plainly. Checked when it is admitted."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -230,7 +243,7 @@ class Engine:
         # the generation config's EOS ids, as in Hugging Face generate (filled in at admission)
         return Request(input_ids, max_new_tokens, Sampling(temperature, top_k, top_p, **rules), seed=seed,
                        stop=StopStrings(self.tokenizer, stop or []), speculate=speculate,
-                       model_inputs=model_inputs or {})
+                       model_inputs=model_inputs or {}, constraint=self.constraint(constraint))
 
     def steps(
         self,
@@ -244,6 +257,7 @@ class Engine:
         seed: int | None = None,
         stop: str | list[str] | None = None,
         images: list | None = None,
+        constraint=None,
         **rules,
     ) -> Generator[tuple[str, list[int]], None, str | None]:
         """Yield (text piece, token ids) per decode step; ``stats`` fills in as it runs.
@@ -255,7 +269,11 @@ class Engine:
         vision-language model (see :meth:`encode_images`). ``rules``: the other fields of
         :class:`~hasten.core.sampling.Sampling` (``min_p``, ``repetition_penalty``,
         ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``allowed_token_ids``,
-        ``min_tokens``), which transform the target distribution as vLLM's. Returns (as a
+        ``min_tokens``), which transform the target distribution as vLLM's. ``constraint``: the
+        text follows it (structured output): ``hasten.JsonSchema(schema)`` (``JsonSchema()``: any
+        JSON object), ``hasten.Regex(pattern)``, ``hasten.Choice([...])`` or ``hasten.Grammar(text)``
+        (Lark or GBNF); greedy text is plain constrained decoding's, token for token, with any
+        method (see :mod:`hasten.engine.constraint`). Returns (as a
         generator returns) why it ended: "stop" (EOS or a stop string) or "length"."""
         model_inputs: dict = {}
         if images is not None:
@@ -268,7 +286,8 @@ class Engine:
         else:
             input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
         request = self.request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                               top_p=top_p, seed=seed, stop=stop, model_inputs=model_inputs, **rules)
+                               top_p=top_p, seed=seed, stop=stop, model_inputs=model_inputs,
+                               constraint=constraint, **rules)
         text = TextStream(self.tokenizer, request.stop)
         sizing = self.sizing.for_request(not request.sampling.greedy, seed is not None)
         decoding = stepped_in_threads(decode(self.runtime, request, self.drafter, stats,

@@ -23,8 +23,10 @@ from .arguments import (
 )
 from .bench import cli as bench_cli
 from .bench import replay_cli
+from .bench import structured as structured_bench
 from .bench import vlm as vlm_bench
 from .core import settings as settings_io
+from .core.constraint import ConstraintError
 from .core.sampling import Sampling
 from .diffusion import cli as diffusion_cli
 from .dlm import cli as dlm_cli
@@ -85,6 +87,14 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
                         help="stop string (repeatable): generation ends at it and the text stops before it; "
                              r"\n and \t are read as newline and tab")
+    structured = parser.add_argument_group(
+        "structured output (pip install 'hasten[structured]'; the text is plain constrained decoding's, "
+        "token for token, with any method)").add_mutually_exclusive_group()
+    structured.add_argument("--json-object", action="store_true", help="the text is one JSON object")
+    structured.add_argument("--json-schema", metavar="FILE", help="the text is JSON valid under the schema in FILE")
+    structured.add_argument("--regex", metavar="R", help="the text matches the regular expression R")
+    structured.add_argument("--choice", metavar="A,B,...", help="the text is one of the comma-separated strings")
+    structured.add_argument("--grammar", metavar="FILE", help="the text follows the grammar in FILE (Lark or GBNF)")
     add_runtime_arguments(parser)
     parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
                         help="torch (default) or llama.cpp: a .gguf target (and --draft) run by llama.cpp, "
@@ -103,6 +113,35 @@ def _read_prompt(args: argparse.Namespace) -> str:
             return f.read()
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"--prompt-file {args.prompt_file}: {getattr(err, 'strerror', None) or err}") from None
+
+
+def _constraint(args: argparse.Namespace):
+    """The structured-output spec the flags ask for (None: free text); checked before any model loads."""
+    from .structured import Choice, Grammar, JsonSchema, Regex
+
+    def read(path: str, flag: str) -> str:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as err:
+            raise UserError(f"{flag} {path}: {getattr(err, 'strerror', None) or err}") from None
+
+    asked = [(flag, make) for flag, value, make in (
+        ("--json-object", args.json_object, lambda: JsonSchema()),
+        ("--json-schema", args.json_schema, lambda: JsonSchema(read(args.json_schema, "--json-schema"))),
+        ("--regex", args.regex, lambda: Regex(args.regex)),
+        ("--choice", args.choice, lambda: Choice([option for option in args.choice.split(",")])),
+        ("--grammar", args.grammar, lambda: Grammar(read(args.grammar, "--grammar"))),
+    ) if value]
+    if not asked:
+        return None
+    flag, make = asked[0]
+    try:
+        spec = make()
+        spec.validate()
+    except ConstraintError as err:
+        raise UserError(f"{flag}: {err}") from None
+    return spec
 
 
 def _messages(args: argparse.Namespace, prompt: str) -> list[dict]:
@@ -124,6 +163,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     rules = dict(min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                  frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
     Sampling(args.temperature, args.top_k, args.top_p, **rules)
+    constraint = _constraint(args)
     note_unused_sampling(args)
     at_least(args, 1, "max_new_tokens")  # as the server refuses max_tokens 0: nothing to generate
     method_kwargs = checked_method_settings(args.method, args.method_arg)
@@ -146,14 +186,17 @@ def _run_generate(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p, seed=args.seed,
         stop=[text.replace("\\n", "\n").replace("\\t", "\t") for text in args.stop],
-        images=(args.image or None) if not args.chat else None, **rules,
+        images=(args.image or None) if not args.chat else None, constraint=constraint, **rules,
     )
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    out = engine.collect(inputs, on_piece=None if args.json else show, **options)
+    try:
+        out = engine.collect(inputs, on_piece=None if args.json else show, **options)
+    except ConstraintError as err:  # a constraint that does not compile, or conflicts with the other flags
+        raise UserError(str(err)) from None
     stats = out.stats
     if args.json:
         # finish_reason as the server names it: "stop" (EOS or a stop string) or "length"
@@ -167,7 +210,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     print(
         f"[{args.method}] tau {stats.mean_accepted:.2f} | {stats.tokens_per_second:.1f} tok/s | "
-        f"{counted(stats.steps, 'step')} | {counted(stats.new_tokens, 'token')} | {counted(threads, 'thread')}",
+        f"{counted(stats.steps, 'step')} | {counted(stats.new_tokens, 'token')} | {counted(threads, 'thread')}"
+        + (f" | forced {stats.forced_share:.0%}" if constraint is not None else ""),
         file=sys.stderr,
     )
     return 0
@@ -178,6 +222,7 @@ COMMANDS: list[Command] = [
     ("generate", "generate text with an acceleration method", _add_generate, _run_generate),
     *bench_cli.COMMANDS,
     *replay_cli.COMMANDS,
+    *structured_bench.COMMANDS,
     *training_cli.COMMANDS,
     *diffusion_cli.COMMANDS,
     *dlm_cli.COMMANDS,

@@ -6,7 +6,8 @@ Protocol, one JSON object per line: the first line on stdin is the engine's sett
 ``{"model", "dtype", "max_model_len", "speculative": null | vLLM's speculative_config}``; the worker
 answers (each answer on one stdout line after ``@@hasten ``) ``{"ready": true, "vllm": version, "dtype": ...}`` once the engine is built. Then
 each line ``{"prompt": [ids], "max_tokens": n}`` gets ``{"tokens": [ids], "seconds": s,
-"accepted": k, "drafts": d, "accepted_per_position": [a_1, ...]}``: greedy, EOS ignored, no
+"accepted": k, "drafts": d, "accepted_per_position": [a_1, ...]}``: greedy, EOS ignored (unless
+``"stop_at_eos": true``; ``"structured"``: vLLM's ``StructuredOutputsParams`` fields), no
 prefix caching (every request prefills its prompt), timed around ``LLM.generate`` alone;
 ``accepted`` counts the draft tokens vLLM accepted, ``drafts`` the steps that proposed a draft,
 and ``accepted_per_position[i]`` the drafts whose position i + 1 was accepted (all 0 without
@@ -67,8 +68,14 @@ def main() -> None:
         if not line.strip():
             break
         request = json.loads(line)
-        params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"], ignore_eos=True,
-                                detokenize=False)
+        structured = request.get("structured")  # vLLM's StructuredOutputsParams fields (hasten bench-json)
+        if structured is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            structured = StructuredOutputsParams(**structured)
+        params = SamplingParams(temperature=0.0, max_tokens=request["max_tokens"],
+                                ignore_eos=not request.get("stop_at_eos", False), detokenize=False,
+                                structured_outputs=structured)
         before = spec_counts(llm)
         clock = time.perf_counter()
         out = llm.generate([{"prompt_token_ids": request["prompt"]}], params, use_tqdm=False)

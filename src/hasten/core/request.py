@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .constraint import Constraint, check_constraint
 from .errors import FieldError
 from .runtime import Capability, Runtime
 from .sampling import Sampling
@@ -39,6 +40,9 @@ class Request:
     resumed: int = 0  # the last ``resumed`` input ids were generated already (a continuation): penalties count them
     speculate: bool = True  # draft and verify (False: plain decoding, the same text, no drafting cost)
     model_inputs: dict = field(default_factory=dict)  # a vision-language prompt's images (pixel_values, ...)
+    # the generated text follows it (structured output): a compiled core.constraint.Constraint, shared by the
+    # request's rows; each row's Sequence walks it with a matcher of its own (a continuation replays its tokens)
+    constraint: Constraint | None = None
 
     # ---- admission ---------------------------------------------------------------------------------
     def check(self, runtime: Runtime) -> None:
@@ -83,6 +87,8 @@ class Request:
                              "{field} needs the prefill's logits, which this model's runtime does not keep")
         if not isinstance(self.speculate, bool):
             raise FieldError("speculate", "invalid_value", f"{{field}} must be true or false, got {self.speculate!r}")
+        if self.constraint is not None:
+            check_constraint(self.constraint, vocab, self.ending_ids(runtime), self.sampling, self.ignore_eos)
         runtime.check_prompt_inputs(torch.tensor([ids]), self.model_inputs)
 
     def admit(self, runtime: Runtime) -> "Request":

@@ -15,6 +15,7 @@ class DecodeStats:
     new_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0  # draft tokens accepted, bonus excluded
+    forced_tokens: int = 0  # of those, tokens of text a constraint forced, proposed as drafts (hasten.engine.constraint)
     drafted_at_depth: list[int] = field(default_factory=list)  # steps with a draft node at depth d + 1
     accepted_at_depth: list[int] = field(default_factory=list)  # steps whose accepted path reached depth d + 1
     prefill_seconds: float = 0.0
@@ -63,6 +64,11 @@ class DecodeStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_at_depth + [0] * len(self.drafted_at_depth), self.drafted_at_depth)]
 
     @property
+    def forced_share(self) -> float:
+        """Share of the new tokens that came from forced drafts (text a constraint forced)."""
+        return self.forced_tokens / self.new_tokens if self.new_tokens else 0.0
+
+    @property
     def total_seconds(self) -> float:
         return self.prefill_seconds + self.draft_seconds + self.verify_seconds
 
@@ -77,6 +83,7 @@ class DecodeStats:
             "mean_accepted": round(self.mean_accepted, 4),
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "forced_tokens": self.forced_tokens,
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
             "prefill_seconds": round(self.prefill_seconds, 6),
             "draft_seconds": round(self.draft_seconds, 6),

@@ -21,6 +21,7 @@ from ..drafters.base import Drafter, TargetView
 from ..core.runtime import Runtime
 from ..models.hf import runtime_of
 from ..models.attention import MaskedTree, attention_path
+from ..core.constraint import compiled
 from ..core.request import Request
 from .batch import Scheduler
 from .inputs import check_inputs, eos_ids
@@ -115,6 +116,7 @@ def generate(
     allowed_token_ids: list[int] | None = None,
     min_tokens: int = 0,
     threads: int | None = DEFAULT_THREADS,
+    constraint=None,
     **model_inputs: torch.Tensor,
 ) -> GenerationOutput | BatchGenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
@@ -150,6 +152,13 @@ def generate(
     ``image_sizes``, ...); the prefill reads them, decoding is text only (see
     :mod:`hasten.models.vlm`). One prompt at a time: batches take no images.
 
+    ``constraint``: the generated text follows it (structured output): a spec of
+    :mod:`hasten.structured` (``JsonSchema(schema)``, ``Regex(pattern)``, ``Choice([...])``,
+    ``Grammar(text)``, compiled for ``tokenizer``, which it then needs) or a compiled constraint. The
+    target's logits are masked at every verified position, so greedy output is plain constrained
+    decoding's (the argmax of the masked logits), token for token, and sampled output follows the
+    masked law, whichever drafter is used (see :mod:`hasten.engine.constraint`).
+
     ``threads``: CPU threads torch computes with during the call, the caller's count restored
     after it; 1 by default, as on the command line (on a busy machine torch's default of one per
     core was 4-10x slower: :mod:`hasten.core.threads`); 0 takes every core, None leaves torch's
@@ -167,14 +176,15 @@ def generate(
             raise ValueError(f"kv_compression compresses a text prompt's cache; {', '.join(sorted(model_inputs))} "
                              "cannot go with it")
         runtime = runtime_of(model)
+        constraint = compiled(constraint, tokenizer, runtime.vocab_size)
         if prompts is not None:
             if kv_compression is not None:
                 raise ValueError("kv_compression takes one prompt at a time, not a batch")
             return _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
-                                   lossy_acceptance, draft_size, stop)
+                                   lossy_acceptance, draft_size, stop, constraint)
         check_inputs(runtime, input_ids, drafter, max_new_tokens, generator, model_inputs)
         request = Request(input_ids[0].tolist(), max_new_tokens, sampling, eos_token_ids=eos_ids(runtime, eos_token_id),
-                          stop=stop, generator=generator, model_inputs=model_inputs)
+                          stop=stop, generator=generator, model_inputs=model_inputs, constraint=constraint)
         stats = DecodeStats()
         acceptance = acceptance_rule(sampling, lossy_acceptance)
         sizing = SizingChoice(draft_size).for_request(not sampling.greedy, seeded=generator is not None)
@@ -249,7 +259,7 @@ def batch_prompts(input_ids, attention_mask) -> list[torch.Tensor] | None:
 
 
 def _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator, lossy_acceptance,
-                    draft_size, stop) -> BatchGenerationOutput:
+                    draft_size, stop, constraint) -> BatchGenerationOutput:
     for prompt in prompts:
         check_inputs(runtime, prompt, drafter, max_new_tokens, generator)
     eos = eos_ids(runtime, eos_token_id)
@@ -257,7 +267,7 @@ def _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_tok
                           lossy_acceptance=lossy_acceptance)
     row_ids = [
         scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, eos_token_ids=eos, stop=stop,
-                                 generator=generator))
+                                 generator=generator, constraint=constraint))
         for prompt in prompts
     ]
     results = scheduler.run()

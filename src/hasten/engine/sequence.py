@@ -22,6 +22,7 @@ from ..core.stats import DecodeStats, holder_kv_bytes
 from ..core.tree import TokenTree
 from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult, TargetView
 from ..models.adapter import ForwardOutput, Riders
+from .constraint import RowConstraint
 from .logprobs import TokenLogprob, token_logprobs
 from .sizing import FixedSize, SizingRule
 from .stops import StopStrings
@@ -112,6 +113,9 @@ class Sequence:
         if drafter is not None:
             self.ctx.state = drafter.begin(self.ctx)
             self.size_state = self.sizing.begin(cache)
+        # the constraint's one hook: it fits each draft to the grammar, masks the verified logits, follows commits
+        self.constraint = None if request.constraint is None else RowConstraint(
+            request.constraint, self.eos_token_ids, tokens[len(tokens) - resumed:])
         self.evidence: int | None = None  # the drafter's grade of this step's draft (asked by cost-aware sizing)
         self.draft_began = self.draft_ended = 0.0
         self._start = 0
@@ -147,6 +151,9 @@ class Sequence:
             self.ctx.max_depth = self.sizing.depth(self.size_state, budget - 1, self.evidence)
             if self.ctx.max_depth > 0:
                 draft = self.fit(self.drafter.propose(self.ctx), self.ctx.max_depth)
+        if self.constraint is not None:  # forced text only where a method drafts: plain decoding stays plain
+            draft = self.constraint.fit(draft, self.depth_limit if self.drafter is not None else 0, self.tokens,
+                                        self.cache.trees_ok)
         self.draft_ended = self.clock()
         self._start = self.cache.cache_length  # == len(tokens) - 1, before the forward caches the block
         return draft
@@ -175,6 +182,8 @@ class Sequence:
                 self.rules = LogitRules(ctx.sampling, logits.shape[-1], logits.device, self.tokens[:split],
                                         self.tokens[split:], self.suppressed_ids)
             logits = self.rules.apply(logits, draft.tree, draft.tokens)
+        if self.constraint is not None:  # after the logit rules, before the verification pass
+            logits = self.constraint.mask(logits, self.ruled)
         return RowCheck(draft.tree, tuple(draft.tokens), logits, draft.probs, ctx.sampling, ctx.generator)
 
     def settle(self, draft: Draft, out: ForwardOutput, check: RowCheck, verdict: Verdict) -> list[int]:
@@ -182,6 +191,8 @@ class Sequence:
         committed tokens."""
         ctx, cache, stats = self.ctx, self.cache, self.stats
         start = self._start
+        if self.constraint is not None:  # a verdict ending where no token was allowed fails the row
+            self.constraint.check_end(verdict.accepted, len(self.generated), ctx.sampling)
         cache.commit(start, draft.tree, verdict.accepted)
         kept_blocks = [0, *(node + 1 for node in verdict.accepted)]  # the root and the accepted path
         if ctx.feature_buffer is not None:
@@ -191,6 +202,10 @@ class Sequence:
         new = self._apply_stop_rules(new)
         if self.rules is not None:
             self.rules.commit(new)
+        forced = self.constraint is not None and self.constraint.forced_nodes > 0
+        if self.constraint is not None:
+            self.constraint.commit(new)
+            stats.forced_tokens += min(self.constraint.forced_accepted(verdict.accepted), len(new))
         if self.logprobs is not None:  # each committed token was scored at its block index (kept_blocks)
             self.scored = token_logprobs(self._scoring_rows(out.logits, check.logits, kept_blocks[: len(new)]), new,
                                          self.logprobs)
@@ -204,7 +219,7 @@ class Sequence:
         stats.verify_seconds += verified_at - self.draft_ended
         max_depth = max(draft.tree.depths, default=0)
         stats.record(max_depth, len(draft), len(verdict.accepted), len(new))
-        if self.drafter is not None and not self.finished:
+        if self.drafter is not None and not self.finished and not forced:  # the method learns from its own drafts
             self.sizing.observe(self.size_state, draft.tree, len(verdict.accepted), self.draft_ended - self.draft_began,
                                 verified_at - self.draft_ended)
             riders = None if out.riders is None else out.riders[kept_blocks[-1]]

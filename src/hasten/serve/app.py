@@ -13,7 +13,7 @@ import hmac
 import time
 import uuid
 from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from starlette.applications import Starlette
@@ -27,6 +27,7 @@ from .metrics import CONTENT_TYPE, Metrics
 from .render import Renderer
 from .rows import Rows
 from .schema import DEFAULT_MAX_TOKENS, APIError, Params, parse_body, parse_messages, parse_params, parse_prompts
+from .structured import parse_structured
 from .translate import Sample, Translator
 from .worker import Worker
 
@@ -86,7 +87,7 @@ class Service:
 
     async def completions(self, request: HTTPRequest) -> Response:
         body = await self._read_json(request)
-        params = parse_params(body)
+        params = replace(parse_params(body), structured=parse_structured(body, chat=False))
         self._check_model(params.model)
         samples = await self.translate.completion(parse_prompts(body), params)  # every prompt before any row starts
         return await self._answer(request, "completion", samples, params)
@@ -94,9 +95,11 @@ class Service:
     async def chat_completions(self, request: HTTPRequest) -> Response:
         body = await self._read_json(request)
         params = parse_params(body, ("max_tokens", "max_completion_tokens"), chat=True)
+        params = replace(params, structured=parse_structured(body, chat=True))
         self._check_model(params.model)
         asked_as = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        samples = await self.translate.chat(parse_messages(body), params, asked_as)
+        tools = body["tools"] if params.structured is not None and params.structured.tool else None
+        samples = await self.translate.chat(parse_messages(body), params, asked_as, tools)
         return await self._answer(request, "chat", samples, params)
 
     # ---- checks ------------------------------------------------------------------------------------

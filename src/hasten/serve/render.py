@@ -1,7 +1,8 @@
 """Rendering: a request's decoded rows as OpenAI's answers. One JSON body (choices, the n best of
 ``best_of`` samples, log-probabilities, usage) or server-sent events ending in ``data: [DONE]``;
 each with hasten's own numbers under the extra field ``hasten`` (the method, tokens per step,
-drafted and accepted tokens, acceptance per draft position, the time queued).
+drafted, accepted and forced tokens, acceptance per draft position, the time queued). A tool
+request's text is answered as OpenAI's ``tool_calls`` (streamed as one delta once complete).
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import AsyncIterator
 from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logprobs
 from .rows import Generation, Rows
 from .schema import APIError, Params
+from .structured import tool_calls
 
 
 def sse(payload: dict) -> str:
@@ -31,8 +33,7 @@ class Renderer:
             keep = best(gens, params)
             gens, texts, lasts, reasons = ([items[i] for i in keep] for items in (gens, texts, lasts, reasons))
         if kind == "chat":
-            choices = [{"index": i, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                        "logprobs": self.logprobs(gen, params, chat=True)}
+            choices = [{"index": i, **message(text, reason, params), "logprobs": self.logprobs(gen, params, chat=True)}
                        for i, (gen, text, reason) in enumerate(zip(gens, texts, reasons))]
             # vLLM's prompt_logprobs: the request's, beside the choices (null when not asked, as vLLM)
             body = {**head, "object": "chat.completion", "choices": choices,
@@ -87,6 +88,8 @@ class Renderer:
                 yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None, "logprobs": None}], **extra(index)})
         lasts = [None] * len(gens)
+        calling = chat and params.structured is not None and params.structured.tool is not None
+        held = [""] * len(gens)  # a tool request's text, sent as its calls once complete
         try:
             # aclosing: when the client leaves, the rows' generators close (and cancel) at once
             async with aclosing(rows.merged(gens)) as updates:
@@ -94,10 +97,21 @@ class Renderer:
                     if lasts[index] is None and params.echo:  # a completion's first event: the prompt first
                         yield scored_chunk(index, gens[index].echo, last.prompt_logprobs or [], prompt=True)
                     lasts[index] = last
+                    if calling:
+                        held[index] += piece
+                        piece = ""
                     event = scored_chunk(index, piece, last.logprobs or [])
                     if event is not None:
                         yield event
                     if reason is not None:
+                        if calling:
+                            answer = message(held[index], reason, params)
+                            calls = answer["message"].get("tool_calls")
+                            delta = {"tool_calls": [{"index": j, **call} for j, call in enumerate(calls)]} if calls \
+                                else {"content": held[index]}
+                            yield sse({**head, "choices": [{"index": index, "delta": delta, "finish_reason": None,
+                                                            "logprobs": None}], **extra(index)})
+                            reason = answer["finish_reason"]
                         yield chunk(index, None if chat else "", reason, hasten=self.stats(lasts[index]))
         except APIError as err:
             yield sse(err.body())
@@ -135,16 +149,28 @@ class Renderer:
 
     def stats(self, update) -> dict:
         """One row's numbers: tokens per target forward (tau, the mean accepted length with the
-        bonus token), steps, drafted and accepted draft tokens, acceptance per draft position,
-        whether it speculated, and its time queued."""
+        bonus token), steps, drafted and accepted draft tokens (and of those, the text a
+        constraint forced), acceptance per draft position, whether it speculated, and its time queued."""
         if update is None:
             return {"method": self.method, "tau": 0.0, "steps": 0, "drafted_tokens": 0, "accepted_tokens": 0,
-                    "acceptance_by_position": []}
+                    "forced_tokens": 0, "acceptance_by_position": []}
         stats = update.stats
         return {"method": self.method, "tau": round(stats.mean_accepted, 4), "steps": stats.steps,
                 "drafted_tokens": stats.drafted_tokens, "accepted_tokens": stats.accepted_tokens,
+                "forced_tokens": stats.forced_tokens,
                 "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position],
                 "speculated": update.speculated, "queued_seconds": round(update.queued_seconds, 6)}
+
+
+def message(text: str, reason: str | None, params: Params) -> dict:
+    """A chat choice's message and finish reason: the text, or for a tool request the calls its
+    text makes (OpenAI's ``tool_calls``, finish reason "tool_calls"; the text as content when
+    max_tokens or a stop string cut the call short)."""
+    calls = tool_calls(params.structured, text) if params.structured and params.structured.tool else None
+    if calls is None:
+        return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
+    return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "finish_reason": "tool_calls" if reason == "stop" else reason}
 
 
 def usage_of(gens: list[Generation], n: int) -> dict:

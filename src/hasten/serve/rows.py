@@ -35,6 +35,7 @@ class Generation:
     submitted: float = field(default_factory=time.monotonic)
     last_token: float | None = None  # when its latest tokens arrived
     generated: int = 0  # tokens the row generated (a stop token among them, which the text leaves out)
+    sample: Sample | None = None  # what it decodes (a refusal mid-row is shown in its API's words)
 
     @property
     def prompt_tokens(self) -> int:
@@ -77,7 +78,7 @@ class Rows:
             raise invalid(None, str(err)) from None
         self.metrics.prompt_tokens.inc(len(request.input_ids))
         text = TextStream(self.tokenizer, params.stop, request.sampling.min_tokens, params.include_stop)
-        return Generation(row_id, request.input_ids, text, queue, sample.echo)
+        return Generation(row_id, request.input_ids, text, queue, sample.echo, sample=sample)
 
     async def events(self, gen: Generation, disconnected: Callable | None = None) -> AsyncIterator[tuple]:
         """(text piece, update, finish_reason or None) as the row decodes; the last one has its
@@ -89,6 +90,8 @@ class Rows:
                 item = await self._next(gen.queue, disconnected, checked)
                 if isinstance(item, RowError):
                     done = True  # the worker already dropped the row
+                    if item.refusal is not None:  # the request's own fields cannot be honoured together
+                        raise gen.sample.refusal(item.refusal)
                     raise APIError(500, item.message, None, "decode_failed")
                 self._timed(gen, len(item.tokens))
                 gen.generated += len(item.tokens)

@@ -67,6 +67,7 @@ class Params:
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string or stop token stays in the text
     best_of: int = 1  # samples per prompt, of which the n with the highest mean log-probability per token return
     speculate: bool = True  # hasten's: false decodes this request plainly (the same text, no drafting)
+    structured: object = None  # serve.structured.Structured: the structured output asked for (None: free text)
 
 
 def parse_body(raw: bytes) -> dict:
@@ -289,23 +290,16 @@ def parse_stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
 # Fields hasten knows and cannot honour: refused rather than silently ignored, since the
 # client would otherwise get an answer to a question it did not ask. Each maps to a test
 # of the values that are the same as leaving it out.
-def _absent(v) -> bool:
-    return v is None
-
-
 def _empty(v) -> bool:
     return v is None or v in ([], {}, "")
 
 
 UNSUPPORTED = {
-    # OpenAI's
+    # OpenAI's (structured output and tools: serve.structured)
     "suffix": _empty,
-    "tools": _empty, "functions": _empty, "tool_choice": lambda v: v in (None, "none", "auto"),
-    "function_call": lambda v: v in (None, "none", "auto"),
-    "response_format": lambda v: v is None or v == {"type": "text"},
+    "functions": _empty, "function_call": lambda v: v in (None, "none", "auto"),
     # vLLM's extras, which clients written for vLLM send
-    "bad_words": _empty, "guided_json": _absent, "guided_regex": _absent, "guided_choice": _absent,
-    "guided_grammar": _absent,
+    "bad_words": _empty,
 }
 
 

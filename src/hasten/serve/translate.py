@@ -4,10 +4,11 @@
 What an API call means and hasten's request does not know lives here: the prompt's text
 (tokenized off the event loop, :class:`Encoder`), the endpoint's token budget when the body sets
 none, ``n`` and ``best_of`` (several samples of a prompt, sample j seeded ``seed + j``), the
-scoring a ranking or an echo needs, and the API's names for the request's fields, which a
-refusal at admission (a :class:`~hasten.core.errors.FieldError`) is shown in. Whether the
-request fits the model (its token ids, ``max_tokens`` against the context) is checked once, at
-admission, by the request itself.
+scoring a ranking or an echo needs, the structured output asked for (:mod:`.structured`, compiled
+off the event loop onto each sample's request), and the API's names for the request's fields, which
+a refusal at admission (a :class:`~hasten.core.errors.FieldError`) is shown in. Whether the request
+fits the model (its token ids, ``max_tokens`` against the context) is checked once, at admission,
+by the request itself.
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ class Sample:
     names: dict[str, str] = field(default_factory=dict)  # the request's field -> the API's name for it
 
     def refusal(self, err: FieldError) -> APIError:
-        """A refusal at admission, in the API's words."""
+        """A refusal at admission (or of a constraint mid-row), in the API's words."""
         param = self.names.get(err.field, err.field)
         return invalid(param, err.render(param), err.code)
 
@@ -56,8 +57,13 @@ class Encoder:
     async def text(self, prompt: str) -> list[int]:
         return await self._run(self.engine.encode, prompt)
 
-    async def chat(self, messages: list[dict]) -> list[int]:
-        return await self._run(self.engine.encode_chat, messages)
+    async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+        return await self._run(lambda m: self.engine.encode_chat(m, tools), messages)
+
+    async def compile(self, spec):
+        """A structured-output spec compiled for the model, on this thread (the grammar engine reads
+        this thread's private tokenizer; the compile itself is bounded in time and cached)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.engine.constraint, spec)
 
     async def _run(self, encode: Callable, argument) -> list[int]:
         ids = await asyncio.get_running_loop().run_in_executor(self.pool, encode, argument)  # [1, T]
@@ -76,23 +82,36 @@ class Translator:
 
     async def completion(self, prompts: list[str | list[int]], params: Params) -> list[Sample]:
         """Every sample of a completion's prompts, in the order of the response's choices."""
+        constraint = await self.constraint(params)
         samples = []
         for prompt in prompts:
             ids = await self.encode.text(prompt) if isinstance(prompt, str) else prompt
             budget = self.budget(len(ids), params.max_tokens, DEFAULT_COMPLETION_TOKENS, "prompt")
             echo = (prompt if isinstance(prompt, str) else self.engine.tokenizer.decode(prompt)) if params.echo else ""
-            samples += self.samples(ids, budget, params, echo, {"input_ids": "prompt", "max_new_tokens": "max_tokens"})
+            samples += self.samples(ids, budget, params, echo, {"input_ids": "prompt", "max_new_tokens": "max_tokens"},
+                                    constraint)
         return samples
 
-    async def chat(self, messages: list[dict], params: Params, asked_as: str) -> list[Sample]:
+    async def chat(self, messages: list[dict], params: Params, asked_as: str,
+                   tools: list[dict] | None = None) -> list[Sample]:
         """The samples of a chat (``asked_as``: the body's name for its budget, ``max_tokens``
-        or ``max_completion_tokens``)."""
+        or ``max_completion_tokens``; ``tools``: shown to the chat template, for a tool request)."""
         try:
-            ids = await self.encode.chat(messages)
+            ids = await self.encode.chat(messages, tools)
         except ValueError as err:  # no chat template, or the template refused the messages
             raise invalid("messages", str(err)) from None
         budget = self.budget(len(ids), params.max_tokens, None, "messages")
-        return self.samples(ids, budget, params, "", {"input_ids": "messages", "max_new_tokens": asked_as})
+        constraint = await self.constraint(params)
+        return self.samples(ids, budget, params, "", {"input_ids": "messages", "max_new_tokens": asked_as}, constraint)
+
+    async def constraint(self, params: Params):
+        """The request's structured output compiled, off the event loop (None: free text)."""
+        if params.structured is None:
+            return None
+        try:
+            return await self.encode.compile(params.structured.spec)
+        except FieldError as err:
+            raise invalid(params.structured.field, f"'{params.structured.field}': {err}", err.code) from None
 
     def budget(self, prompt_tokens: int, asked: int | None, default: int | None, prompt_param: str) -> int:
         """The tokens a request may generate: what it asked (checked at admission), else the
@@ -108,21 +127,25 @@ class Translator:
                           "context_length_exceeded")
         return min(room, self.default_max_tokens, room if default is None else default)
 
-    def samples(self, ids: list[int], budget: int, params: Params, echo: str, names: dict[str, str]) -> list[Sample]:
-        """``params.best_of`` samples of one prompt (= ``n`` unless asked); sample j of a seeded
-        request seeds ``seed + j``, so choice 0 is the single request's."""
+    def samples(self, ids: list[int], budget: int, params: Params, echo: str, names: dict[str, str],
+                constraint=None) -> list[Sample]:
+        """``params.best_of`` samples of one prompt (= ``n`` unless asked), each following
+        ``constraint`` (compiled; None: free text); sample j of a seeded request seeds ``seed + j``,
+        so choice 0 is the single request's."""
         try:
             sampling = Sampling.asked(params.temperature, params.top_k, params.top_p, **params.rules)
         except ValueError as err:
             raise invalid(None, str(err)) from None
         stop = StopStrings(self.engine.tokenizer, list(params.stop)) if params.stop else None
+        if params.structured is not None:  # a constraint's refusal names the field that asked for it
+            names = {**names, "constraint": params.structured.field}
         samples = []
         for j in range(params.best_of):
             seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
             request = Request(ids, budget, sampling, seed=seed, stop=stop, logprobs=scoring(params),
                               prompt_logprobs=prompt_scoring(params), processed_logprobs=self.processed_logprobs,
                               stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                              speculate=params.speculate)
+                              speculate=params.speculate, constraint=constraint)
             samples.append(Sample(request, echo, names))
         return samples
 

@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..core.errors import FieldError
 from .metrics import Metrics
 
 log = logging.getLogger("hasten.serve")
@@ -34,6 +35,9 @@ class RowError:
     """Put on a row's queue instead of an update when the step decoding it failed."""
 
     message: str
+    # a refusal of the request's own fields (e.g. a constraint that leaves no token min_tokens allows),
+    # which the client hears as a 400 naming the field
+    refusal: FieldError | None = None
 
 
 class Sink:
@@ -174,7 +178,10 @@ class Worker:
                     self._rows.pop(row_id, None)
                 if self.metrics:
                     self.metrics.finished.labels("error").inc()
-                row.sink.put(RowError(f"the decode step failed: {type(failure).__name__}: {failure}"))
+                if isinstance(failure, FieldError):
+                    row.sink.put(RowError(str(failure), failure))
+                else:
+                    row.sink.put(RowError(f"the decode step failed: {type(failure).__name__}: {failure}"))
                 continue
             with self._lock:
                 row.scheduler_id = self.scheduler.submit(continuation)
