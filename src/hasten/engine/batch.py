@@ -54,6 +54,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()  # end the row after any of these, as after EOS (vLLM's)
     ignore_eos: bool = False  # EOS does not end the row (it may still be generated; min_tokens holds it back)
     resumed: int = 0  # the last ``resumed`` input ids were generated already (a continuation): penalties count them
+    use_pool: bool = True  # a pooled drafter may draft from its shared pool and learn this row's text (False: neither)
 
 
 @dataclass
@@ -194,6 +195,8 @@ class Scheduler:
         if request.sampling.min_tokens and allowed is not None and set(allowed) <= self._suppressed(request):
             raise FieldError("min_tokens", "invalid_value",
                              "{field} holds back every token allowed_token_ids allows (they all end the row)")
+        if not isinstance(request.use_pool, bool):
+            raise FieldError("pool", "invalid_value", f"{{field}} must be true or false, got {request.use_pool!r}")
         if request.seed is not None and (isinstance(request.seed, bool) or not isinstance(request.seed, int)):
             raise FieldError("seed", "invalid_value", f"{{field}} must be an integer or None, got {request.seed!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -269,6 +272,7 @@ class Scheduler:
                 updates.append(RowUpdate(row_id, [], True, entry.sequence.finish_reason, entry.sequence.stats,
                                          entry.queued_seconds, None if request.logprobs is None else [],
                                          entry.take_prompt_scored()))
+                entry.sequence.close()
                 self.target.remove(entry.row)
             else:
                 self._running[row_id] = entry
@@ -296,7 +300,7 @@ class Scheduler:
             acceptance_rule(request.sampling, self.lossy_acceptance), stops, request.max_new_tokens, stats,
             sizing, stop=request.stop, model_source=self.runtime.source, logprobs=request.logprobs,
             processed_logprobs=request.processed_logprobs,
-            suppressed_ids=self._suppressed(request), resumed=request.resumed,
+            suppressed_ids=self._suppressed(request), resumed=request.resumed, use_pool=request.use_pool,
         )
         stats.prefill_seconds += time.perf_counter() - clock
         return _Running(sequence, row, queued_seconds, reserved, prompt_scored)
@@ -310,6 +314,7 @@ class Scheduler:
 
     def _finish(self, row_id: int) -> None:
         entry = self._running.pop(row_id)
+        entry.sequence.close()
         self.target.remove(entry.row)
 
     def run(self) -> dict[int, "RowResult"]:

@@ -82,8 +82,11 @@ def decode(
     sequence = Sequence(target, tokens, prefilled, drafter, sampling, generator, acceptance, eos_token_ids,
                         max_new_tokens, stats, sizing, source, stop, runtime.source)
     stats.prefill_seconds += time.perf_counter() - clock
-    while not sequence.finished:
-        yield step(target, [sequence])[0]
+    try:
+        while not sequence.finished:
+            yield step(target, [sequence])[0]
+    finally:  # also when a caller stops the stream early
+        sequence.close()
     sequence.record_kv_bytes()
     return sequence.finish_reason
 
