@@ -20,7 +20,7 @@ import torch
 import hasten
 from hasten.core.sampling import Sampling
 from hasten.core.tree import TokenTree
-from hasten.drafters import DraftModel, Lookahead, PromptLookup
+from hasten.drafters import DraftModel, Lookahead, PromptLookup, Suffix
 from hasten.engine import verify
 from hasten.engine.verify import SpeculativeSampling, Verdict
 from helpers import DEVICE, ScriptedDrafter, tiny_model
@@ -160,6 +160,24 @@ def test_iad_drafts_accepted_and_rejected_two_deep_follow_the_target(monkeypatch
     drafted, accepted = total.drafted_at_depth, total.accepted_at_depth
     assert len(accepted) >= 2 and all(0 < accepted[d] < drafted[d] for d in (0, 1))  # both fates at depths 1, 2
     tv, limit = deep_tv(IAD(), DEEP_LAW_SAMPLING)
+    assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
+
+
+@pytest.mark.parametrize("make", [lambda: Lookahead(draft_tokens=6, branch_length=3),
+                                  lambda: Suffix(max_spec_factor=3.0, min_token_prob=0.05)],
+                         ids=["lookahead_pooled", "suffix_pooled"])
+def test_pooled_drafters_three_deep_follow_the_target(make):
+    """One drafter for every sample, so its pool learns from the samples before: its drafts,
+    trees up to 3 deep, are accepted and rejected at depths 1 and 2, and the law holds."""
+    from hasten.core.stats import DecodeStats
+
+    drafter, g, total = make(), torch.Generator(device=DEVICE).manual_seed(1), DecodeStats()
+    for _ in range(100):
+        total = total + hasten.generate(TARGET, PROMPT, drafter=drafter, max_new_tokens=4, temperature=1.0, top_k=3,
+                                        generator=g, draft_size="fixed").stats
+    drafted, accepted = total.drafted_at_depth, total.accepted_at_depth
+    assert len(accepted) >= 2 and all(0 < accepted[d] < drafted[d] for d in (0, 1))  # both fates at depths 1, 2
+    tv, limit = deep_tv(drafter, DEEP_LAW_SAMPLING)
     assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
 
 
