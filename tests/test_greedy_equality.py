@@ -74,7 +74,7 @@ def test_scripted_trees(setup, mode, right_sibling):
 # every earlier generation's output (other vocabularies too) when it drafts
 @pytest.mark.parametrize("drafter", [PromptLookup(num_tokens=DRAFT_LEN), PromptLookup(num_tokens=DRAFT_LEN, match="earliest"),
                                      Lookahead(), Lookahead(draft_tokens=4, branch_length=2),
-                                     Lookahead(shared=False), Suffix(), Suffix(tree=False), Suffix(shared=False)],
+                                     Lookahead(shared=False), Suffix(), Suffix(tree_spec=False), Suffix(shared=False)],
                          ids=["prompt_lookup", "prompt_lookup_earliest", "lookahead", "lookahead_small",
                               "lookahead_per_request", "suffix", "suffix_path", "suffix_per_request"])
 def test_input_guided_drafters(setup, drafter):

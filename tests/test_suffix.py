@@ -76,7 +76,7 @@ def test_tree_drafts_branch_and_respect_the_depth():
     ctx.state = drafter.begin(ctx)
     draft = drafter.propose(ctx)
     assert max(draft.tree.depths) <= 2 and {7, 9} <= set(draft.tokens)
-    chain = Suffix(shared=False, tree=False, max_spec_factor=4.0)
+    chain = Suffix(shared=False, tree_spec=False, max_spec_factor=4.0)
     ctx = context(ctx.tokens)
     ctx.state = chain.begin(ctx)
     assert chain.propose(ctx).tokens[0] == 7 and len(chain.propose(ctx).tree.children[0]) == 1

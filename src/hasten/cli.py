@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Callable
 
@@ -90,6 +91,24 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
                              "hasten's drafters and verifier on top (pip install 'hasten[llamacpp]'; docs/cpu.md)")
     add_draft_size_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument("--pool", metavar="FILE",
+                        help="with a method that learns across requests (lookahead, suffix): draft from the pool "
+                        "saved in FILE, where it exists, and save the pool with this generation's text there")
+
+
+def _shared_pool(engine, path: str | None):
+    """The engine's drafter pool, loaded from ``path`` where it exists (None without --pool)."""
+    if path is None:
+        return None
+    pool = None if engine.drafter is None else engine.drafter.pool
+    if pool is None:
+        raise UserError(f"--pool needs a method that learns across requests (lookahead or suffix), not {engine.method}")
+    if os.path.exists(path):
+        try:
+            pool.load(path)
+        except ValueError as err:
+            raise UserError(f"--pool: {err}") from None
+    return pool
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -142,6 +161,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         stop=[text.replace("\\n", "\n").replace("\\t", "\t") for text in args.stop],
         images=(args.image or None) if not args.chat else None, **rules,
     )
+    pool = _shared_pool(engine, args.pool)
     stats = DecodeStats()
     text, token_ids = "", []
     for piece, new in engine.steps(inputs, stats, **options):
@@ -150,6 +170,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         if not args.json:
             sys.stdout.write(piece)
             sys.stdout.flush()
+    if pool is not None:
+        pool.save(args.pool)
     if args.json:
         record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image, "text": text,
                   "token_ids": token_ids}

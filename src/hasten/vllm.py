@@ -276,7 +276,7 @@ class Suffix(Proposer):
     drafter_class = SuffixDrafter
 
     def settings(self, depth: int) -> dict:
-        return {"max_spec_tokens": max(depth, 1), "tree": False}
+        return {"max_spec_tokens": max(depth, 1), "tree_spec": False}
 
 
 class FixedPromptLookup(PromptLookup):

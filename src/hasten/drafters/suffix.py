@@ -7,7 +7,7 @@ tree holds this generation's prompt and tokens so far. Each step matches the new
 every length, scores each candidate continuation by the sum of its tokens' estimated
 probabilities (count ratios down the tree), and drafts the best: at most ``max_spec_factor``
 tokens per matched token (the draft grows with the match), no token below ``min_token_prob``.
-With ``tree=True`` the draft is a token tree grown best-first, verified in one forward.
+With ``tree_spec=True`` the draft is a token tree grown best-first, verified in one forward.
 
 The trees and the cache are a step-for-step port of the reference, ``arctic-inference``
 (:mod:`hasten.core.suffix_tree`, :mod:`hasten.core.suffix_pool`); vLLM runs the same reference as
@@ -40,7 +40,7 @@ class SuffixSettings(Settings):
     max_spec_factor: float = 1.0  # draft tokens per matched token
     max_spec_offset: float = 0.0  # ... plus this many
     min_token_prob: float = 0.1  # no draft token whose estimated probability is lower
-    tree: bool = True  # a token tree grown best-first (False: the likeliest path, as vLLM drafts)
+    tree_spec: bool = True  # a token tree grown best-first (False: the likeliest path, as vLLM drafts)
     shared: bool = True  # one pool for every generation of this drafter; False: each drafts from its own text
     max_cached_requests: int = 10000  # responses the global tree keeps, oldest evicted first (vLLM's default)
     max_cached_tokens: int = 1 << 19  # hasten's bound on the global tree's tokens, oldest responses evicted first
@@ -125,7 +125,7 @@ class Suffix(Drafter):
         if state.found is None or state.found[0] != len(ctx.tokens):
             s = self.settings
             draft, learned = state.pool.speculate(state.request, ctx.tokens, s.max_spec_tokens, s.max_spec_factor,
-                                                  s.max_spec_offset, s.min_token_prob, s.tree)
+                                                  s.max_spec_offset, s.min_token_prob, s.tree_spec)
             state.found = (len(ctx.tokens), draft, learned)
         return state.found[1], state.found[2]
 

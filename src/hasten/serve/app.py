@@ -12,6 +12,7 @@ import asyncio
 import copy
 import hmac
 import json
+import os
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -48,6 +49,7 @@ class ServeOptions:
     # "raw": the model's own log-probabilities (vLLM's default); "processed": under each request's
     # logit rules and sampling transform, the law its tokens were drawn from
     logprobs_mode: str = "raw"
+    pool_file: str | None = None  # the drafter's shared pool: loaded at start where the file exists, saved at exit
 
 
 @dataclass
@@ -240,7 +242,8 @@ class Service:
         request = Request(input_ids=input_ids, max_new_tokens=max_tokens, sampling=sampling, seed=seed, stop=stop,
                           logprobs=self._scoring(params), prompt_logprobs=self._prompt_scoring(params),
                           processed_logprobs=self.options.logprobs_mode == "processed",
-                          stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos)
+                          stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                          use_pool=params.pool)
         queue: asyncio.Queue = asyncio.Queue()
         try:
             row_id = self.worker.submit(request, Sink(asyncio.get_running_loop(), queue))
@@ -586,6 +589,9 @@ def create_app(engine, make_scheduler: Callable[[], object], options: ServeOptio
                metrics: Metrics | None = None) -> Starlette:
     """The ASGI app; its lifespan starts and stops the decode thread that steps the scheduler."""
     metrics = metrics or Metrics()
+    pool = shared_pool(engine, options.pool_file)
+    if pool is not None:
+        metrics.watch_pool(pool)
     worker = Worker(make_scheduler, metrics)
     service = Service(engine, worker, metrics, options)
 
@@ -597,6 +603,8 @@ def create_app(engine, make_scheduler: Callable[[], object], options: ServeOptio
         finally:
             worker.stop()
             service.encode.close()
+            if options.pool_file is not None:
+                pool.save(options.pool_file)  # after the decode thread: every row's text is in
 
     routes = [
         Route("/health", service.health, methods=["GET"]),
@@ -611,6 +619,20 @@ def create_app(engine, make_scheduler: Callable[[], object], options: ServeOptio
     app.add_middleware(Guard, api_key=options.api_key, metrics=metrics)
     app.state.service = service
     return app
+
+
+def shared_pool(engine, pool_file: str | None):
+    """The drafter's shared pool (None without one), loaded from ``pool_file`` where that exists
+    (ValueError: a pool file for a drafter that learns nothing, or not a saved pool). One pool
+    serves every request of the server, whichever client sent it (docs/serve.md)."""
+    pool = None if engine.drafter is None else engine.drafter.pool
+    if pool_file is not None:
+        if pool is None:
+            raise ValueError(f"a pool file needs a method that learns across requests (lookahead or suffix), not "
+                             f"{engine.method}")
+        if os.path.exists(pool_file):
+            pool.load(pool_file)
+    return pool
 
 
 def scheduler_factory(engine, max_batch: int = 8, max_tokens_in_flight: int | None = None,

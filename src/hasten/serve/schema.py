@@ -60,6 +60,7 @@ class Params:
     ignore_eos: bool = False  # vLLM's: EOS does not end a choice
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string or stop token stays in the text
     best_of: int = 1  # samples per prompt, of which the n with the highest mean log-probability per token return
+    pool: bool = True  # hasten's: false, the request neither drafts from the server's shared pool nor adds to it
 
 
 def parse_body(raw: bytes) -> dict:
@@ -136,9 +137,10 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
     stop_token_ids = _token_ids(body, "stop_token_ids", allow_empty=True) or ()
     ignore_eos = optional(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     include_stop = optional(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "true or false", False)
+    pool = optional(body, "pool", lambda v: isinstance(v, bool), "true or false", True)
     return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
                   parse_stop(body), seed, stream, include_usage, n, logprobs, prompt_logprobs, echo, rules,
-                  tuple(stop_token_ids), ignore_eos, include_stop, best_of)
+                  tuple(stop_token_ids), ignore_eos, include_stop, best_of, pool)
 
 
 def _token_ids(body: dict, name: str, allow_empty: bool) -> list[int] | None:
