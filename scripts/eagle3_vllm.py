@@ -33,7 +33,7 @@ def hasten_run(model, prompts: list[list[int]], drafter, new_tokens: int) -> dic
     for prompt in prompts:
         clock = time.perf_counter()
         out = generate(model, torch.tensor([prompt]), drafter=drafter, max_new_tokens=new_tokens, eos_token_id=[],
-                       draft_size="fixed" if drafter is not None else None)
+                       draft_size="fixed" if drafter is not None else None, threads=None)
         seconds += time.perf_counter() - clock
         tokens.append(out.sequences[0, len(prompt):].tolist())
         steps += out.stats.steps

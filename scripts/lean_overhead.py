@@ -1,8 +1,8 @@
-"""What a forward of a float32 Llama-family model costs through Hugging Face's modules and
+"""What a forward of a Llama-family model costs through Hugging Face's modules and
 through hasten's leaner forward (hasten/models/lean.py), with its linear layers and with them
 stubbed out (so what is left is everything around the weights). docs/cpu.md quotes its output.
 
-    python scripts/lean_overhead.py zoo:smollm2-135m --threads 1
+    python scripts/lean_overhead.py zoo:smollm2-135m --threads 1 [--dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 
 from hasten.loading import load_model
 from hasten.models import cache as kv
-from hasten.models import lean, packed
+from hasten.kernels import ops
+from hasten.models import lean
 from hasten.models.adapter import ModelAdapter
 from hasten.models.hf import HuggingFaceRuntime
 
@@ -26,14 +27,12 @@ def stubbed_linears(on: bool):
     if not on:
         yield
         return
-    real = packed.PackedLinear.forward, packed.packed_linear, packed.packed_linear_add
-    packed.PackedLinear.forward = lambda self, x: x.new_zeros(*x.shape[:-1], self.out_features)
-    packed.packed_linear = lambda x, weight, bias: x.new_zeros(*x.shape[:-1], weight.size(0))
-    packed.packed_linear_add = lambda x, weight, bias, other: other + 0
+    real = ops.linear
+    ops.linear = lambda x, packed, bias: x.new_zeros(*x.shape[:-1], packed.out_features)
     try:
         yield
     finally:
-        packed.PackedLinear.forward, packed.packed_linear, packed.packed_linear_add = real
+        ops.linear = real
 
 
 def main() -> None:
@@ -43,10 +42,11 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=100, help="tokens cached before the timed forward")
     parser.add_argument("--sizes", default="1,7")
     parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    model = load_model(args.model, dtype=torch.float32).eval()
-    HuggingFaceRuntime(model)  # packs the linear layers where it can, as hasten does
+    model = load_model(args.model, dtype=getattr(torch, args.dtype)).eval()
+    HuggingFaceRuntime(model)  # hasten's kernels, as hasten prepares a model
     if not lean.eligible(model):
         raise SystemExit("this model does not take the lean forward here (see hasten/models/lean.py)")
     adapter = ModelAdapter(model)
@@ -62,8 +62,8 @@ def main() -> None:
         kv.crop(adapter.cache, args.context - 1)
         return seconds
 
-    print(f"{args.model}, float32, {args.threads} thread(s), {args.context} cached tokens, "
-          f"packed weights {'on' if HuggingFaceRuntime(model).packed_weights else 'off'}; median ms of {args.repeats}")
+    print(f"{args.model}, {args.dtype}, {args.threads} thread(s), {args.context} cached tokens, "
+          f"hasten's kernels; median ms of {args.repeats}")
     print("tokens  linear layers  Hugging Face  lean")
     for stub in (False, True):
         with stubbed_linears(stub):

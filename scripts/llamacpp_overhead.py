@@ -46,8 +46,8 @@ def measure(args) -> list[dict]:
     from hasten.zoo import real
 
     path = args.model or str(real.resolve("smollm2-135m"))
-    engines = {"hasten_autoregressive": hasten.load(path, "autoregressive", backend="llama.cpp"),
-               "hasten_default": hasten.load(path, backend="llama.cpp")}
+    engines = {"hasten_autoregressive": hasten.load(path, "autoregressive", backend="llama.cpp", threads=args.threads),
+               "hasten_default": hasten.load(path, backend="llama.cpp", threads=args.threads)}
     tokenizer = engines["hasten_autoregressive"].tokenizer
     prompts = [(task.category, engines["hasten_autoregressive"].encode_chat(list(task.messages)))
                for task in spec_bench_tasks(tokenizer, args.per_category)]  # [(category, [1, T] ids)]

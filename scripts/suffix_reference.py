@@ -17,8 +17,6 @@ import json
 import random
 import sys
 
-from arctic_inference.suffix_decoding import SuffixDecodingCache
-
 from hasten.core.suffix_pool import SuffixPool
 
 DEPTHS = (6, 12, 24)
@@ -39,6 +37,8 @@ def stream(rng: random.Random, length: int, alphabet: int, phrases: list[list[in
 
 
 def record(seed: int, generations: int = 12) -> dict:
+    from arctic_inference.suffix_decoding import SuffixDecodingCache  # here: tests/test_suffix.py imports replay
+
     rng = random.Random(seed)
     depth = rng.choice(DEPTHS)
     max_cached = rng.choice([1, 2, 4, -1])  # -1: no bound (the reference's)
@@ -80,8 +80,8 @@ def record(seed: int, generations: int = 12) -> dict:
 
 
 def replay(case: dict) -> int:
-    """Run ``case``'s calls through hasten's port; AssertionError at the first draft that differs.
-    Returns the drafts compared."""
+    """Run ``case``'s calls through hasten's port; AssertionError at the first draft that differs
+    from the reference's, floats included. Returns the drafts compared."""
     pool = SuffixPool(case["max_tree_depth"], case["max_cached_requests"], max_cached_tokens=1 << 30)
     requests, sequences, compared = {}, {}, 0
     for op in case["ops"]:

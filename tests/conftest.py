@@ -24,6 +24,13 @@ def _no_vllm_unless_asked(request, monkeypatch, tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
+def _float32_machine(monkeypatch):
+    """``--dtype auto`` picks bfloat16 on CPUs with native bfloat16 instructions: the suite's
+    commands run as on a CPU without them, whatever machine runs it (test_api_cli checks both)."""
+    monkeypatch.setattr("hasten.arguments.native_bfloat16", lambda: None)
+
+
+@pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():
         yield

@@ -163,6 +163,72 @@ def test_cli_json_matches_library(checkpoint, tmp_path, cli):
     expected = hasten.load(checkpoint, "autoregressive").generate(PROMPT, max_new_tokens=10)
     assert record["token_ids"] == expected.token_ids and record["text"] == expected.text
     assert record["stats"]["new_tokens"] == 10 and record["method"] == "prompt_lookup"
+    assert record["finish_reason"] == expected.finish_reason == "length"
+
+
+def test_cli_json_names_why_generation_ended_as_the_server_does(checkpoint, cli):
+    """finish_reason: "length" at --max-new-tokens, "stop" at EOS or a stop string (OpenAI's names)."""
+    engine = hasten.load(checkpoint, "autoregressive")
+    free = engine.generate(PROMPT, max_new_tokens=6)
+    stop = engine.tokenizer.decode(free.token_ids[2:4])  # text that the third and fourth tokens make
+    for args, reason in ((["--max-new-tokens", "6"], "length"), (["--max-new-tokens", "6", "--stop", stop], "stop")):
+        code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--json", *args)
+        assert code == 0, err
+        assert json.loads(out)["finish_reason"] == reason
+        assert engine.generate(PROMPT, max_new_tokens=6, stop=args[3:]).finish_reason == reason
+        assert engine.generate_batch([PROMPT], max_new_tokens=6, stop=args[3:])[0].finish_reason == reason
+
+
+def test_cli_reads_the_prompt_from_standard_input(checkpoint, cli, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO(PROMPT))
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt-file", "-", "--max-new-tokens", "5", "--json")
+    assert code == 0, err
+    assert json.loads(out)["text"] == hasten.load(checkpoint, "autoregressive").generate(PROMPT, max_new_tokens=5).text
+
+
+@pytest.mark.parametrize("flags, named", [(["--top-k", "5", "--seed", "3"], "--top-k, --seed have"),
+                                          (["--min-p", "0.5"], "--min-p has"), (["--top-p", "0.9"], "--top-p has")])
+def test_sampling_flags_without_a_temperature_get_a_one_line_note(checkpoint, cli, flags, named):
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "3", *flags)
+    assert code == 0
+    notes = [line for line in err.splitlines() if line.startswith("hasten: warning:")]
+    assert notes == [f"hasten: warning: {named} no effect without --temperature > 0: decoding is greedy"]
+    code, _, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "3",
+                       "--temperature", "0.7", *flags)
+    assert code == 0 and "warning" not in err
+
+
+def test_loading_shows_no_progress_bar(checkpoint, capfd):
+    """transformers' "Loading weights" bar on every hasten.load told a user nothing."""
+    from transformers.utils import logging
+
+    before = logging.is_progress_bar_enabled()  # the command line turns the bars off for its process
+    logging.enable_progress_bar()
+    try:
+        hasten.load(checkpoint, "autoregressive")
+        assert "Loading weights" not in capfd.readouterr().err
+        assert logging.is_progress_bar_enabled()  # the caller's setting, as it was
+    finally:
+        if not before:
+            logging.disable_progress_bar()
+
+
+def test_errors_name_the_model_as_the_user_did(tmp_path, cli):
+    """An error about the model names what was passed (zoo:code-tiny), not the cache directory
+    it resolves to."""
+    image = tmp_path / "x.png"
+    image.write_bytes(b"not read")
+    for chat in ([], ["--chat"]):
+        code, _, err = cli("generate", "--model", "zoo:code-tiny", "--prompt", "x", "--image", str(image), *chat)
+        assert code == 2 and err == "hasten: error: images given, but zoo:code-tiny is a text-only model\n"
+
+
+def test_model_help_names_every_kind_of_model(cli):
+    code, out, _ = cli("generate", "--help")
+    help_text = " ".join(out.split())
+    assert code == 0 and ".gguf file" in help_text and "zoo:smollm2-135m" in help_text and "toy" in help_text
 
 
 @pytest.mark.parametrize(
@@ -174,7 +240,8 @@ def test_cli_json_matches_library(checkpoint, tmp_path, cli):
         (["--prompt", "x", "--top-p", "2"], "top_p"),
         (["--prompt", "x", "--repetition-penalty", "0"], "repetition_penalty"),
         (["--prompt", "x", "--min-p", "1.5"], "min_p"),
-        (["--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 0"),
+        (["--prompt", "x", "--max-new-tokens", "-3"], "--max-new-tokens must be >= 1"),
+        (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),  # as the server's max_tokens
         (["--prompt", "x", "--method", "draft_model"], "needs a draft model"),
         (["--prompt-file", "/no/such/file"], "prompt-file"),
         (["--prompt", "x", "--method-arg", "speed=9"], "KEY=VALUE"),
@@ -267,3 +334,24 @@ def test_engine_generate_batch_equals_one_by_one(checkpoint):
 def test_an_unknown_backend_is_refused_before_loading():
     with pytest.raises(ValueError, match="backend"):
         hasten.load("/no/such/model", "prompt_lookup", backend="vllm")
+
+
+def test_auto_dtype_is_bfloat16_where_the_cpu_has_it_and_says_so(checkpoint, cli, monkeypatch):
+    """--dtype auto (the default): float32 where the CPU has no native bfloat16 instructions
+    (silently, as always), bfloat16 where it has them (vLLM's CPU default), in one line; the
+    output then equals hasten's own plain decoding in bfloat16."""
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "6", "--json")
+    assert code == 0 and json.loads(out)["dtype"] == "float32" and "dtype" not in err
+    monkeypatch.setattr("hasten.arguments.native_bfloat16", lambda: "AVX512-BF16")
+    code, out, err = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "6", "--json",
+                         "--method", "prompt_lookup")
+    record = json.loads(out)
+    assert code == 0 and record["dtype"] == "bfloat16"
+    assert err.count("\n") == 1 and err.startswith("hasten: dtype bfloat16 (auto: this CPU has native bfloat16 "
+                                                   "instructions, AVX512-BF16;")
+    plain = hasten.load(checkpoint, "autoregressive", dtype="bfloat16").generate(PROMPT, max_new_tokens=6)
+    assert record["token_ids"] == plain.token_ids
+    code, out, _ = cli("generate", "--model", checkpoint, "--prompt", PROMPT, "--max-new-tokens", "6", "--json",
+                       "--dtype", "float32")
+    assert json.loads(out)["dtype"] == "float32"
+    assert "auto (default): bfloat16 on a CPU with native bfloat16" in " ".join(cli("generate", "--help")[1].split())

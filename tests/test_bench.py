@@ -250,7 +250,29 @@ def test_cli_bench_end_to_end(tmp_path, checkpoints, capsys):
     assert results["machine"]["torch_threads"] == 1
     assert set(results["by_category"]) == {"complete", OVERALL}
     assert all((tmp_path / f).is_file() for f in ("results.md", "speedup.png", "acceptance.png"))
-    assert "tok/s" in capsys.readouterr().out
+    out, err = capsys.readouterr()
+    assert "methods x 1 prompt x 1 repeat, 6 new tokens, 1 thread\n" in err  # no "1 threads"
+    # the summary names the model and how it ran, tau, and the identity check
+    summary = out.splitlines()
+    model, draft = checkpoints
+    assert summary[0] == f"hasten bench: {model} (float32 on cpu), draft {draft}; 1 prompt, 6 new tokens each, greedy"
+    assert summary[1].split() == ["method", "tok/s", "vs", "AR", "tau", "identical", "to", "autoregressive"]
+    rows = {line.split()[0]: line.split()[1:] for line in summary[2:-1]}
+    assert set(rows) == set(names) and rows["autoregressive"][1:] == ["1.00x", "1.00", "1/1"]
+    assert all(row[-1] == "1/1" for row in rows.values())
+    assert summary[-1] == "every output was checked token for token against hasten's autoregressive: all identical"
+
+
+def test_cli_bench_takes_the_dtypes_generate_takes(tmp_path, checkpoints, capsys):
+    from hasten.arguments import DTYPES
+
+    assert "int8" in DTYPES
+    args = bench_args(checkpoints, tmp_path, "--tasks", "complete", "--methods", "autoregressive,prompt_lookup",
+                      "--baselines", "hf_generate", "--dtype", "int8")
+    assert main(args) == 0
+    assert json.loads((tmp_path / "results.json").read_text())["settings"]["dtype"] == "int8"
+    out = capsys.readouterr().out
+    assert "(int8 on cpu)" in out and out.splitlines()[-1].endswith("all identical")
 
 
 def test_cli_bench_with_a_prompt_file_and_chosen_methods(tmp_path, checkpoints):
@@ -333,7 +355,8 @@ def test_cli_bench_fails_loudly_on_a_mismatch(tmp_path, checkpoints, capsys, mon
     assert not (tmp_path / "results.json").exists()
 
 
-def test_cli_bench_counts_differences_when_asked_and_records_device_and_dtype(tmp_path, checkpoints, monkeypatch):
+def test_cli_bench_counts_differences_when_asked_and_records_device_and_dtype(tmp_path, checkpoints, monkeypatch,
+                                                                             capsys):
     """--count-differences (for a GPU in bfloat16): a differing output is counted, not fatal."""
     import hasten.bench.cli as bench_cli
 
@@ -341,12 +364,39 @@ def test_cli_bench_counts_differences_when_asked_and_records_device_and_dtype(tm
     monkeypatch.setattr(bench_cli, "hf_method", lambda name, model, draft=None: corrupted(real(name, model, draft), 2))
     args = bench_args(checkpoints, tmp_path, "--tasks", "complete", "--methods", "autoregressive",
                       "--baselines", "hf_generate", "--count-differences", "--dtype", "bfloat16")
-    assert main(args) == 0
+    assert main(args) == 1  # counted and classified; a hasten method's defect still fails the run
     results = json.loads((tmp_path / "results.json").read_text())
     rows = {row["method"]: row for row in results["by_category"][OVERALL]}
     assert rows["corrupt"]["identical"] == "0/1" and rows[AUTOREGRESSIVE]["identical"] == "1/1"
     assert [task.get("first_difference") for task in results["by_task"]] == [{"corrupt": 2}]  # planted at 2
+    found = results["by_task"][0]["difference_classes"]["corrupt"]
+    assert found["position"] == 2 and found["verdict"] == "defect" and found["gap"] > 0 and found["rank"] > 1
+    assert found["rounding"] == 0.0  # bfloat16 blocks are invariant: a block gives the step's logits
     assert (results["settings"]["device"], results["settings"]["dtype"]) == ("cpu", "bfloat16")
+    captured = capsys.readouterr()
+    assert captured.out.splitlines()[-2] == (
+        "outputs compared token for token with hasten's autoregressive and differences counted "
+        "(--count-differences): corrupt differed on some prompts")
+    assert captured.out.splitlines()[-1] == "  corrupt: first differences: 1 defect"
+    assert "LOSSLESSNESS FAILURE: outputs differ beyond rounding: corrupt on complete-1 at new token 2" in captured.err
+    assert "| complete-1 | corrupt | 2 |" in (tmp_path / "results.md").read_text()
+
+
+def test_a_differing_token_is_a_near_tie_only_as_the_runner_up_within_rounding():
+    from hasten.bench.differences import classify, verdict
+    from helpers import hf_greedy
+
+    assert verdict(0.01, 0.02) == "near-tie" and verdict(0.0, 0.0) == "near-tie"  # within rounding; a tie
+    assert verdict(0.03, 0.02) == "defect"  # further below the top than any rounding measured
+    model = tiny_model("llama")
+    prompt = repetitive_prompt(12)
+    reference = hf_greedy(model, prompt, 6, eos_token_id=None)[0, 12:].tolist()
+    logits = model(torch.cat([prompt, torch.tensor([reference[:3]])], 1)).logits[0, -1]
+    runner_up = int(logits.topk(2).indices[1])
+    found = classify(model, prompt, reference, reference[:3] + [runner_up] + reference[4:], own_method=False)
+    top = logits.topk(2).values
+    assert found["position"] == 3 and found["rank"] == 1 and abs(found["gap"] - found["margin"]) < 1e-6
+    assert abs(found["margin"] - float(top[0] - top[1])) < 1e-4 and found["rounding"] < 1e-4
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised on a machine without CUDA")

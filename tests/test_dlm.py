@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import CAUSAL_CONFIGS, SEQ2SEQ_CONFIGS, tiny_model
 
 from hasten.dlm import DKVCache, FastDLLMDual, FastDLLMPrefix, NoCache, SparseD, describe, generate
 from hasten.dlm.forward import (ForwardCounts, KVStore, attention_flops_per_pair, context_positions, full_forward,
@@ -157,6 +157,70 @@ def test_sparsed_with_select_one_equals_full_attention(arch):
     sparse = run(SparseD(skip=0.25, select=0.4, block=6))
     assert sparse.stats.attention_flops_skipped > 0 and (sparse.sequences != MASK).all()
     assert model.config._attn_implementation == "sdpa"  # put back after the generation
+
+
+def tiny_stablelm(vocab: int = 96):
+    """A StableLM-family model: its decoder layers do not pass the forward's keyword arguments on
+    to their attention."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    config = tf.StableLmConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    return tf.AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_sparsed_on_stablelm_as_reported():
+    """The report's case (issue 44): a random StableLM, vocabulary 61, a 40-token prompt. It ended in
+    ZeroDivisionError (no pattern recorded); at full selection it is full attention."""
+    model = tiny_stablelm(61)
+    ids = torch.randint(0, 60, (1, 40), generator=torch.Generator().manual_seed(0))
+    run = lambda cache: generate(model, ids, cache=cache, mask_token_id=60, gen_length=32, block_length=8,  # noqa: E731
+                                 steps=16)
+    assert torch.equal(run(SparseD(select=1.0)).sequences, run(None).sequences)
+
+
+SPARSED_ARCHS = sorted(CAUSAL_CONFIGS) + ["stablelm"]
+
+
+def causal_model(arch: str):
+    return tiny_stablelm() if arch == "stablelm" else tiny_model(arch)
+
+
+@pytest.mark.parametrize("arch", SPARSED_ARCHS)
+def test_sparsed_routes_the_attention_of_every_tested_causal_architecture(arch):
+    """Every causal architecture of the greedy-equality tests (and StableLM): full selection is full
+    attention, and a partial one computes fewer attention pairs."""
+    model = causal_model(arch)
+    run = lambda cache: generate(model, prompt(20), mask_token_id=MASK, gen_length=16, block_length=8,  # noqa: E731
+                                 steps=8, cache=cache)
+    assert torch.equal(run(SparseD(skip=0.25, select=1.0, block=6)).sequences, run(None).sequences)
+    assert run(SparseD(skip=0.25, select=0.4, block=6)).stats.attention_flops_skipped > 0
+
+
+@pytest.mark.parametrize("arch", sorted(SEQ2SEQ_CONFIGS))
+def test_encoder_decoders_are_refused_in_one_line_before_any_forward(arch):
+    model = tiny_model(arch)
+    model.register_forward_pre_hook(lambda *_: pytest.fail("a forward ran"))
+    for cache in (None, SparseD(select=1.0)):
+        with pytest.raises(ValueError, match=f"causal LM bidirectionally; {type(model).__name__} is an encoder-"):
+            generate(model, prompt(20), mask_token_id=MASK, gen_length=16, block_length=8, steps=8, cache=cache)
+
+
+def test_sparsed_refuses_a_model_whose_attention_it_cannot_route_before_the_first_step(monkeypatch):
+    """A model whose attention does not go through transformers' AttentionInterface (here: one that
+    cannot switch its implementation) would run full attention and pick no pattern."""
+    model = tiny_model("llama")
+    monkeypatch.setattr(type(model), "_can_set_attn_implementation", classmethod(lambda cls: False))
+    steps = []
+    monkeypatch.setattr(SparseD, "start", lambda self, *a, _start=SparseD.start: steps.append("start") or _start(
+        self, *a))
+    with pytest.raises(ValueError, match=r"SparseD cannot route the attention of LlamaForCausalLM: .* \(reached in "
+                                         r"layers \[\] of 2\)") as err:
+        generate(model, prompt(20), mask_token_id=MASK, gen_length=16, block_length=8, steps=8,
+                 cache=SparseD(select=1.0))
+    assert "\n" not in str(err.value) and steps == ["start"]
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_partial_block_sparse_attention_equals_the_full_one_at_its_rows():

@@ -369,16 +369,16 @@ def test_a_missing_weights_file_fails(tmp_path):
 # ---- one drafter, many generations ---------------------------------------------------------------------
 def interleaved_runs(model, drafter, prompts, new):
     """Generations of ``prompts`` on one drafter, advanced one step each in turn."""
+    from hasten.core.request import Request
     from hasten.core.stats import DecodeStats
-    from hasten.engine.inputs import eos_ids
     from hasten.engine.loop import decode
     from hasten.engine.verify import acceptance_rule
     from hasten.models.hf import runtime_of
 
     runtime = runtime_of(model)
-    sampling, eos = Sampling(), eos_ids(runtime, None)
+    sampling = Sampling()
     stats = [DecodeStats() for _ in prompts]
-    runs = {i: decode(runtime, prompt, drafter, new, sampling, eos, None, stats[i], acceptance_rule(sampling))
+    runs = {i: decode(runtime, Request(prompt[0].tolist(), new, sampling), drafter, stats[i], acceptance_rule(sampling))
             for i, prompt in enumerate(prompts)}
     outputs = [[] for _ in prompts]
     while runs:

@@ -22,8 +22,8 @@ def test_the_dry_run_runs_every_step_and_reports_it(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr + (out / report.LOG_NAME).read_text()
     found = json.loads((out / report.JSON_NAME).read_text())
     steps = {entry["step"]: entry for entry in found["steps"]}
-    assert list(steps) == ["environment", "cuda-tests", "greedy-on-device", "sampling-law-on-device", "long-context",
-                           "real-model-bench", "drafter-training"]
+    assert list(steps) == ["environment", "invariance-on-device", "cuda-tests", "greedy-on-device",
+                           "sampling-law-on-device", "long-context", "real-model-bench", "drafter-training"]
     assert found["not_run"] == [] and all(entry["status"] == "passed" for entry in steps.values())
     assert steps["environment"]["findings"]["cuda_available"] is False
     assert steps["cuda-tests"]["findings"]["skipped"] > 0  # the CUDA cases, here

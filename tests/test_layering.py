@@ -16,6 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 FLOORS = {
     "core": 0, "version": 0,
     "machine": 1, "arguments": 1,
+    "kernels": 1,  # hasten's own C kernels (built on first use) and their torch-facing calls
     "models": 2, "zoo": 2,
     "drafters": 3, "diffusion": 3, "dlm": 3,
     "engine": 4,

@@ -8,7 +8,7 @@ import hasten
 from hasten.core.tree import TokenTree
 from hasten.drafters import PromptLookup
 from hasten.models import cache as kv
-from hasten.models import lean, packed
+from hasten.models import invariant, lean
 from hasten.models.adapter import ModelAdapter
 from hasten.models.layers import last_queries
 from helpers import DEVICE, ScriptedDrafter, generate_exactly, hf_greedy, repetitive_prompt, tiny_model
@@ -44,12 +44,10 @@ def run(model, prompt, blocks, use_lean: bool, monkeypatch) -> list[torch.Tensor
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("weights", ["plain", "packed"])
-def test_every_forward_equals_the_models_own_bit_for_bit(arch, weights, monkeypatch):
-    model = tiny_model(arch)
-    if weights == "packed":  # the tiny layers are below the size worth packing: packed anyway
-        monkeypatch.setattr(packed, "MIN_PACKED_WEIGHTS", 0)
-        assert packed.prepare(model) and packed.supported()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_every_forward_equals_the_models_own_bit_for_bit(arch, dtype, monkeypatch):
+    model = tiny_model(arch).to(getattr(torch, dtype))
+    assert invariant.prepare(model)  # the lean forward runs on hasten's kernels (models/invariant.py)
     prompt = repetitive_prompt(40)
     root = int(prompt[0, -1])
     blocks = [([root], None), ([root, 5, 6, 7, 8, 9, 10], None), ([root, *range(10, 16)], TREE)]
@@ -89,17 +87,20 @@ def test_fused_rms_norm_and_the_formula_transformers_writes_agree_bit_for_bit(hi
         assert torch.equal(lean._rms_norm(norm, x), written)
 
 
+def prepared(arch: str):
+    model = tiny_model(arch)
+    assert invariant.prepare(model)
+    return model
+
+
 def test_where_it_does_not_apply_the_models_own_forward_runs(monkeypatch):
-    assert not lean.eligible(tiny_model("gpt2"))
-    assert not lean.eligible(tiny_model("mistral"))  # sliding windows
-    assert not lean.eligible(tiny_model("llama").to(torch.bfloat16))
-    eager = tiny_model("llama")
-    eager.config._attn_implementation = "eager"
-    assert not lean.eligible(eager)
+    assert not lean.eligible(prepared("gpt2"))
+    assert not lean.eligible(prepared("mistral"))  # sliding windows
+    assert not lean.eligible(tiny_model("llama"))  # only on hasten's kernels: once invariant.prepare ran
     monkeypatch.setenv("HASTEN_LEAN_FORWARD", "0")
-    assert not lean.eligible(tiny_model("llama"))
+    assert not lean.eligible(prepared("llama"))
     monkeypatch.delenv("HASTEN_LEAN_FORWARD")
-    model = tiny_model("llama")
+    model = prepared("llama")
     modules = list(model.modules())
     assert lean.eligible(model) and lean.usable(model, modules) and not lean.usable(model, None)
     model.train()

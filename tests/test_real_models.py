@@ -96,3 +96,38 @@ def test_smollm2_lean_forward_equals_its_own_forward_bit_for_bit(monkeypatch):
         results[use_lean] = rows
     for lean_rows, own_rows in zip(results["1"], results["0"]):
         assert torch.equal(lean_rows, own_rows)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_smollm2_half_precision_blocks_equal_one_token_steps(dtype):
+    """bfloat16 and float16 (models/invariant.py): every position of chains of 1 to 64 tokens and
+    of a tree gets the logits of one-token steps, bit for bit, after caches of several lengths;
+    and the default method's chat answer is plain decoding's, token for token."""
+    from hasten.core.tree import TokenTree
+    from hasten.models import cache as kv
+    from hasten.models.adapter import ModelAdapter
+
+    available("zoo:smollm2-135m")
+    engine = hasten.load("zoo:smollm2-135m", dtype=dtype)
+    model = engine.model
+    generator = torch.Generator().manual_seed(0)
+    tree = TokenTree((-1, 0, 0, 1, 2, -1))
+    for cached in (5, 300):
+        prompt = torch.randint(100, 40000, (cached + 1,), generator=generator).tolist()
+        tokens = torch.randint(100, 40000, (64,), generator=generator).tolist()
+        block = [prompt[-1], *tokens]
+        stepper = ModelAdapter(model)
+        stepper.start(torch.tensor([prompt]))
+        steps = torch.stack([stepper.forward([token], None).logits[0] for token in block])  # [65, vocab]
+        adapter = ModelAdapter(model)
+        adapter.start(torch.tensor([prompt]))
+        for size in (2, 8, 65):
+            assert torch.equal(adapter.forward(block[:size], None).logits, steps[:size]), (cached, size)
+            kv.crop(adapter.cache, cached)
+        # nodes 0, 1 and 3 hold the chain's first three tokens; 2, 4 and 5 are side branches
+        chain_tree = adapter.forward([prompt[-1], tokens[0], tokens[1], 7, tokens[2], 9, 11], tree).logits
+        assert torch.equal(chain_tree[[0, 1, 2, 4]], steps[[0, 1, 2, 3]])
+        kv.crop(adapter.cache, cached)
+    prompt = chat_prompt(engine.tokenizer, f"{PASSAGE}\n\n{QUESTION}")
+    plain = hasten.load(model, "autoregressive", tokenizer=engine.tokenizer).generate(prompt, max_new_tokens=64)
+    assert engine.generate(prompt, max_new_tokens=64).token_ids == plain.token_ids

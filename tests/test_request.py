@@ -72,7 +72,8 @@ def test_refusals_carry_their_field_and_code(engine):
              (Request(ids, -1), "max_new_tokens", "invalid_value"),
              (Request(ids, context), "max_new_tokens", "context_length_exceeded"),
              (Request(ids, 40), "max_new_tokens", "over_capacity"),
-             (Request(ids, 4, seed=1.5), "seed", "invalid_value")]
+             (Request(ids, 4, seed=1.5), "seed", "invalid_value"),
+             (Request(ids, 4, pool="no"), "pool", "invalid_value")]
     for request, field, code in cases:
         with pytest.raises(FieldError) as refusal:
             scheduler.submit(request)
@@ -107,3 +108,48 @@ def test_every_door_resolves_an_unset_draft_size_by_the_same_rule(engine, monkey
     hasten.generate(engine.model, ids, drafter=engine.drafter, max_new_tokens=4, temperature=0.9,
                     generator=torch.Generator().manual_seed(5))
     assert chosen[-1] == "FixedSize"
+
+
+def test_a_request_that_turns_drafting_off_decodes_plainly_through_every_door(engine):
+    """One field (Request.speculate), read where a sequence is made: the same text, no drafts,
+    one token a step, alone (Engine.generate) and as a row beside drafting rows."""
+    drafting = engine.generate(PROMPT, max_new_tokens=24)
+    plain = engine.generate(PROMPT, max_new_tokens=24, speculate=False)
+    assert plain.token_ids == drafting.token_ids
+    assert drafting.stats.drafted_tokens > 0 and plain.stats.drafted_tokens == 0 and plain.stats.steps == 24
+    scheduler = Scheduler(engine.runtime, engine.drafter, max_batch=2, draft_size=engine.draft_size)
+    ids = engine.encode(PROMPT)[0].tolist()
+    rows = {scheduler.submit(Request(ids, 24, speculate=speculate)): speculate for speculate in (True, False)}
+    results = scheduler.run()
+    for row, speculate in rows.items():
+        assert results[row].tokens == drafting.token_ids
+        assert (results[row].stats.drafted_tokens > 0) == speculate
+
+
+def test_a_request_out_of_the_pool_neither_reads_nor_writes_it_through_every_door(checkpoint):
+    """One field (Request.pool), carried to the drafter's context where a sequence is made:
+    the same text, and the shared pool untouched, alone (Engine.generate) and as a row."""
+    engine = hasten.load(checkpoint, "suffix", draft_size="fixed")
+    first = engine.generate(PROMPT, max_new_tokens=16)
+    saved, stats = json.dumps(engine.pool.to_json()), engine.pool.stats()
+    assert engine.generate(PROMPT, max_new_tokens=16, pool=False).token_ids == first.token_ids
+    scheduler = Scheduler(engine.runtime, engine.drafter, max_batch=2, draft_size="fixed")
+    ids = engine.encode(PROMPT)[0].tolist()
+    scheduler.submit(Request(ids, 16, pool=False))
+    assert scheduler.run()[0].tokens == first.token_ids
+    assert json.dumps(engine.pool.to_json()) == saved and engine.pool.stats() == stats
+    scheduler.submit(Request(ids, 16))
+    assert scheduler.run()[1].tokens == first.token_ids
+    assert engine.pool.stats().requests == stats.requests + 1 and engine.pool.stats().hits > stats.hits
+
+
+def test_a_request_is_checked_once_at_admission(engine, monkeypatch):
+    """Every door hands its request to the decode loop, which checks it once (the one place
+    max_new_tokens is checked against the model)."""
+    checks = []
+    real = Request.check
+    monkeypatch.setattr(Request, "check", lambda self, runtime: (checks.append(1), real(self, runtime)))
+    engine.generate(PROMPT, max_new_tokens=4)
+    assert len(checks) == 1
+    engine.generate_batch([PROMPT, OTHER], max_new_tokens=4)
+    assert len(checks) == 3

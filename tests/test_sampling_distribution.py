@@ -23,6 +23,7 @@ from hasten.core.tree import TokenTree
 from hasten.drafters import DraftModel, Lookahead, PromptLookup, Suffix
 from hasten.engine import verify
 from hasten.engine.verify import SpeculativeSampling, Verdict
+from hasten.models import forwards
 from helpers import DEVICE, ScriptedDrafter, tiny_model
 from test_verify_law import bound, p_instead_of_the_residual_at_depth_2
 
@@ -44,9 +45,12 @@ TARGET = peaky_model(0)
 
 @torch.no_grad()
 def next_probs(model, sampling: Sampling, continuation: tuple[int, ...]) -> torch.Tensor:
+    """The target's next-token law as hasten's forwards compute it (a half-precision model runs
+    its invariant kernels there: models/invariant.py)."""
     ids = PROMPT if not continuation else torch.cat(
         [PROMPT, torch.tensor([continuation], dtype=torch.long, device=DEVICE)], 1)
-    return sampling.probs(model(ids).logits[0, -1])
+    with forwards.active():
+        return sampling.probs(model(ids).logits[0, -1].float())
 
 
 def exact_law(model, sampling: Sampling, length: int = 2) -> dict[tuple[int, ...], float]:
@@ -59,9 +63,14 @@ def exact_law(model, sampling: Sampling, length: int = 2) -> dict[tuple[int, ...
     return law
 
 
-def sampled_law_tv(model, drafter, sampling: Sampling, length: int, max_new_tokens: int, samples: int) -> float:
+def sampled_law_tv(model, drafter, sampling: Sampling, length: int, max_new_tokens: int, samples: int,
+                   own_generator: bool = True) -> float:
+    """``own_generator`` False: every sample draws from torch's global generator (seeded here), as
+    an unseeded request does; a pooled drafter reads its shared pool only then (DraftContext.reads_pool)."""
     law = exact_law(model, sampling, length)
-    g = torch.Generator(device=DEVICE).manual_seed(1234)
+    g = torch.Generator(device=DEVICE).manual_seed(1234) if own_generator else None
+    if g is None:
+        torch.manual_seed(1234)
     counts = dict.fromkeys(law, 0)
     for _ in range(samples):
         out = hasten.generate(
@@ -124,8 +133,8 @@ DEEP_LAW_SAMPLING = Sampling(1.0, top_k=3)  # 27 outcomes, so a bound from 1500 
 TREE_SAMPLING = Sampling(0.8, top_k=4, top_p=0.9)
 
 
-def deep_tv(drafter, sampling: Sampling, samples: int = DEEP_SAMPLES) -> tuple[float, float]:
-    tv = sampled_law_tv(TARGET, drafter, sampling, 3, 4, samples)
+def deep_tv(drafter, sampling: Sampling, samples: int = DEEP_SAMPLES, own_generator: bool = True) -> tuple[float, float]:
+    tv = sampled_law_tv(TARGET, drafter, sampling, 3, 4, samples, own_generator)
     return tv, bound(exact_law(TARGET, sampling, 3), samples)
 
 
@@ -167,17 +176,20 @@ def test_iad_drafts_accepted_and_rejected_two_deep_follow_the_target(monkeypatch
                                   lambda: Suffix(max_spec_factor=3.0, min_token_prob=0.05)],
                          ids=["lookahead_pooled", "suffix_pooled"])
 def test_pooled_drafters_three_deep_follow_the_target(make):
-    """One drafter for every sample, so its pool learns from the samples before: its drafts,
-    trees up to 3 deep, are accepted and rejected at depths 1 and 2, and the law holds."""
+    """One drafter for every sample, so its pool learns from the samples before (unseeded ones:
+    a generation with a generator of its own does not read the pool): its drafts, trees up to
+    3 deep, are accepted and rejected at depths 1 and 2, and the law holds."""
     from hasten.core.stats import DecodeStats
 
-    drafter, g, total = make(), torch.Generator(device=DEVICE).manual_seed(1), DecodeStats()
+    drafter, total = make(), DecodeStats()
+    torch.manual_seed(1)
     for _ in range(100):
         total = total + hasten.generate(TARGET, PROMPT, drafter=drafter, max_new_tokens=4, temperature=1.0, top_k=3,
-                                        generator=g, draft_size="fixed").stats
+                                        draft_size="fixed").stats
     drafted, accepted = total.drafted_at_depth, total.accepted_at_depth
     assert len(accepted) >= 2 and all(0 < accepted[d] < drafted[d] for d in (0, 1))  # both fates at depths 1, 2
-    tv, limit = deep_tv(drafter, DEEP_LAW_SAMPLING)
+    assert drafter.pool.stats().hits > 0  # drafts came from the samples before
+    tv, limit = deep_tv(drafter, DEEP_LAW_SAMPLING, own_generator=False)
     assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
 
 
@@ -188,6 +200,8 @@ def test_bound_catches_a_sampler_that_trusts_its_drafts(monkeypatch):
         return Verdict(path, int(torch.multinomial(p, 1, generator=generator)))
 
     monkeypatch.setattr(SpeculativeSampling, "verify", accept_everything)
+    monkeypatch.setattr(SpeculativeSampling, "verify_rows", lambda self, rows: [  # a step verifies its rows at once
+        accept_everything(self, r.tree, r.tokens, r.logits, r.q, r.sampling, r.generator) for r in rows])
     tv, limit = deep_tv(draft_model_3_deep(), DEEP_LAW_SAMPLING, samples=400)
     assert tv > limit, f"TV {tv:.3f} <= bound {limit:.3f}"
 

@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from hasten.api import Engine, make_drafter  # noqa: E402
 from hasten.engine.batch import Scheduler  # noqa: E402
 from hasten.serve.app import ServeOptions, create_app  # noqa: E402
+from hasten.serve.schema import DEFAULT_MAX_TOKENS  # noqa: E402
 from hasten.engine.stops import TextStream  # noqa: E402
 from helpers import VOCAB, save_checkpoint, tiny_model, tiny_tokenizer  # noqa: E402
 
@@ -351,7 +352,7 @@ BAD_BODIES = [
     ({"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     ({"prompt": "x", "max_tokens": -1}, "max_tokens"),
     ({"prompt": "x", "max_tokens": 0}, "max_tokens"),
-    ({"prompt": "x", "max_tokens": 10**9}, "max_tokens"),
+    ({"prompt": [5, 6], "max_tokens": 10**9}, "max_tokens"),  # checked at admission, against the prompt's ids
     ({"prompt": "x", "max_tokens": 4.5}, "max_tokens"),
     ({"prompt": "x", "temperature": -0.5}, "temperature"),
     ({"prompt": "x", "temperature": "hot"}, "temperature"),
@@ -388,7 +389,7 @@ BAD_BODIES = [
     ({"prompt": [5, 6], "stop_token_ids": [VOCAB + 1]}, "stop_token_ids"),
     ({"prompt": "x", "stop_token_ids": 5}, "stop_token_ids"),
     ({"prompt": "x", "min_tokens": -1}, "min_tokens"),
-    ({"prompt": "x", "min_tokens": 8, "max_tokens": 4}, "min_tokens"),
+    ({"prompt": [5, 6], "min_tokens": 8, "max_tokens": 4}, "min_tokens"),
     ({"prompt": "x", "ignore_eos": "yes"}, "ignore_eos"),
     ({"prompt": "x", "include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
@@ -405,7 +406,7 @@ BAD_BODIES = [
     ({"prompt": [5, 6], "logit_bias": {"-1": 3}}, "logit_bias"),
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),  # not streamed, as vLLM
-    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+    ({"prompt": "x", "stream": True, "stream_options": {"continuous_usage_stats": 1}},
      "stream_options.continuous_usage_stats"),
 ]
 
@@ -418,7 +419,14 @@ def test_bad_completion_requests_are_400_naming_the_field(base, body, param):
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": "hi"}, "messages"),
-    ({"messages": [{"content": "x"}]}, "messages[0]"),
+    ({"messages": ["x"]}, "messages[0]"),
+    ({"messages": [{"content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),  # OpenAI's roles only
+    ({"messages": [{"role": "user", "content": "x"}, {"role": "tool", "content": "4", "tool_call_id": "a"}]},
+     "messages[1].role"),  # tool calls are not supported (nor is 'tools')
+    ({"messages": [{"role": "assistant", "tool_calls": [{"id": "a", "type": "function"}]}]}, "messages[0].tool_calls"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "system", "content": "x"}, {"role": "user", "content": None}]}, "messages[1].content"),
     ({"messages": [{"role": "user", "content": 3}]}, "messages[0].content"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": -2}, "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "\ud800"}]}, "messages[0].content"),
@@ -453,6 +461,59 @@ def test_a_body_over_the_limit_is_413(base):
 
 def test_models_lists_the_served_name(client):
     assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_the_models_card_shows_the_context_and_the_default_max_tokens(base):
+    status, body = call(base, "/v1/models")
+    card = body["data"][0]
+    assert status == 200 and card["max_model_len"] == 512 and card["default_max_tokens"] == DEFAULT_MAX_TOKENS
+
+
+def test_a_request_without_max_tokens_gets_the_operators_cap(engine):
+    """OpenAI's chat default is the room left in the context (here 500 tokens and more); the
+    server's --default-max-tokens caps it, and a completion's default of 16, for requests that
+    set no max_tokens; one that sets it gets what it asked."""
+    app = create_app(engine, lambda: Scheduler(engine.model, engine.drafter), ServeOptions(NAME, default_max_tokens=5))
+    server, thread, url = start_server(app)
+    try:
+        assert call(url, "/v1/models", key=None)[1]["data"][0]["default_max_tokens"] == 5
+        chat = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[1]}], "ignore_eos": True}
+        for path, body in (("/v1/chat/completions", chat), ("/v1/completions", {"model": NAME, "prompt": PROMPTS[0],
+                                                                                  "ignore_eos": True})):
+            status, answer = call(url, path, body, key=None)
+            assert status == 200 and answer["usage"]["completion_tokens"] == 5, answer
+            assert answer["choices"][0]["finish_reason"] == "length"
+            status, answer = call(url, path, {**body, "max_tokens": 7}, key=None)
+            assert status == 200 and answer["usage"]["completion_tokens"] == 7
+    finally:
+        stop_server(server, thread)
+
+
+def test_the_default_max_tokens_must_be_positive():
+    with pytest.raises(ValueError, match="default_max_tokens must be an integer >= 1"):
+        ServeOptions(NAME, default_max_tokens=0)
+
+
+@pytest.mark.parametrize("include_usage", [True, False])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_event(engine, base, include_usage):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every event carries its
+    choice's usage so far (prompt, tokens generated); without include_usage it adds nothing, as in vLLM."""
+    body = {"model": NAME, "messages": [{"role": "user", "content": PROMPTS[1]}], "max_tokens": NEW, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": include_usage, "continuous_usage_stats": True}}
+    status, text = call(base, "/v1/chat/completions", body)
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert status == 200 and len(events) > 3
+    if not include_usage:
+        assert all("usage" not in event for event in events)
+        return
+    prompt = engine.encode_chat(body["messages"]).shape[1]
+    *choices, last = events
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] > 0
+    generated = [event["usage"]["completion_tokens"] for event in choices]
+    assert generated[0] == 0 and generated == sorted(generated) and generated[-1] == last["usage"]["completion_tokens"]
+    for event in events:
+        usage = event["usage"]
+        assert usage["prompt_tokens"] == prompt and usage["total_tokens"] == prompt + usage["completion_tokens"]
 
 
 # ---- a client that leaves -----------------------------------------------------------------------
@@ -502,6 +563,30 @@ def test_metrics_parse_and_move(base, client):
     assert count("hasten_request_seconds_count{}") == 1
     assert count("hasten_inter_token_seconds_count{}") == NEW - 1
     assert count("hasten_time_to_first_token_seconds_sum{}") <= count("hasten_request_seconds_sum{}")
+
+
+def test_a_request_can_turn_drafting_off_and_sees_its_own_acceptance(engine, client, base):
+    """speculate=false (a body field, hasten's) decodes that request plainly, the same text;
+    each answer carries its own drafted and accepted tokens, and /metrics counts them."""
+    before = metrics(base)
+    drafted = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0)
+    plain = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
+                                      extra_body={"speculate": False})
+    after = metrics(base)
+    assert plain.choices[0].text == drafted.choices[0].text == reference(engine, PROMPTS[0]).text
+    ours, theirs = drafted.model_extra["hasten"], plain.model_extra["hasten"]
+    assert ours["speculated"] and ours["drafted_tokens"] > 0 and 0 < ours["accepted_tokens"] <= ours["drafted_tokens"]
+    assert ours["steps"] < NEW and ours["tau"] > 1
+    assert not theirs["speculated"] and theirs["drafted_tokens"] == theirs["accepted_tokens"] == 0
+    assert theirs["steps"] == NEW and theirs["tau"] == 1.0 and theirs["acceptance_by_position"] == []
+    count = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    assert count("hasten_drafted_tokens_total{}") == ours["drafted_tokens"]
+    assert count("hasten_accepted_tokens_total{}") == ours["accepted_tokens"]
+    assert count("hasten_rows_speculating_total{speculated=true}") == 1
+    assert count("hasten_rows_speculating_total{speculated=false}") == 1
+    assert after["hasten_kv_cache_bytes{}"] > 0
+    status, body = call(base, "/v1/completions", {"model": NAME, "prompt": "x", "speculate": "no"})
+    assert_error(status, body, 400, "speculate")
 
 
 def test_latency_shares_are_exact():
@@ -596,12 +681,15 @@ def test_serve_flags_and_defaults(cli):
     for flag in ("--host", "--port", "--api-key", "--max-batch", "--max-tokens-in-flight", "--method-arg", "--draft"):
         assert flag in out
     args = build_parser().parse_args(["serve", "--model", "m"])
-    assert args.host == "127.0.0.1" and args.max_batch == 8 and args.max_tokens_in_flight is None
+    assert args.host == "127.0.0.1" and args.max_batch == 32 and args.max_tokens_in_flight is None
+    assert "--default-max-tokens" in out and args.default_max_tokens == DEFAULT_MAX_TOKENS == 512
 
 
 @pytest.mark.parametrize("args, match", [
     (["--max-batch", "0"], "--max-batch must be >= 1"),
     (["--max-tokens-in-flight", "0"], "--max-tokens-in-flight must be >= 1"),
+    (["--default-max-tokens", "0"], "--default-max-tokens must be >= 1"),
+    (["--threads", "-1"], "--threads must be >= 0"),
     (["--port", "70000"], "--port must be in"),
     (["--method-arg", "num_tokens=zero"], "num_tokens"),
     (["--method", "draft_model"], "needs a draft model"),
@@ -654,6 +742,24 @@ def test_serve_bench_reports_every_level(base, cli, tmp_path):
     rows = [line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [row.split(" | ")[0] for row in rows] == ["| 1", "| 3"]  # one table row per level
     assert all(len(row.split(" | ")) == 8 for row in rows)  # every column filled
+
+
+def test_serve_bench_compares_servers_level_by_level_and_draws_them(base, cli, tmp_path):
+    """Two servers (here the same one under two names): every level of each, each answer
+    compared with the first server's, and a chart of throughput against clients."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in PROMPTS[:2]))
+    out, chart = tmp_path / "load.json", tmp_path / "load.png"
+    code, table, err = cli("serve-bench", "--url", f"first={base}/v1", "--url", f"second={base}/v1", "--api-key", KEY,
+                           "--concurrency", "1,2", "--requests", "2", "--max-tokens", "6", "--prompts", str(prompts),
+                           "--out", str(out), "--chart", str(chart))
+    assert code == 0, err
+    results = json.loads(out.read_text())
+    assert [(lv["server"], lv["concurrency"]) for lv in results["levels"]] == [
+        ("first", 1), ("second", 1), ("first", 2), ("second", 2)]
+    assert all(lv["identical"] == lv["compared"] == 2 for lv in results["levels"])  # greedy: the same answers
+    assert "answers equal to first's" in table and "| second | 2 |" in table
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_serve_bench_without_a_server_is_one_line(cli, tmp_path):

@@ -447,7 +447,7 @@ def test_on_a_chunked_curve_a_drafter_always_right_drafts_deep():
 
 
 def test_an_empty_proposal_is_not_a_failed_probe():
-    rule = CostAwareSize(FLAT, probe_gap=2)
+    rule = CostAwareSize(FLAT, probe_gap=2, probe_share=0.03)  # probes often enough to see them here
     state = rule.begin(None)
     observe_steps(rule, state, 40, depth=4, accepted=0, seconds_per_depth=0.2)  # never right: plain steps
     while rule.depth(state, 4) == 0:
@@ -486,14 +486,23 @@ def test_evidence_classes_keep_their_own_acceptance():
     assert pooled_rate < 1.05  # pooled, drafting barely beats (or loses to) plain steps
 
 
-def test_an_unseen_evidence_class_is_explored_at_once():
-    rule = CostAwareSize(CHUNKED)
+@pytest.mark.parametrize("curve", [STEEP, CHUNKED], ids=["cheap probes", "probes dearer than a step"])
+def test_an_unseen_evidence_class_is_explored_at_once_where_a_probe_is_cheap(curve):
+    """Where a failed probe costs less than a plain step, a grade never drafted gets a probe's
+    depth at once; where it costs more (llama.cpp on a CPU: a block of 4 costs 3 steps), it
+    waits for the probes like any other grade."""
+    rule = CostAwareSize(curve, explore_scale=0.0)
     state = rule.begin(None)
     for _ in range(40):  # grade 1: always wrong, so plain steps follow
         depth = rule.depth(state, 15, 1)
         rule.observe(state, TokenTree.chain(depth), 0, 0.0, 1.0)
     assert rule.depth(state, 15, 1) == 0
-    assert rule.depth(state, 15, 2) == 3  # a grade never drafted: a probe's depth, without waiting
+    probe = rule.probe_depth(state, 15)
+    assert probe == (1 if curve is STEEP else 3)
+    if curve is STEEP:
+        assert rule.depth(state, 15, 2) >= probe  # a grade never drafted: at least a probe, without waiting
+    else:
+        assert rule.is_steep(state, 15) and rule.depth(state, 15, 2) == 0
 
 
 def test_prompt_lookup_grades_its_copy_by_how_long_the_match_is():
@@ -549,3 +558,47 @@ def test_an_unset_draft_size_is_auto_but_fixed_for_seeded_sampling():
     assert default_size(None, sampled=True, seeded=True) == "fixed"  # a seed must give the same text every run
     assert default_size("auto", sampled=True, seeded=True) == "auto"  # asked for: kept
     assert isinstance(sizing_rule(None), CostAwareSize)
+
+
+# ---- a packed batch: each row's depth from the whole step's cost ------------------------------------------
+CPU_BATCH = CostCurve((1, 4, 8, 16, 32, 64, 128), (1.0, 1.0, 1.26, 2.0, 3.5, 6.6, 13.0))  # SmolLM2-like, one thread
+
+
+def packed_states(acceptances: list[float], depth: int = 8) -> list[SizingState]:
+    states = [known_state(CPU_BATCH, a, depth) for a in acceptances]
+    for state in states:
+        state.packed = True
+    return states
+
+
+def plan(states, contexts=None, others=0):
+    rule = CostAwareSize(CPU_BATCH)
+    rule.plan(states, [8] * len(states), [None] * len(states), others, 0, contexts or [0] * len(states))
+    return [state.cap for state in states]
+
+
+def test_a_packed_batch_drafts_deep_when_light_and_not_at_all_when_heavy():
+    assert plan(packed_states([0.8]))[0] >= 4  # one row: positions are nearly free
+    assert plan(packed_states([0.8] * 4))[0] >= 1
+    assert plan(packed_states([0.8] * 32)) == [0] * 32  # 32 rows: a draft position costs what a row's step does
+
+
+def test_a_packed_batch_drafts_for_the_rows_likely_to_be_right_first():
+    caps = plan(packed_states([0.95, 0.3, 0.95, 0.3] + [0.5] * 4))
+    assert min(caps[0], caps[2]) > 0 and abs(caps[0] - caps[2]) <= 1 and caps[1] == caps[3] == 0
+    assert min(caps[0], caps[2]) >= max(caps[4:])
+
+
+def test_draft_positions_on_a_long_cache_cost_their_attention():
+    from hasten.core.cost import BatchCost
+
+    states = packed_states([0.9, 0.9])
+    cost = BatchCost(CostCurve((1, 64), (1.0, 1.0)), 0.002, 96)  # a position over 1,000 cached keys: 2 forwards
+    for state in states:
+        state.batch_cost = cost
+    short, long = plan(states, contexts=[100, 2000])
+    assert short > long
+
+
+def test_the_packed_plan_never_drafts_when_drafts_are_never_right():
+    assert plan(packed_states([0.0] * 4)) == [0] * 4

@@ -2,6 +2,7 @@
 generation of a drafter, bounded, saved and loaded; a generation that opts out uses none."""
 import json
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,29 +13,8 @@ from hasten.drafters import Suffix, create
 from test_lookahead import Row, context, generation
 
 REFERENCE = Path(__file__).parent / "data" / "suffix_reference.json"
-
-
-def replay(case: dict) -> int:
-    """``case``'s calls through hasten's port (scripts/suffix_reference.py recorded them from
-    arctic-inference 0.3.0); each draft must equal the reference's, floats included."""
-    pool = SuffixPool(case["max_tree_depth"], case["max_cached_requests"], max_cached_tokens=1 << 30)
-    requests, sequences, compared = {}, {}, 0
-    for op in case["ops"]:
-        if op[0] == "start":
-            requests[op[1]] = pool.start(op[2], fed=len(op[2]))
-            sequences[op[1]] = list(op[2])
-        elif op[0] == "add":
-            sequences[op[1]] += op[2]
-            pool.extend(requests[op[1]], sequences[op[1]])
-        elif op[0] == "stop":
-            pool.end(requests.pop(op[1]))
-        else:
-            spec_tokens, factor, offset, floor, tree = op[2]
-            draft, _ = pool.speculate(requests[op[1]], sequences[op[1]], spec_tokens, factor, offset, floor, tree)
-            assert [draft.token_ids, draft.parents, draft.probs, draft.score, draft.match_len] == op[3], \
-                f"seed {case['seed']}, draft {compared}"
-            compared += 1
-    return compared
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+from suffix_reference import replay  # noqa: E402 - the calls recorded from arctic-inference, through hasten's port
 
 
 def test_drafts_equal_the_reference_on_recorded_streams():

@@ -38,7 +38,17 @@ def bench_findings(directory: Path) -> dict:
                             for category, rows in results["by_category"].items() if category != "overall"},
             # {task: {method: the first new token where it left plain decoding's output}}
             "first_difference": {t["task"]: t["first_difference"]
-                                 for t in results["by_task"] if "first_difference" in t}}
+                                 for t in results["by_task"] if "first_difference" in t},
+            # {task: {method: position, margin, rounding, rank and verdict there}} (hasten/bench/differences.py)
+            "difference_classes": {t["task"]: t["difference_classes"]
+                                   for t in results["by_task"] if "difference_classes" in t}}
+
+
+def _classified(found: dict | None) -> str:
+    if not found or "margin" not in found:
+        return ""
+    return (f": {found['verdict']} (top-2 margin {found['margin']:.3g}, its token {found['gap']:.3g} below the top, "
+            f"measured rounding {found['rounding']:.3g})")
 
 
 def training_findings(directory: Path) -> dict:
@@ -113,7 +123,9 @@ def markdown(report: dict) -> str:
             lines += [f"{settings.get('model')} on {settings.get('device')} ({settings.get('dtype')}), "
                       f"{settings.get('max_new_tokens')} new tokens; overall:", "",
                       *table(found["overall"], BENCH_COLUMNS)]
+            classes = found.get("difference_classes", {})
             lines += [f"- {task}: {method} first differs from plain decoding at new token {at}"
+                      + _classified(classes.get(task, {}).get(method))
                       for task, methods in found.get("first_difference", {}).items() for method, at in methods.items()]
         elif found and "tests" in found:
             lines.append(f"{found['passed']} passed, {found['failures']} failed, {found['errors']} errors, "

@@ -45,6 +45,10 @@ class Sizes:
 LONG_SETTINGS = ("--method-arg", "triforce.budget=512", "--method-arg", "longspec.depth=4",
                  "--method-arg", "longspec.top_k=2", "--method-arg", "longspec.total_tokens=6")
 CUDA_TESTS = ("tests/test_verify_device.py", "tests/test_easyspec.py::test_streams_on_cuda_keep_the_output")
+# the row-invariant Triton kernels and the models on them (on the GPU), and hasten's CPU kernels on
+# this machine's processor against the development machine's bits (docs/fidelity.md, "Precision")
+INVARIANCE_TESTS = ("tests/test_invariant_cuda.py",
+                    "tests/test_invariant.py::test_every_instruction_path_gives_the_same_bits")
 GPU = Sizes(
     device="cuda", dtype="bfloat16", cuda_tests=CUDA_TESTS,
     greedy=("tests/test_greedy_equality.py",),
@@ -60,8 +64,8 @@ GPU = Sizes(
     # 410 s for the first command's steps, 390 s for the last's. On the H100 of 2026-11-26, 7 methods
     # x 7 prompts x 128 tokens of SmolLM2 did not fit in 250 s, so the bench asks 64 tokens
     # (docs/gpu.md, "The first GPU run")
-    boxes={"environment": 20, "cuda-tests": 60, "greedy-on-device": 60, "sampling-law-on-device": 150,
-           "long-context": 120, "real-model-bench": 240, "drafter-training": 150},
+    boxes={"environment": 20, "invariance-on-device": 120, "cuda-tests": 60, "greedy-on-device": 60,
+           "sampling-law-on-device": 150, "long-context": 120, "real-model-bench": 240, "drafter-training": 150},
 )
 DRY = Sizes(
     device="cpu", dtype="float32", cuda_tests=CUDA_TESTS + ("-k", "cuda"),  # the CPU cases run in make test
@@ -71,8 +75,8 @@ DRY = Sizes(
     long_prompts=("--prompts", "{work}/long-prompt.jsonl"), long_what="a 1,500-token prompt", long_tokens=8,
     training=("--zoo-corpus", "--samples", "4", "--prompt-tokens", "16", "--gen-tokens", "8", "--steps", "2",
               "--batch-size", "2", "--threads", "1"),
-    boxes={"environment": 60, "cuda-tests": 60, "greedy-on-device": 60, "sampling-law-on-device": 60,
-           "long-context": 60, "real-model-bench": 60, "drafter-training": 60},
+    boxes={"environment": 60, "invariance-on-device": 60, "cuda-tests": 60, "greedy-on-device": 60,
+           "sampling-law-on-device": 60, "long-context": 60, "real-model-bench": 60, "drafter-training": 60},
 )
 
 
@@ -83,10 +87,14 @@ def plan(sizes: Sizes, python: str, out: Path, work: Path) -> list[Step]:
                "--progress", "lines") + (("--count-differences",) if sizes.device != "cpu" else ())
     pytest = (python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs")
     hasten = (python, "-m", "hasten")
-    return [
+    steps = [
         Step("environment", "Python, torch, CUDA, the GPU and the packages hasten reads",
              (python, str(ROOT / "scripts" / "gpu_check" / "environment.py"))
              + (("--require-cuda",) if sizes.device != "cpu" else ()), sizes.boxes["environment"], kind="environment"),
+        Step("invariance-on-device", "the row-invariant Triton kernels and tiny models on them (a block's every "
+             "position equals one-token steps, bit for bit), and the CPU kernels' bits on this machine's processor",
+             pytest + ("--junitxml", str(work / "invariance-on-device.xml")) + INVARIANCE_TESTS,
+             sizes.boxes["invariance-on-device"], results=str(work / "invariance-on-device.xml"), kind="pytest"),
         Step("cuda-tests", "the device verifier, the CUDA generator, host syncs per step, EasySpec's streams",
              pytest + ("--junitxml", str(work / "cuda-tests.xml")) + sizes.cuda_tests, sizes.boxes["cuda-tests"],
              results=str(work / "cuda-tests.xml"), kind="pytest"),
@@ -113,6 +121,8 @@ def plan(sizes: Sizes, python: str, out: Path, work: Path) -> list[Step]:
              sizes.boxes["drafter-training"], needs_real_model=sizes.real_model is None,
              results=str(out / "eagle"), kind="training"),
     ]
+    # every step runs with the CUDA kernels on (models/invariant.py: opt-in until a GPU run checks them)
+    return [Step(**{**step.__dict__, "env": {**step.env, "HASTEN_CUDA_INVARIANT": "1"}}) for step in steps]
 
 
 def suite(name: str, what: str, tests: tuple[str, ...], sizes: Sizes, pytest: tuple[str, ...], work: Path) -> Step:

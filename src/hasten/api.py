@@ -3,29 +3,31 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Generator, Iterator
 
 import torch
 from transformers import PreTrainedModel
 
 from .drafters.base import REGISTRY, Drafter, create
-from .engine.inputs import check_inputs, eos_ids
 from .engine.loop import decode
 from .engine.calibration import load_or_calibrate
 from .engine.sizing import SizingChoice, SizingRule
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
 from .loading import (
-    optional_tokenizer, as_dtype, as_model, gguf_source, gguf_tokenizer, load_processor, load_tokenizer,
+    INT8, optional_tokenizer, as_model, gguf_source, gguf_tokenizer, load_processor, load_tokenizer,
     warn_if_tokenizers_differ,
 )
 from .models import vlm
-from .models.quantize import quantize
 from .models.adapter import vocab_size
 from .models.hf import runtime_of
+from .core.request import Request
 from .core.runtime import Capability
 from .core.sampling import Sampling
+from .core.generators import consume, mapped
+from .core.pool import Pool
 from .core.stats import DecodeStats
+from .core.threads import DEFAULT_THREADS, stepped_in_threads, thread_count, using_threads
 
 AUTOREGRESSIVE = "autoregressive"  # the plain baseline: the decode loop without a drafter
 
@@ -59,6 +61,7 @@ class EngineOutput:
     text: str  # the generated text only
     token_ids: list[int]  # the generated tokens only
     stats: DecodeStats
+    finish_reason: str | None = None  # as the server names it: "stop" (EOS or a stop string) or "length"
 
 
 class Engine:
@@ -69,9 +72,14 @@ class Engine:
     """
 
     def __init__(self, model: PreTrainedModel, tokenizer, drafter: Drafter | None, method: str,
-                 draft_size: str | SizingRule | None = None, processor=None):
+                 draft_size: str | SizingRule | None = None, processor=None, threads: int | None = DEFAULT_THREADS,
+                 name: str | None = None):
         self.model, self.tokenizer, self.drafter, self.method = model, tokenizer, drafter, method
+        thread_count(threads)  # a bad value fails here, not at the first generation
+        self.threads = threads  # torch's threads while this engine computes (hasten.core.threads)
         self.runtime = runtime_of(model)
+        # what the user called the model (a zoo name, not the cache directory it resolves to), for messages
+        self.name = name or self.runtime.label
         self.processor = processor  # a vision-language model's: text + images -> its inputs
         self.draft_size = draft_size
         self.sizing = SizingChoice(draft_size)  # a bad value fails here, not at the first generation
@@ -80,7 +88,7 @@ class Engine:
     def generate(self, prompt: str, **kwargs) -> EngineOutput:
         """Generate after ``prompt``; keywords: max_new_tokens, temperature, top_k, top_p, seed, stop,
         and images (a vision-language model's image paths or images; see :meth:`encode_images`)."""
-        return self._collect(self._text(prompt), kwargs)
+        return self.collect(self._text(prompt), **kwargs)
 
     def stream(self, prompt: str, **kwargs) -> Iterator[str]:
         """Yield text pieces as tokens are accepted (same keywords as :meth:`generate`)."""
@@ -93,24 +101,43 @@ class Engine:
         """Several prompts decoded together (continuous batching, one target forward per step
         for all rows), each exactly as :meth:`generate` would alone; ``seed`` seeds row i with
         ``seed + i``. ``max_batch`` rows run at once (default: all)."""
-        from .engine.batch import Request, Scheduler
+        from .engine.batch import Scheduler
 
         if not isinstance(prompts, (list, tuple)) or not prompts:
             raise ValueError("prompts must be a non-empty list of strings")
-        sampling, stops = self._options(temperature, top_k, top_p, seed, stop, rules)
         scheduler = Scheduler(self.runtime, self.drafter, max_batch=max_batch or len(prompts),
                               draft_size=self.draft_size)
         rows = {}
         for i, prompt in enumerate(prompts):
-            ids = self.encode(prompt)[0].tolist()
-            request = Request(ids, max_new_tokens, sampling, None if seed is None else seed + i, stop=stops)
+            request = self.request(self.encode(prompt), max_new_tokens=max_new_tokens, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, seed=None if seed is None else seed + i, stop=stop, **rules)
             rows[scheduler.submit(request)] = i
         outputs = [None] * len(prompts)
-        for row_id, result in scheduler.run().items():
-            stream = TextStream(self.tokenizer, stops)
+        with using_threads(self.threads):
+            results = scheduler.run()
+        for row_id, result in results.items():
+            stream = TextStream(self.tokenizer, request.stop)
             text = stream.push(result.tokens) + stream.finish()
-            outputs[rows[row_id]] = EngineOutput(text, stream.token_ids, result.stats)
+            outputs[rows[row_id]] = EngineOutput(text, stream.token_ids, result.stats, result.finish_reason)
         return outputs
+
+    # ---- what the drafter learns across requests ------------------------------------------
+    @property
+    def pool(self) -> Pool | None:
+        """The pool every generation of this engine drafts from and adds to (lookahead, suffix:
+        :mod:`hasten.core.pool`), or None: the method learns nothing across requests."""
+        return None if self.drafter is None else self.drafter.pool
+
+    def open_pool(self, path: str | os.PathLike) -> Pool:
+        """The shared pool, loaded from the file at ``path`` where one exists (its later
+        :meth:`~hasten.core.pool.Pool.save` writes it there). ValueError: the method has no
+        pool, or the file is not a saved pool of its kind."""
+        if self.pool is None:
+            raise ValueError(f"a pool file needs a method that learns across requests (lookahead or suffix), "
+                             f"not {self.method}")
+        if os.path.exists(path):
+            self.pool.load(path)
+        return self.pool
 
     # ---- chats -----------------------------------------------------------------------------
     def chat(self, messages: list[dict], **kwargs) -> EngineOutput:
@@ -119,7 +146,7 @@ class Engine:
         Hugging Face ``generate``, the generation config's EOS ids end the reply. A
         vision-language model's chat may hold images (see :meth:`encode_chat_images`):
         ``{"type": "image"}`` entries in a content list, their images given by ``images=``."""
-        return self._collect(self._chat_prompt(messages, kwargs), kwargs)
+        return self.collect(self._chat_prompt(messages, kwargs), **kwargs)
 
     def chat_stream(self, messages: list[dict], **kwargs) -> Iterator[str]:
         """:meth:`chat`, yielding text pieces as tokens are accepted."""
@@ -157,7 +184,7 @@ class Engine:
 
     def _check_vision(self) -> None:
         if Capability.IMAGES not in self.runtime.capabilities:
-            raise ValueError(f"images given, but {self.runtime.label} is a text-only model")
+            raise ValueError(f"images given, but {self.name} is a text-only model")
         if self.processor is None:
             raise ValueError("images need the model's processor: load(model, processor=...)")
 
@@ -190,24 +217,40 @@ class Engine:
         return encoded["input_ids"]  # [1, T]
 
     # ---- input ids -> text -----------------------------------------------------------------
-    def _collect(self, input_ids: torch.Tensor, kwargs: dict) -> EngineOutput:
-        stats = DecodeStats()
-        text, ids = "", []
-        for piece, new in self.steps(input_ids, stats, **kwargs):
-            text += piece
-            ids.extend(new)
-        return EngineOutput(text, ids, stats)
+    def collect(self, prompt, on_piece: Callable[[str], object] | None = None, **kwargs) -> EngineOutput:
+        """The whole output after ``prompt`` (anything :meth:`steps` takes, with its keywords), and
+        each text piece given to ``on_piece`` as it is accepted (a terminal's stream)."""
+        stats, pieces, ids = DecodeStats(), [], []
+
+        def take(step: tuple[str, list[int]]) -> None:
+            pieces.append(step[0])
+            ids.extend(step[1])
+            if on_piece is not None:
+                on_piece(step[0])
+
+        reason = consume(self.steps(prompt, stats, **kwargs), take)
+        return EngineOutput("".join(pieces), ids, stats, reason)
 
     def _pieces(self, input_ids: torch.Tensor, kwargs: dict) -> Iterator[str]:
         return (piece for piece, _ in self.steps(input_ids, DecodeStats(), **kwargs))
 
-    def _options(self, temperature, top_k, top_p, seed, stop, rules: dict) -> tuple[Sampling, StopStrings]:
-        """The sampling settings and stop strings of one call, checked."""
+    def request(self, input_ids: torch.Tensor | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
+                top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                stop: str | list[str] | None = None, speculate: bool = True, pool: bool = True,
+                model_inputs: dict | None = None, **rules) -> Request:
+        """The one request object of a generation from this engine's keywords (those of
+        :meth:`steps`); ``speculate=False`` decodes plainly, ``pool=False`` keeps the generation out
+        of its drafter's shared pool (:attr:`pool`). Checked when it is admitted."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
-        sampling = Sampling(temperature, top_k, top_p, **rules)
-        sampling.check_vocab(self.runtime.vocab_size)
-        return sampling, StopStrings(self.tokenizer, stop or [])
+        if isinstance(input_ids, torch.Tensor):
+            if input_ids.ndim != 2 or input_ids.shape[0] != 1:
+                raise ValueError(f"input_ids must have shape [1, T], got {list(input_ids.shape)}")
+            input_ids = input_ids[0].tolist()
+        # the generation config's EOS ids, as in Hugging Face generate (filled in at admission)
+        return Request(input_ids, max_new_tokens, Sampling(temperature, top_k, top_p, **rules), seed=seed,
+                       stop=StopStrings(self.tokenizer, stop or []), speculate=speculate, pool=pool,
+                       model_inputs=model_inputs or {})
 
     def steps(
         self,
@@ -222,7 +265,7 @@ class Engine:
         stop: str | list[str] | None = None,
         images: list | None = None,
         **rules,
-    ) -> Iterator[tuple[str, list[int]]]:
+    ) -> Generator[tuple[str, list[int]], None, str | None]:
         """Yield (text piece, token ids) per decode step; ``stats`` fills in as it runs.
         ``prompt`` is text (see :meth:`encode`), input ids [1, T] (e.g. :meth:`encode_chat`'s),
         or input ids with a vision-language model's image inputs (as :meth:`encode_images` and
@@ -232,7 +275,8 @@ class Engine:
         vision-language model (see :meth:`encode_images`). ``rules``: the other fields of
         :class:`~hasten.core.sampling.Sampling` (``min_p``, ``repetition_penalty``,
         ``presence_penalty``, ``frequency_penalty``, ``logit_bias``, ``allowed_token_ids``,
-        ``min_tokens``), which transform the target distribution as vLLM's."""
+        ``min_tokens``), which transform the target distribution as vLLM's. Returns (as a
+        generator returns) why it ended: "stop" (EOS or a stop string) or "length"."""
         model_inputs: dict = {}
         if images is not None:
             if not isinstance(prompt, str):
@@ -243,23 +287,17 @@ class Engine:
             input_ids, model_inputs = prompt
         else:
             input_ids = self.encode(prompt) if isinstance(prompt, str) else prompt
-        sampling, stops = self._options(temperature, top_k, top_p, seed, stop, rules)
-        check_inputs(self.runtime, input_ids, self.drafter, max_new_tokens, None, model_inputs)
-        device = self.runtime.device
-        input_ids = input_ids.to(device)
-        generator = None
-        if seed is not None:
-            generator = torch.Generator(device=device).manual_seed(seed)
-        eos = eos_ids(self.runtime, None)  # the generation config's, as in Hugging Face generate
-        acceptance = acceptance_rule(sampling)
-        text = TextStream(self.tokenizer, stops)
-        for step in decode(self.runtime, input_ids, self.drafter, max_new_tokens, sampling, eos, generator, stats,
-                           acceptance, self.sizing.for_request(not sampling.greedy, seed is not None),
-                           stops, **model_inputs):
-            yield text.push(step), step
+        request = self.request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
+                               top_p=top_p, seed=seed, stop=stop, model_inputs=model_inputs, **rules)
+        text = TextStream(self.tokenizer, request.stop)
+        sizing = self.sizing.for_request(not request.sampling.greedy, seed is not None)
+        decoding = stepped_in_threads(decode(self.runtime, request, self.drafter, stats,
+                                             acceptance_rule(request.sampling), sizing), self.threads)
+        reason = yield from mapped(decoding, lambda step: (text.push(step), step))
         tail = text.finish()
         if tail:
             yield tail, []
+        return reason
 
 
 def _has_image_entries(messages) -> bool:
@@ -281,6 +319,7 @@ def load(
     draft_size: str | SizingRule | None = None,
     processor=None,
     backend: str = "torch",
+    threads: int | None = DEFAULT_THREADS,
     **method_kwargs,
 ) -> Engine:
     """Load a model with an acceleration method.
@@ -301,18 +340,30 @@ def load(
     images into its inputs; loaded from the model's directory when not given.
     ``backend="llama.cpp"`` runs a GGUF target (and a GGUF draft) in llama.cpp instead of
     PyTorch: hasten's drafters propose, llama.cpp verifies (docs/cpu.md).
+    ``threads``: CPU threads torch computes with while the engine loads and generates (torch's
+    count is the process's: the caller's is back between steps), 1 by default as on the command
+    line (on a busy machine torch's default of one per core was 4-10x slower; see
+    :mod:`hasten.core.threads`); 0 takes every core, None leaves torch's setting alone. With
+    llama.cpp, its threads.
     """
     check_method(method, draft is not None)  # before the seconds spent loading models
     SizingChoice(draft_size)  # a bad draft_size fails before the seconds spent loading models
-    if backend == "llama.cpp":
-        return _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, method_kwargs)
-    if backend != "torch":
+    if backend not in ("torch", "llama.cpp"):
         raise ValueError(f"backend must be 'torch' or 'llama.cpp', got {backend!r}")
-    int8 = dtype == "int8"  # int8 linear layers over float32 weights (hasten.models.quantize), CPU only
-    dtype = torch.float32 if int8 else as_dtype(dtype)
+    with using_threads(threads):  # what loading computes (a calibration, a warm-up) runs as generations will
+        if backend == "llama.cpp":
+            engine = _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, threads,
+                                     method_kwargs)
+        else:
+            engine = _load_torch(name_or_path, method, draft, tokenizer, dtype, device, draft_size, processor,
+                                 threads, method_kwargs)
+        engine.runtime.warm_up()
+    return engine
+
+
+def _load_torch(name_or_path, method, draft, tokenizer, dtype, device, draft_size, processor, threads,
+                method_kwargs) -> Engine:
     model = as_model(name_or_path, dtype, device)
-    if int8:
-        model = quantize(model, "int8")
     if tokenizer is None and isinstance(name_or_path, PreTrainedModel):
         raise ValueError("a model passed as an object needs its tokenizer: load(model, tokenizer=...)")
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
@@ -320,22 +371,21 @@ def load(
     draft_model = draft
     if isinstance(draft, (str, os.PathLike)):
         draft_model = as_model(draft, dtype, device)
-        if int8:
-            draft_model = quantize(draft_model, "int8")
         draft_tokenizer = optional_tokenizer(draft)
         if draft_tokenizer is not None and vocab_size(draft_model) == vocab_size(model):
             warn_if_tokenizers_differ(tokenizer, draft_tokenizer, str(draft))
     elif draft is not None:
-        draft_model = as_model(draft, dtype, device)
+        draft_model = as_model(draft, torch.float32 if dtype == INT8 else dtype, device)  # an object: not quantized
     drafter = make_drafter(method, draft_model, **method_kwargs)
     if draft_size in ("auto", None) and drafter is not None:
         load_or_calibrate(model)  # now, at load, rather than inside the first generation
     if vlm.is_vision_language(model) and (processor is None or isinstance(processor, (str, os.PathLike))):
         processor = load_processor(name_or_path if processor is None else processor)
-    return Engine(model, tokenizer, drafter, method, draft_size, processor)
+    return Engine(model, tokenizer, drafter, method, draft_size, processor, threads, _given_name(name_or_path))
 
 
-def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, method_kwargs) -> Engine:
+def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, threads,
+                    method_kwargs) -> Engine:
     """The llama.cpp backend: a GGUF target (and draft) loaded by llama.cpp; the tokenizer is
     read from the same file, its weights left alone."""
     from .models.llamacpp import LlamaCppModel, note_flash_attention
@@ -361,6 +411,11 @@ def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft
         drafter.check_runtime(model)  # now, not at the first generation
         if draft_size in ("auto", None):
             load_or_calibrate(model)  # llama.cpp's own cost curve, now rather than inside the first generation
-    return Engine(model, tokenizer, drafter, method, draft_size)
+    return Engine(model, tokenizer, drafter, method, draft_size, threads=threads, name=_given_name(name_or_path))
+
+
+def _given_name(name_or_path) -> str | None:
+    """The name a model was loaded by (None for a model passed as an object)."""
+    return os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
 
 

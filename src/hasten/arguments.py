@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import re
 import sys
 import tempfile
@@ -21,7 +20,9 @@ from typing import Iterator
 import torch
 
 from .core import settings as settings_io
-from .core.errors import HastenWarning
+from .core.errors import FieldError, HastenWarning
+from .core.threads import DEFAULT_THREADS, set_threads
+from .core.cpu import native_bfloat16
 
 
 class UserError(Exception):
@@ -38,7 +39,8 @@ class Parser(argparse.ArgumentParser):
 def add_model_arguments(parser: argparse.ArgumentParser, per_method: bool = False) -> None:
     """--model, --draft and --method-arg KEY=VALUE (``per_method``: also METHOD.KEY=VALUE)."""
     parser.add_argument("--model", required=True, metavar="MODEL",
-                        help="zoo name (zoo:code-tiny), local directory or hub id")
+                        help="zoo name (zoo:smollm2-135m after `make real`; zoo:code-tiny is a toy for tests), a "
+                        ".gguf file or a directory holding one, a local Hugging Face directory, or a hub id")
     parser.add_argument("--draft", metavar="PATH",
                         help="draft model for methods that need one, such as draft_model (zoo name or directory)")
     example = "num_tokens=8" + (", or prompt_lookup.num_tokens=8 for one method" if per_method else "")
@@ -52,6 +54,18 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=None, help="sample from the k most likely tokens only")
     parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass in (0, 1]")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+
+
+# Flags that only shape sampling: with temperature 0 decoding is greedy and they change nothing.
+SAMPLING_ONLY = ("top_k", "top_p", "min_p", "seed")
+
+
+def note_unused_sampling(args: argparse.Namespace) -> None:
+    """One line naming the sampling flags given without a temperature (they would be ignored in silence)."""
+    unused = [f"--{name.replace('_', '-')}" for name in SAMPLING_ONLY if getattr(args, name, None) is not None]
+    if unused and args.temperature == 0:
+        warnings.warn(f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect without --temperature "
+                      "> 0: decoding is greedy", HastenWarning, stacklevel=2)
 
 
 def at_least(args: argparse.Namespace, low: int, *flags: str) -> None:
@@ -84,6 +98,11 @@ def writable_directory(path: str | Path, flag: str = "--out") -> Path:
     except OSError as err:
         raise UserError(f"{flag} {path}: cannot write there ({err.strerror or err})") from None
     return path
+
+
+def counted(count: int, noun: str) -> str:
+    """"1 thread", "2 threads": a count and its noun in terminal lines."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def one_line(text: object) -> str:
@@ -130,15 +149,47 @@ def readable_warnings() -> Iterator[None]:
 
 # ---- where and how the model runs: --device, --dtype, --threads ------------------------------
 DTYPES = ("float32", "float16", "bfloat16", "int8")  # int8: int8 linear layers on the CPU (docs/cpu.md)
+AUTO_DTYPE = "auto"
+DTYPE_CONTRACT = ("on the CPU, in every dtype, speculative output equals hasten's plain decoding token for token; "
+                  "equal to Hugging Face generate's: float32 only (docs/fidelity.md, 'Precision')")
 
 
-def add_runtime_arguments(parser: argparse.ArgumentParser) -> None:
+def add_runtime_arguments(parser: argparse.ArgumentParser, auto_dtype: bool = True) -> None:
     parser.add_argument("--device", default="cpu", metavar="DEVICE", help="cpu (default), cuda, cuda:N or mps")
-    parser.add_argument("--dtype", default="float32", choices=DTYPES, help="dtype of the weights (default float32)")
-    # On a shared 2-core CPU torch's default of 2 threads made generation 4-10x slower than
-    # 1 whenever anything else ran (issue 10, 2026), so the default is the count that never was the slow case.
-    parser.add_argument("--threads", type=int, default=1, metavar="N",
-                        help="CPU threads for torch (default 1, never the slow case on a busy machine; 0 = all cores)")
+    if auto_dtype:
+        parser.add_argument("--dtype", default=AUTO_DTYPE, choices=(AUTO_DTYPE, *DTYPES),
+                            help="dtype of the weights; auto (default): bfloat16 on a CPU with native bfloat16 "
+                            "instructions (AMX or AVX512-BF16, as vLLM's CPU build picks), else float32. "
+                            + DTYPE_CONTRACT)
+    else:
+        parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                            help="dtype of the weights (default float32). " + DTYPE_CONTRACT)
+    add_threads_argument(parser)
+
+
+def resolve_dtype(name: str, device: str, backend: str = "torch") -> tuple[str, str | None]:
+    """``--dtype`` with ``auto`` decided: (dtype name, the one line saying why where auto picked
+    other than float32, else None). llama.cpp runs the file's own quantisation: float32 stands
+    for "as is"."""
+    if name != AUTO_DTYPE:
+        return name, None
+    if backend != "torch":
+        return "float32", None
+    if not device.startswith("cpu"):  # on a GPU hasten guarantees float32's tokens today (docs/fidelity.md)
+        return "float32", None
+    native = native_bfloat16()
+    if native:
+        return "bfloat16", (f"dtype bfloat16 (auto: this CPU has native bfloat16 instructions, {native}; output "
+                            "equals hasten's plain decoding in bfloat16; --dtype float32 for Hugging Face "
+                            "generate's exact tokens)")
+    return "float32", None  # what it always was: nothing to say
+
+
+def add_threads_argument(parser: argparse.ArgumentParser, what: str = "CPU threads for torch") -> None:
+    """--threads, with the library's default and its reason (hasten.core.threads)."""
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS, metavar="N",
+                        help=f"{what} (default {DEFAULT_THREADS}: on a busy machine torch's default of one per core "
+                        "was 4-10x slower; 0 = all cores)")
 
 
 def checked_device(name: str) -> str:
@@ -166,11 +217,12 @@ def torch_dtype(name: str):
 
 
 def apply_threads(threads: int) -> int:
-    """Give torch ``threads`` CPU threads (0: one per core); returns the number it got."""
-    if threads < 0:
-        raise UserError(f"--threads must be >= 0 (0 = all cores), got {threads}")
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-    return torch.get_num_threads()
+    """Give torch ``threads`` CPU threads for the command's process (0: one per core); returns the
+    number it got. The library's rule (hasten.core.threads), in the flag's words."""
+    try:
+        return set_threads(threads)
+    except FieldError as err:
+        raise UserError(err.render("--threads")) from None
 
 
 # ---- how deep drafts go: --draft-size ----------------------------------------------------------

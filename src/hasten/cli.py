@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import Callable
 
@@ -17,15 +16,16 @@ import torch
 
 from .api import AUTOREGRESSIVE, check_method, load
 from .arguments import (
-    Parser, UserError, add_draft_size_argument, add_model_arguments, add_runtime_arguments, add_sampling_arguments, apply_threads,
-    checked_device, method_settings, one_line, readable_warnings, torch_dtype,
+    Parser, UserError, add_draft_size_argument, add_model_arguments, add_runtime_arguments, add_sampling_arguments,
+    apply_threads, at_least, checked_device, counted, method_settings, note_unused_sampling, one_line, readable_warnings,
+    resolve_dtype,
+    torch_dtype,
 )
 from .bench import cli as bench_cli
 from .bench import replay_cli
 from .bench import vlm as vlm_bench
 from .core import settings as settings_io
 from .core.sampling import Sampling
-from .core.stats import DecodeStats
 from .diffusion import cli as diffusion_cli
 from .dlm import cli as dlm_cli
 from .export import cli as export_cli
@@ -63,7 +63,7 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
-    source.add_argument("--prompt-file", metavar="PATH", help="file holding the prompt text")
+    source.add_argument("--prompt-file", metavar="PATH", help="file holding the prompt text (- reads standard input)")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as one user message through the model's chat template")
     parser.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the prompt")
@@ -96,25 +96,12 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
                         "saved in FILE, where it exists, and save the pool with this generation's text there")
 
 
-def _shared_pool(engine, path: str | None):
-    """The engine's drafter pool, loaded from ``path`` where it exists (None without --pool)."""
-    if path is None:
-        return None
-    pool = None if engine.drafter is None else engine.drafter.pool
-    if pool is None:
-        raise UserError(f"--pool needs a method that learns across requests (lookahead or suffix), not {engine.method}")
-    if os.path.exists(path):
-        try:
-            pool.load(path)
-        except ValueError as err:
-            raise UserError(f"--pool: {err}") from None
-    return pool
-
-
 def _read_prompt(args: argparse.Namespace) -> str:
     if args.prompt_file is None:
         return args.prompt
     try:
+        if args.prompt_file == "-":
+            return sys.stdin.read()
         with open(args.prompt_file, encoding="utf-8") as f:
             return f.read()
     except (OSError, UnicodeDecodeError) as err:
@@ -140,17 +127,20 @@ def _run_generate(args: argparse.Namespace) -> int:
     rules = dict(min_p=args.min_p, repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                  frequency_penalty=args.frequency_penalty, min_tokens=args.min_tokens)
     Sampling(args.temperature, args.top_k, args.top_p, **rules)
-    if args.max_new_tokens < 0:
-        raise UserError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    note_unused_sampling(args)
+    at_least(args, 1, "max_new_tokens")  # as the server refuses max_tokens 0: nothing to generate
     method_kwargs = checked_method_settings(args.method, args.method_arg)
     check_method(args.method, args.draft is not None)
     device = checked_device(args.device)
     threads = apply_threads(args.threads)
-    if args.backend == "llama.cpp" and (args.dtype != "float32" or device != "cpu"):
+    if args.backend == "llama.cpp" and (args.dtype not in ("float32", "auto") or device != "cpu"):
         raise UserError("--backend llama.cpp runs the GGUF file's own quantisation on the CPU: drop --dtype/--device")
+    args.dtype, why = resolve_dtype(args.dtype, device, args.backend)
+    if why:
+        print(f"hasten: {why}", file=sys.stderr)
     runtime_args = dict(device=device, dtype=torch_dtype(args.dtype)) if args.backend == "torch" else {}
     engine = load(args.model, args.method, draft=args.draft, backend=args.backend, **runtime_args,
-                  draft_size=args.draft_size, **method_kwargs)
+                  draft_size=args.draft_size, threads=args.threads, **method_kwargs)
     inputs = prompt
     if args.chat:  # the images go into the chat's messages, and the encoded chat carries them
         messages = _messages(args, prompt)
@@ -161,20 +151,25 @@ def _run_generate(args: argparse.Namespace) -> int:
         stop=[text.replace("\\n", "\n").replace("\\t", "\t") for text in args.stop],
         images=(args.image or None) if not args.chat else None, **rules,
     )
-    pool = _shared_pool(engine, args.pool)
-    stats = DecodeStats()
-    text, token_ids = "", []
-    for piece, new in engine.steps(inputs, stats, **options):
-        text += piece
-        token_ids.extend(new)
-        if not args.json:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+    pool = None
+    if args.pool is not None:
+        try:
+            pool = engine.open_pool(args.pool)
+        except ValueError as err:  # a method without a pool, or a file that is not a saved pool
+            raise UserError(f"--pool: {err}") from None
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    out = engine.collect(inputs, on_piece=None if args.json else show, **options)
+    stats = out.stats
     if pool is not None:
         pool.save(args.pool)
     if args.json:
-        record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image, "text": text,
-                  "token_ids": token_ids}
+        # finish_reason as the server names it: "stop" (EOS or a stop string) or "length"
+        record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image,
+                  "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}
         draft_size = default_size(args.draft_size, args.temperature > 0, args.seed is not None)
         runtime = {"device": device, "dtype": args.dtype, "threads": threads, "draft_size": draft_size,
                    "backend": args.backend}
@@ -183,7 +178,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     print(
         f"[{args.method}] tau {stats.mean_accepted:.2f} | {stats.tokens_per_second:.1f} tok/s | "
-        f"{stats.steps} steps | {stats.new_tokens} tokens | {threads} thread{'' if threads == 1 else 's'}",
+        f"{counted(stats.steps, 'step')} | {counted(stats.new_tokens, 'token')} | {counted(threads, 'thread')}",
         file=sys.stderr,
     )
     return 0

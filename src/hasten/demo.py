@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
     quiet_transformers()
     job = pick_job(args.max_new_tokens)
-    plain = hasten.load(job.model, "autoregressive")
-    fast = hasten.load(job.model, "prompt_lookup")  # the second load reads the cached conversion
+    plain = hasten.load(job.model, "autoregressive", threads=args.threads)
+    fast = hasten.load(job.model, "prompt_lookup", threads=args.threads)  # the second load reads the cached conversion
     times: dict[str, list[float]] = {"autoregressive": [], "prompt_lookup": []}
     outputs = {}
     timed(plain, job.prompt, 8), timed(fast, job.prompt, 8)  # warm-up

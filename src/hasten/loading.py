@@ -3,6 +3,7 @@ a local Hugging Face directory or a hub id (which fails at once when the hub can
 :func:`hasten.load` (in :mod:`hasten.api`) builds an Engine from these."""
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import socket
@@ -18,6 +19,7 @@ from transformers import (
 from . import zoo
 from .core.errors import HastenWarning
 from .models import gguf
+from .models.quantize import quantize
 from .zoo.packing import unpacked
 
 
@@ -74,6 +76,9 @@ def hub_unreachable(endpoint: str, timeout_s: float = 3.0) -> str | None:
     return None
 
 
+INT8 = "int8"  # int8 linear layers over float32 weights (hasten.models.quantize), CPU only
+
+
 def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """torch.float32 or its name ("float32", "bfloat16", "float16"); None stays None."""
     if dtype is None or isinstance(dtype, torch.dtype):
@@ -86,18 +91,39 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 def load_model(name_or_path: str | os.PathLike, dtype: torch.dtype | str = torch.float32,
                device: str = "cpu") -> PreTrainedModel:
-    dtype = as_dtype(dtype)
+    """The model a name or path holds, in ``dtype`` (a torch dtype, its name, or "int8": int8
+    linear layers on the CPU, docs/cpu.md) on ``device``."""
+    int8 = dtype == INT8
+    dtype = torch.float32 if int8 else as_dtype(dtype)
     path = resolve_path(name_or_path)
     try:
         config = AutoConfig.from_pretrained(path)
         auto = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
         if getattr(config, "vision_config", None) is not None:  # a vision-language model: its vision tower too
             auto = AutoModelForImageTextToText
-        model = auto.from_pretrained(path, dtype=dtype)
+        with quiet_progress():
+            model = auto.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError) as err:
         where = "no such directory" if not os.path.exists(path) else str(err).splitlines()[0]
         raise ValueError(f"model {name_or_path!r} could not be loaded: {where}") from err
-    return model.to(device).eval()
+    model = model.to(device).eval()
+    return quantize(model, INT8) if int8 else model
+
+@contextlib.contextmanager
+def quiet_progress():
+    """transformers' progress bars off inside the block, as they were after it: its "Loading
+    weights" bar on every load of a small model tells a user nothing (a first GGUF conversion,
+    which takes a minute, keeps its bars)."""
+    from transformers.utils import logging
+
+    shown = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            logging.enable_progress_bar()
+
 
 def warn_if_tokenizers_differ(tokenizer, draft_tokenizer, draft_name: str, samples: int = 1000) -> None:
     """A draft model with the target's vocabulary size but another tokenizer is accepted
@@ -132,15 +158,17 @@ def gguf_tokenizer(name: str | os.PathLike):
     return AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
 
 
-def as_model(model_or_path, dtype: torch.dtype | None, device) -> PreTrainedModel:
-    """Load a model from a path or name; a model object is moved/cast only where asked."""
+def as_model(model_or_path, dtype: torch.dtype | str | None, device) -> PreTrainedModel:
+    """Load a model from a path or name (see :func:`load_model`); a model object is moved, cast or
+    quantized only where asked."""
     if isinstance(model_or_path, (str, os.PathLike)):
         return load_model(model_or_path, dtype or torch.float32, device or "cpu")
     if not isinstance(model_or_path, PreTrainedModel):
         raise TypeError(f"expected a model name, path or PreTrainedModel, got {type(model_or_path).__name__}")
+    int8 = dtype == INT8
     if dtype is not None or device is not None:
-        model_or_path = model_or_path.to(device=device, dtype=dtype)
-    return model_or_path.eval()
+        model_or_path = model_or_path.to(device=device, dtype=torch.float32 if int8 else as_dtype(dtype))
+    return quantize(model_or_path.eval(), INT8) if int8 else model_or_path.eval()
 
 
 def load_tokenizer(name_or_path: str | os.PathLike):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 from datetime import datetime, timezone
 
@@ -13,16 +12,15 @@ import torch
 from ..api import AUTOREGRESSIVE
 from ..loading import gguf_tokenizer
 from ..arguments import (
-    DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, at_least, checked_device, method_settings,
-    writable_directory,
+    DEFAULT_DRAFT_SIZE, DRAFT_SIZES, UserError, add_model_arguments, add_threads_argument, apply_threads, at_least,
+    DTYPES, checked_device, counted, method_settings, writable_directory,
 )
 from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
 from .runner import (
-    HF_BASELINES, OVERALL, LosslessnessError, check_lengths, hasten_method, hasten_method_names, hf_method,
-    not_identical_note, run_bench,
+    HF_BASELINES, LosslessnessError, check_lengths, hasten_method, hasten_method_names, hf_method, run_bench,
 )
-from . import llamacpp, vllm_cpu
+from . import differences, llamacpp, vllm_cpu
 from .chat_tasks import CHAT_CATEGORIES, chat_tasks, has_chat_template, task_input_ids
 from .gec_tasks import GEC_CATEGORIES, gec_tasks
 from .spec_bench import second_turns, spec_bench_tasks
@@ -33,7 +31,6 @@ LLAMA_CPP = "llama.cpp"
 # --tasks presets: "auto" is chat for a model whose tokenizer has a chat template, else code.
 TASK_PRESETS = {"code": CATEGORIES, "chat": CHAT_CATEGORIES}
 SPEC_BENCH = "spec-bench"  # Spec-Bench's 480 questions, six categories (spec_bench.py)
-BENCH_DTYPES = ("float32", "bfloat16", "float16")
 SECOND_TURN_ROOM = 512  # positions a llama.cpp context keeps for an MT-bench second question and its template
 
 
@@ -72,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the same as --progress none")
     parser.add_argument("--device", default="cpu", metavar="DEVICE",
                         help="where the models run with --backend torch: cpu (default), cuda or cuda:N")
-    parser.add_argument("--dtype", default="float32", choices=BENCH_DTYPES,
-                        help="dtype of the models' weights with --backend torch (default float32)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="dtype of the models' weights with --backend torch, as hasten generate's (default "
+                        "float32; int8: int8 linear layers on the CPU, not for the vLLM baselines)")
     parser.add_argument("--count-differences", action="store_true",
                         help="count outputs that differ from autoregressive's (the identical column) instead of "
                         "stopping at the first: for a GPU in bfloat16, whose kernels may round a near-tie "
@@ -102,11 +100,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompts", help="JSONL file of your own prompts ({prompt, category} or Spec-Bench turns)")
     parser.add_argument("--per-task", type=int, default=2, help="prompts per category (default 2)")
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens every method generates (default 128)")
-    # One thread by default: small models gain nothing from more, and on a CPU shared with other
-    # work, extra threads thrash (zoo:code-tiny, 2 cores, other jobs running: 128 tokens took
-    # 1.1-3.4 s on 1 thread and 5.6-69 s on 2, in 2026). Give 0 for all cores on a large model.
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads, and llama.cpp's with --backend llama.cpp (default 1; 0 = all cores)")
+    add_threads_argument(parser, "torch threads, and llama.cpp's with --backend llama.cpp")
 
 
 def _settings_class(method: str) -> type | None:
@@ -173,13 +167,14 @@ def _chosen(args) -> tuple[list[str], list[str]]:
 
 
 def check_workload(args: argparse.Namespace) -> None:
-    """The arguments of add_workload_arguments, checked before any model loads."""
+    """The arguments of add_workload_arguments, checked before any model loads; torch gets its
+    --threads (recorded in the results) now."""
     known = [AUTO, *TASK_PRESETS, SPEC_BENCH, *ALL_CATEGORIES, *CHAT_CATEGORIES, *GEC_CATEGORIES]
     unknown = [c for c in _csv(args.tasks) if c not in known]
     if unknown:
         raise UserError(f"--tasks: unknown {unknown}; known: {', '.join(known)}")
     at_least(args, 1, "per_task", "max_new_tokens")
-    at_least(args, 0, "threads")
+    apply_threads(args.threads)
 
 
 def _builtin(spec: str, tokenizer, per_task: int) -> list:
@@ -309,7 +304,7 @@ def first_answer(model, tokenizer, tasks, input_ids, max_new_tokens: int):
 
     def answer(task) -> str:
         ids = ids_of[task.name]
-        out = generate(model, ids, max_new_tokens=max_new_tokens).sequences[0, ids.shape[1]:]
+        out = generate(model, ids, max_new_tokens=max_new_tokens, threads=None).sequences[0, ids.shape[1]:]
         return tokenizer.decode(out.tolist(), skip_special_tokens=True).strip()
 
     return answer
@@ -317,7 +312,7 @@ def first_answer(model, tokenizer, tasks, input_ids, max_new_tokens: int):
 
 def run(args: argparse.Namespace) -> int:
     from ..machine import machine_info
-    from .report import command_line, write_report
+    from .report import command_line, terminal_summary, write_report
 
     at_least(args, 1, "repeats")
     names, baselines = _chosen(args)
@@ -327,18 +322,19 @@ def run(args: argparse.Namespace) -> int:
     if args.device != "cpu" and args.backend == LLAMA_CPP:
         raise UserError(f"--device {args.device}: the llama.cpp backend runs on the CPU here; leave --device out")
     checked_device(args.device)
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)  # recorded in results.json
     tasks, input_ids, model, draft = load_tasks_and_models(args)
     methods, skipped = _build_methods(args, names, settings, baselines, model, draft, input_ids)
     print(
-        f"hasten bench: {len(methods)} methods x {len(tasks)} prompts x {args.repeats} repeats, "
-        f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads"
+        f"hasten bench: {counted(len(methods), 'method')} x {counted(len(tasks), 'prompt')} x "
+        f"{counted(args.repeats, 'repeat')}, {counted(args.max_new_tokens, 'new token')}, "
+        f"{counted(torch.get_num_threads(), 'thread')}"
         + (" (hasten and llama.cpp, on llama.cpp)" if args.backend == LLAMA_CPP else ""),
         file=sys.stderr,
     )
     machine = machine_info()  # before the run, so the load average shows only other work
     try:
-        measured = run_bench(methods, tasks, input_ids, args.max_new_tokens, args.repeats, args.progress)
+        measured = run_bench(methods, tasks, input_ids, args.max_new_tokens, args.repeats, args.progress,
+                             explain=differences.explainer(model))
     except LosslessnessError as err:
         print(f"hasten bench: LOSSLESSNESS FAILURE: {err}", file=sys.stderr)
         return 1
@@ -346,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
         for method in methods:
             if method.close:
                 method.close()
+    methods_by_name = {method.name: method for method in methods}
     results = {
         "command": command_line(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -361,12 +358,16 @@ def run(args: argparse.Namespace) -> int:
         **measured,
     }
     paths = write_report(results, args.out)
-    overall = results["by_category"][OVERALL]
-    for row in overall:
-        note = not_identical_note(row)
-        print(f"{row['method']:>20}  {row['tokens_per_second']:8.1f} tok/s  {row['speedup_vs_ar'] or 0:.2f}x vs AR"
-              + (f"  ({note})" if note else ""))
+    print(terminal_summary(results))
     print(f"hasten bench: wrote {', '.join(str(p) for p in paths)}", file=sys.stderr)
+    defects = [f"{method} on {task['task']} at new token {found['position']} (margin {found['margin']:.3g}, "
+               f"gap {found['gap']:.3g}, rounding {found['rounding']:.3g})"
+               for task in results["by_task"] for method, found in task.get("difference_classes", {}).items()
+               if found["verdict"] == "defect" and methods_by_name[method].kind == "hasten"]
+    if defects:  # a near-tie is rounding; anything else from hasten's own methods is a bug
+        print("hasten bench: LOSSLESSNESS FAILURE: outputs differ beyond rounding: " + "; ".join(defects),
+              file=sys.stderr)
+        return 1
     return 0
 
 

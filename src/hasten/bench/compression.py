@@ -63,7 +63,7 @@ HEADER = ("| policy | budget | prefix agreement | agreement | needle accuracy | 
 def _run(model, prompt: torch.Tensor, new: int, policy=None, shortener=None) -> tuple[list[int], float]:
     clock = time.perf_counter()
     ids = shortener.compress(prompt) if shortener else prompt
-    out = generate(model, ids, max_new_tokens=new, eos_token_id=[], kv_compression=policy)
+    out = generate(model, ids, max_new_tokens=new, eos_token_id=[], kv_compression=policy, threads=None)
     return out.sequences[0, ids.shape[1]:].tolist(), time.perf_counter() - clock
 
 
@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engine = load(args.model, "autoregressive")
-    draft = load(args.draft, "autoregressive").model
+    engine = load(args.model, "autoregressive", threads=None)  # torch's threads: --threads, set above
+    draft = load(args.draft, "autoregressive", threads=None).model
     texts = [corpus.read_text(f) for f in corpus.heldout_files()]
     prompts = [ids[: args.length] for ids in (engine.tokenizer(t, verbose=False).input_ids for t in texts)
                if len(ids) >= args.length]

@@ -108,7 +108,8 @@ def run_generations(target, draft, prompts, configs, num_tokens, max_new_tokens,
         for index, ids in enumerate(prompts):
             for label, drafter in drafters.items():
                 start = time.perf_counter()
-                out = generate(target, ids, drafter=drafter, max_new_tokens=max_new_tokens, eos_token_id=[])
+                out = generate(target, ids, drafter=drafter, max_new_tokens=max_new_tokens, eos_token_id=[],
+                               threads=None)
                 walls[label].append(time.perf_counter() - start)
                 stats[label] += out.stats
                 tokens = out.sequences[0].tolist()

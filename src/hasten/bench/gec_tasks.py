@@ -55,7 +55,7 @@ def gadpp_method(model, weights: str | None, beta: int, tau: float) -> "Method":
         drafter = GAD(weights=weights, require_weights=True)
         clock = time.perf_counter()
         out = generate(model, input_ids, drafter=drafter, lossy_acceptance=rule, max_new_tokens=max_new_tokens,
-                       eos_token_id=None if stop_at_eos else [], draft_size="fixed")
+                       eos_token_id=None if stop_at_eos else [], draft_size="fixed", threads=None)
         seconds = time.perf_counter() - clock
         return out.sequences[0, 1:].tolist(), out.stats, seconds
 
@@ -131,10 +131,11 @@ def main(argv: list[str] | None = None) -> None:
     results = run_bench(aggressive_methods(model, args.gad, args.beta, args.tau), tasks, input_ids,
                         args.max_new_tokens, args.repeats, progress="lines")
     rule = GADPlusPlus(beta=args.beta, tau=args.tau)
-    outputs = {"plain": [generate(model, ids, max_new_tokens=args.max_new_tokens).sequences[0, 1:].tolist()
-                         for ids in input_ids],
+    outputs = {"plain": [generate(model, ids, max_new_tokens=args.max_new_tokens,
+                                  threads=None).sequences[0, 1:].tolist() for ids in input_ids],
                "gad++": [generate(model, ids, drafter=GAD(weights=args.gad, require_weights=True), lossy_acceptance=rule,
-                                  max_new_tokens=args.max_new_tokens, draft_size="fixed").sequences[0, 1:].tolist()
+                                  max_new_tokens=args.max_new_tokens, draft_size="fixed",
+                                  threads=None).sequences[0, 1:].tolist()
                          for ids in input_ids]}
     results["correct"] = {name: round(correct_share(tokenizer, tasks, out), 4) for name, out in outputs.items()}
     results["copy_bound_speedup"] = round(copy_bound_speedup(model, input_ids, outputs["plain"]), 3)

@@ -29,11 +29,11 @@ import torch
 from tqdm import tqdm
 
 from ..core.runtime import Capability, Runtime
-from ..core.sampling import Sampling
 from ..core.stats import DecodeStats
 from ..core.tree import TokenTree
 from ..drafters.base import Drafter
 from ..engine.loop import generate
+from ..core.request import Request
 from ..engine.sequence import Sequence, step
 from ..engine.calibration import CostCurve, load_or_calibrate
 from ..engine.sizing import SizingRule
@@ -94,7 +94,7 @@ def record(model, prompts: list[tuple[str, list[int]]], max_new_tokens: int, nam
     curve = curve or load_or_calibrate(model)
     entries = []
     for category, ids in tqdm(prompts, desc="recording greedy outputs", unit="prompt", disable=not progress):
-        out = generate(model, torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=[])
+        out = generate(model, torch.tensor([ids]), max_new_tokens=max_new_tokens, eos_token_id=[], threads=None)
         entries.append(Recorded(category, list(ids), out.sequences[0, len(ids) :].tolist()))
     return Recording(name, backend, runtime.vocab_size, Capability.TREES in runtime.capabilities, curve, entries)
 
@@ -189,8 +189,8 @@ def replay(recording: Recording, entry: Recorded, drafter: Drafter | None, sizin
     clock = SimulatedClock()
     target = RecordedTarget(recording, entry, clock)
     stats = DecodeStats()
-    sequence = Sequence(target, list(entry.prompt), None, drafter, Sampling(), None, GreedyAcceptance(),
-                        frozenset(), len(entry.output), stats, sizing)
+    request = Request(list(entry.prompt), len(entry.output), eos_token_ids=frozenset())  # greedy, no EOS
+    sequence = Sequence(target, list(entry.prompt), None, drafter, request, GreedyAcceptance(), stats, sizing)
     sequence.clock = clock
     began = clock()
     while not sequence.finished:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -40,7 +39,6 @@ def run_record(args: argparse.Namespace) -> int:
     if out.is_dir():
         raise UserError(f"--out {out}: is a directory; give the recording's file name, e.g. {out / 'rec.json'}")
     writable_directory(str(out.parent.resolve()))  # now, not after the recording
-    torch.set_num_threads(args.threads or os.cpu_count() or 1)
     tasks, input_ids, model, _ = load_tasks_and_models(args)
     prompts = [(task.category, ids[0].tolist()) for task, ids in zip(tasks, input_ids)]
     try:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 
+from ..arguments import counted
 from .runner import AUTOREGRESSIVE, OVERALL, not_identical_note
 
 SPEEDUP_PNG, ACCEPTANCE_PNG = "speedup.png", "acceptance.png"
@@ -19,8 +20,8 @@ def _x(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def _num(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else (f"{value:.2f}" if digits == 2 else f"{value:.{digits}g}")
 
 
 def _mb(value: int | None) -> str:
@@ -87,6 +88,40 @@ def _best_lines(results: dict) -> list[str]:
     return lines if len(lines) > 5 else []
 
 
+def terminal_summary(results: dict) -> str:
+    """What a run printed on the terminal says: the model and how it ran, every method's speed,
+    tau and how many of its outputs were the reference's, and what that check means."""
+    s = results["settings"]
+    runs = "on llama.cpp, the GGUF file's own weights" if s["backend"] == "llama.cpp" else f"{s['dtype']} on {s['device']}"
+    lines = [f"hasten bench: {s['model']} ({runs}), draft {s['draft'] or '-'}; "
+             f"{counted(len(results['tasks']), 'prompt')}, {counted(s['max_new_tokens'], 'new token')} each, greedy",
+             f"{'method':>24}  {'tok/s':>8}  {'vs AR':>7}  {'tau':>5}  identical to autoregressive"]
+    rows = results["by_category"][OVERALL]
+    for row in rows:
+        lines.append(f"{row['method']:>24}  {row['tokens_per_second']:8.1f}  {_x(row['speedup_vs_ar']):>7}  "
+                     f"{_num(row['tau']):>5}  {row['identical']}")
+    differ = [row["method"] for row in rows if not_identical_note(row)]
+    if differ:
+        lines.append(f"outputs compared token for token with hasten's {AUTOREGRESSIVE} and differences counted "
+                     f"(--count-differences): {', '.join(differ)} differed on some prompts")
+    else:
+        lines.append(f"every output was checked token for token against hasten's {AUTOREGRESSIVE}: all identical")
+    lines += difference_lines(results)
+    return "\n".join(lines)
+
+
+def difference_lines(results: dict) -> list[str]:
+    """Per method whose outputs differed: how many first differences were near-ties (the
+    runner-up within measured rounding) and how many were not (bench/differences.py)."""
+    verdicts: dict[str, dict[str, int]] = {}
+    for task in results["by_task"]:
+        for method, found in task.get("difference_classes", {}).items():
+            counts = verdicts.setdefault(method, {})
+            counts[found["verdict"]] = counts.get(found["verdict"], 0) + 1
+    return [f"  {method}: first differences: " + ", ".join(f"{n} {verdict}" for verdict, n in sorted(counts.items()))
+            for method, counts in verdicts.items()]
+
+
 def markdown(results: dict) -> str:
     kinds = {m["name"]: m["kind"] for m in results["methods"]}
     m, s = results["machine"], results["settings"]
@@ -135,11 +170,30 @@ def markdown(results: dict) -> str:
         for r in results["by_category"][OVERALL] if "median_verify_seconds" in r
     ]
     lines += _needle_lines(results)
+    lines += _difference_table(results)
     hits = {t["task"]: t.get("needle_hit") for t in results["by_task"]}
     lines += ["", "## Prompts", "", "| task | category | prompt tokens | needle hit | source |", "|---" * 5 + "|"]
     lines += [f"| {t['name']} | {t['category']} | {t['prompt_tokens']} | {_yes_no(hits.get(t['name']))} | "
               f"{t['source']} |" for t in results["tasks"]]
     return "\n".join(lines) + "\n"
+
+
+def _difference_table(results: dict) -> list[str]:
+    """Every first difference with its classification (bench/differences.py)."""
+    rows = [(task["task"], method, found) for task in results["by_task"]
+            for method, found in task.get("difference_classes", {}).items()]
+    if not rows:
+        return []
+    lines = ["", "## First differences from hasten's autoregressive output", "",
+             "margin: the reference's top-2 logit gap there; rounding: the measured difference of the two "
+             "computations' logits there (hasten methods: a verification block against one-token steps; "
+             "other implementations: the model's own PyTorch forward against hasten's); gap: the top logit "
+             "minus the differing token's (0: a tie); a near-tie when the gap is within the rounding.", "",
+             "| task | method | new token | margin | gap | rounding | verdict |", "|---" * 7 + "|"]
+    lines += [f"| {task} | {method} | {found['position']} | {_num(found.get('margin'), 4)} | "
+              f"{_num(found.get('gap'), 4)} | {_num(found.get('rounding'), 4)} | "
+              f"{found['verdict']} |" for task, method, found in rows]
+    return lines
 
 
 def _yes_no(value: bool | None) -> str:

@@ -25,6 +25,7 @@ from ..engine.calibration import load_or_calibrate
 from ..engine.sizing import default_size, sizing_rule
 from ..models.hf import runtime_of
 from ..core.stats import DecodeStats
+from .differences import first_difference
 from .tasks import Task
 
 HF_GENERATE = "hf_generate"
@@ -84,7 +85,8 @@ def hasten_method(name: str, model, draft=None, draft_size: str | None = None, l
         drafter = make_drafter(name, draft, **settings)  # built outside the timed call
         clock = time.perf_counter()
         out = generate(model, input_ids, drafter=drafter, max_new_tokens=max_new_tokens,
-                       eos_token_id=None if stop_at_eos else [], draft_size=draft_size)
+                       eos_token_id=None if stop_at_eos else [], draft_size=draft_size,
+                       threads=None)  # torch's threads: the bench's --threads, set for its process
         seconds = time.perf_counter() - clock
         return out.sequences[0, start(input_ids) :].tolist(), out.stats, seconds
 
@@ -209,13 +211,9 @@ def compare(cells: dict[str, list[Cell]]) -> list[dict]:
     return rows
 
 
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def _check(method: str, task: Task, output: list[int], reference: list[int]) -> None:
     if output != reference:
-        at = _first_difference(output, reference)
+        at = first_difference(output, reference)
         got = output[at] if at < len(output) else "nothing"
         want = reference[at] if at < len(reference) else "nothing"
         raise LosslessnessError(
@@ -258,11 +256,14 @@ def run_bench(
     max_new_tokens: int,
     repeats: int = 3,
     progress: bool | str = True,
+    explain: Callable[[torch.Tensor, list[int], list[int], bool], dict] | None = None,
 ) -> dict:
     """Time every method on every task; returns per-task, per-category and overall rows.
 
     ``progress``: True (or "bar") a progress bar, "lines" one plain line per run on stderr (for logs:
-    a run killed at a time limit still shows where its time went), False (or "none") nothing."""
+    a run killed at a time limit still shows where its time went), False (or "none") nothing.
+    ``explain``: (input_ids, reference, output, hasten method?) -> why an output differs
+    (bench/differences.py), recorded per task under ``difference_classes``."""
     names = [m.name for m in methods]
     if AUTOREGRESSIVE not in names:
         raise ValueError(f"the methods must include {AUTOREGRESSIVE!r}: it is the reference output")
@@ -302,12 +303,16 @@ def run_bench(
     bar.close()
 
     by_task = []
-    for t in tasks:
+    kinds = {m.name: m.kind for m in methods}
+    for t, ids in zip(tasks, input_ids):
         entry = {"task": t.name, "category": t.category, "rows": compare({m: [c] for m, c in cells[t.name].items()})}
         reference = outputs[t.name][AUTOREGRESSIVE]
-        differences = {m: _first_difference(out, reference) for m, out in outputs[t.name].items() if out != reference}
+        differences = {m: first_difference(out, reference) for m, out in outputs[t.name].items() if out != reference}
         if differences:  # where a method counted as not identical first left the reference (new-token index)
             entry["first_difference"] = differences
+            if explain is not None:
+                entry["difference_classes"] = {m: explain(ids, reference, outputs[t.name][m], kinds[m] == "hasten")
+                                               for m in differences}
         hit = needle_hit(t, outputs[t.name][AUTOREGRESSIVE])  # every method's output is that one
         if hit is not None:
             entry["needle_hit"] = hit

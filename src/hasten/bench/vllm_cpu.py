@@ -50,6 +50,7 @@ import torch
 
 from ..arguments import UserError
 from ..core.stats import DecodeStats
+from ..models.quantize import is_quantized
 from .runner import Method
 
 VLLM = "vllm"
@@ -167,6 +168,9 @@ def baseline_method(name: str, model, max_model_len: int, threads: int) -> Metho
     python = vllm_python()
     if python is None:
         raise UserError(f"the {name} baseline needs vLLM: {INSTALL}")
+    if is_quantized(model):  # its outputs would be another model's than the one hasten runs
+        raise ValueError(f"the {name} baseline runs the checkpoint's own weights, not hasten's int8 layers: "
+                         "time it without --dtype int8")
     dtype = str(model.dtype).removeprefix("torch.")
     speculative, cleanup = exported_medusa(model) if name == VLLM_MEDUSA else (SPECULATIVE[name], None)
     settings = {"model": model_directory(model), "dtype": dtype, "max_model_len": max_model_len,

@@ -100,7 +100,7 @@ def run(model, processor, chosen: list[tuple[str, int, str]], methods: list[str]
                 drafter = drafters[method]
                 clock = time.perf_counter()
                 out = generate(model, ids, drafter=drafter, max_new_tokens=max_new_tokens,
-                               draft_size=draft_size if drafter is not None else "fixed", **inputs)
+                               draft_size=draft_size if drafter is not None else "fixed", threads=None, **inputs)
                 seconds = time.perf_counter() - clock
                 tokens = out.sequences[0, ids.shape[1]:].tolist()
                 if reference is None:

@@ -38,6 +38,27 @@ class CostCurve:
         return cls((1,), (1.0,))
 
 
+@dataclass(frozen=True)
+class BatchCost:
+    """What a packed batch forward costs beyond the one-row curve (measured on the batch path):
+
+    * ``rows``: seconds of a step of r rows of one token each, ``context`` cached tokens each
+      (running r separate rows costs more than one row running r tokens: each row's own
+      attention, its bookkeeping);
+    * ``per_key``: seconds per (position, cached key) pair past ``context``: a position on a
+      row with a long cache attends over all of it."""
+
+    rows: CostCurve
+    per_key: float
+    context: int
+
+    def forward(self, curve: CostCurve, rows: int, positions: float, keys: float) -> float:
+        """Seconds of a forward of ``rows`` rows running ``positions`` tokens in all, which
+        attend over ``keys`` cached keys in all (each position over its row's cache)."""
+        extra_rows = max(self.rows(rows) - curve(rows), 0.0)
+        return curve(positions) + extra_rows + self.per_key * max(keys - self.context * positions, 0.0)
+
+
 @functools.lru_cache(maxsize=8192)
 def _interpolate(curve: CostCurve, positions: float) -> float:
     return curve.interpolate(positions)

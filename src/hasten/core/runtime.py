@@ -90,9 +90,14 @@ class Runtime:
         """A fresh one-row target for one generation."""
         raise NotImplementedError
 
-    def batch(self, max_rows: int) -> Any:
-        """A target for up to ``max_rows`` generations at once."""
+    def batch(self, max_rows: int, needs: frozenset[Capability] = frozenset()) -> Any:
+        """A target for up to ``max_rows`` generations at once, for a drafter that needs
+        ``needs`` (a runtime with several batch paths picks one by them)."""
         raise NotImplementedError
+
+    def warm_up(self) -> None:
+        """Pay now what this model's first forward pays once, so that the first generation does
+        not (:func:`hasten.load` calls it). Nothing by default."""
 
     def cost_key(self) -> dict:
         """What one forward's cost depends on, besides the machine (which sizing adds). This

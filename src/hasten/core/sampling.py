@@ -93,6 +93,16 @@ class Sampling(Settings):
                                  f"{self.allowed_token_ids!r}")
             object.__setattr__(self, "allowed_token_ids", allowed)
 
+    @classmethod
+    def asked(cls, temperature: float, top_k: int | None = None, top_p: float | None = None,
+              min_p: float | None = None, **rules) -> "Sampling":
+        """As an API asks for it: greedy decoding (temperature 0) ignores the warpers top_k, top_p
+        and min_p, which OpenAI accepts with temperature 0; the logit rules (penalties,
+        logit_bias, allowed_token_ids, min_tokens) apply either way."""
+        if temperature > 0:
+            return cls(temperature, top_k, top_p, min_p, **rules)
+        return cls(**rules)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0

@@ -22,8 +22,12 @@ fixed size accepted 3 tokens a step). So among the depths whose failure costs at
 plain step more than a plain step (on a flat or nearly flat curve), each step lets its
 estimates, shifted by a normal draw times their own uncertainty, choose (Thompson-style: an
 uncertain estimate is sometimes tried as if better); on a steep curve (llama.cpp on a CPU) exploring costs more than it finds, and only
-the probes remain. A class of evidence graded above every class drafted so far is tried at
-once (the start of a copy stretch is worth a probe). Replayed on recorded SmolLM2 outputs
+the probes remain. On a flat curve a class of evidence graded above every class drafted so far is
+tried at once (the start of a copy stretch is worth a probe); on a steep one, where a failed probe
+costs more than a plain step (SmolLM2 Q4_1 under llama.cpp: a block of 4 costs 3 steps), it waits
+for the probes like any other, and probes may take 1% of the time: replayed on 35 recorded
+Spec-Bench outputs of that model (`hasten replay`), the two took prompt lookup's auto sizing
+from 0.98x to 1.00x of plain decoding (conversation 0.98x to 1.00x, QA 0.97x to 0.99x). Replayed on recorded SmolLM2 outputs
 (tokens per unit of forward cost; tables in ``docs/benchmarks.md``), this took prompt lookup's auto sizing from
 0.96x to 1.06x of its fixed size on PyTorch and from 1.06x to 1.08x of plain decoding on llama.cpp
 (replays of November 2026; ``hasten replay`` measures it again).
@@ -42,7 +46,7 @@ from dataclasses import dataclass, field
 from itertools import zip_longest
 from typing import Any
 
-from .cost import CostCurve
+from .cost import BatchCost, CostCurve
 from .tree import TokenTree
 
 # depths priced before a drafter has drafted (a drafter with no match proposes nothing, so this
@@ -67,12 +71,17 @@ class SizingRule:
     def observe(self, state: Any, tree: TokenTree, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         """The step's verified (already cut) draft tree, its accepted path length and timings."""
 
-    def share(self, state: Any, rows: int) -> None:
-        """The next step's forward is shared by ``rows`` sequences (a batch)."""
+    def share(self, state: Any, rows: int, positions: int | None = None, keys: int | None = None) -> None:
+        """The next step's forward is shared by ``rows`` sequences (a batch); once their drafts
+        are known, ``positions``: the tokens it runs (every row's block), over ``keys`` cached
+        keys in all (each position over its row's cache)."""
 
-    def plan(self, states: list[Any], limits: list[int], evidence: list[int | None]) -> None:
+    def plan(self, states: list[Any], limits: list[int], evidence: list[int | None], others: int = 0,
+             others_keys: int = 0, contexts: list[int] | None = None) -> None:
         """Before a batch's step: choose jointly for its rows (``limits``: each row's deepest
-        usable depth; ``evidence``: each row's drafter's class). Fixed sizes need no plan."""
+        usable depth; ``evidence``: each row's drafter's class; ``others``: rows of the same
+        forward this rule does not size, one position each at least, over ``others_keys``
+        cached keys in all; ``contexts``: each row's cached tokens). Fixed sizes need no plan."""
 
 
 class FixedSize(SizingRule):
@@ -105,10 +114,20 @@ class SizingState:
     skipped: int = 0  # plain steps in a row since the last draft
     probe_gap: int = 0  # plain steps before the next probe (at least; doubled after each failed probe)
     probing: bool = False  # this step is a probe
+    steep: bool | None = None  # a failed probe costs more than a plain step (set on the first step)
     chosen: int = 0  # the depth chosen for the step under way
     rows: int = 1  # sequences sharing the target's forward (a batch): its cost is split among them
-    cap: int | None = None  # in a batch: the depth the batch's plan chose for every row
+    cap: int | None = None  # in a batch: the depth the batch's plan chose for this row
     timed: bool = False  # a step's verify time has been seen (the first is not used: see observe)
+    # a batch whose rows are packed along one token dimension (no padding): a forward's cost is
+    # batch_forward(rows, positions); else every row is padded to the widest block
+    packed: bool = False
+    batch_cost: BatchCost | None = None  # what a packed batch costs beyond the one-row curve (None: nothing)
+    positions: int | None = None  # tokens the batch's last forward ran (every row's block)
+    keys: int | None = None  # cached keys its positions attended over, in all
+    # per evidence class, per depth: the acceptance the generations before this one measured
+    # (the rule's pool when it began), its prior in place of the rule's fixed guess
+    prior_by: dict[int | None, list[float]] = field(default_factory=dict)
 
     @property
     def trials(self) -> list[float]:
@@ -126,6 +145,13 @@ class SizingState:
         batches, nearly). The calibrated curve, rescaled by the measured verify times."""
         return self.curve(positions * self.rows) * (self.scale or 1.0) / self.rows
 
+    def batch_forward(self, rows: int, positions: float, keys: float) -> float:
+        """Calibrated seconds of a packed batch forward of ``rows`` rows running ``positions``
+        tokens in all over ``keys`` cached keys in all (:class:`~hasten.core.cost.BatchCost`)."""
+        if self.batch_cost is None:
+            return self.curve(positions)
+        return self.batch_cost.forward(self.curve, rows, positions, keys)
+
 
 class CostAwareSize(SizingRule):
     """Pick each step's depth to maximise expected tokens per second (see the module doc).
@@ -142,21 +168,36 @@ class CostAwareSize(SizingRule):
     uses_evidence = True
 
     def __init__(self, curve: CostCurve | None = None, prior: float = 0.5, prior_weight: float = 1.0,
-                 decay: float = 0.9, probe_gap: int = 4, max_probe_gap: int = 64, probe_share: float = 0.03,
-                 explore_scale: float = 1.0):
+                 decay: float = 0.9, probe_gap: int = 4, max_probe_gap: int = 64, probe_share: float = 0.01,
+                 explore_scale: float = 1.0, pool_decay: float = 0.999):
         self.curve, self.prior, self.prior_weight, self.decay = curve, prior, prior_weight, decay
         self.explore_scale = explore_scale  # standard deviation of the exploration draw (0: none)
         self.probe_share = probe_share
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
+        # what every generation this rule sized has measured, per evidence class and depth (decayed
+        # trials and hits, as a state's): a new generation's prior. A server's rows are short (a
+        # hundred tokens) and their own counts start empty; the ones before them have seen the
+        # same drafter on the same model.
+        self.pool_decay = pool_decay
+        self.pool_trials: dict[int | None, list[float]] = {}
+        self.pool_hits: dict[int | None, list[float]] = {}
 
     def begin(self, target: Any) -> SizingState:
         curve = self.curve if self.curve is not None else self.curve_for(target)
-        return SizingState(curve, probe_gap=self.first_probe_gap)
+        packed = bool(getattr(target, "packed_rows", False))
+        batch_cost = self.batch_cost_for(target) if packed else None
+        prior_by = {evidence: self.pooled(evidence) for evidence in self.pool_trials}
+        return SizingState(curve, probe_gap=self.first_probe_gap, packed=packed, batch_cost=batch_cost,
+                           prior_by=prior_by)
 
     def curve_for(self, target: Any) -> CostCurve:
         """The target's cost curve when none was given (:mod:`hasten.engine.sizing` calibrates
         hasten's runtimes on this machine; here there is nothing to measure with)."""
         raise ValueError("CostAwareSize needs a cost curve: pass curve=")
+
+    def batch_cost_for(self, target: Any) -> BatchCost | None:
+        """What a packed batch costs beyond the one-row curve (None: priced by positions alone)."""
+        return None
 
     # estimates ----------------------------------------------------------------------------------
     def acceptances(self, state: SizingState, deepest: int, optimism: float = 0.0) -> list[float]:
@@ -173,10 +214,13 @@ class CostAwareSize(SizingRule):
         found, prior, floor = [], self.prior, state.floor
         certainty = self.prior_weight
         measured_trials, measured_hits = state.trials, state.hits
+        pooled = state.prior_by.get(state.evidence, ())
         for d in range(deepest):
             trials = measured_trials[d] if d < len(measured_trials) else 0.0
             hits = measured_hits[d] if d < len(measured_hits) else 0.0
             weight = trials + self.prior_weight
+            if d < len(pooled):  # what earlier generations measured here replaces the guess
+                prior = pooled[d]
             if d < len(floor):  # a higher grade is at least as good as a lower one
                 prior = max(prior, floor[d])
             estimate = (hits + prior * self.prior_weight) / weight if weight > 0 else prior
@@ -187,6 +231,18 @@ class CostAwareSize(SizingRule):
                 estimate = min(max(estimate + optimism * math.sqrt(estimate * (1.0 - estimate) / (certainty + 1.0)),
                                    0.0), 1.0)
             found.append(estimate)
+        return found
+
+    def pooled(self, evidence: int | None) -> list[float]:
+        """Per depth, the acceptance every generation sized by this rule measured for
+        ``evidence`` (depths tried at least once in all). A generation takes them as its prior
+        when it begins (its own counts never feed its own prior)."""
+        trials, hits = self.pool_trials.get(evidence, ()), self.pool_hits.get(evidence, ())
+        found = []
+        for t, h in zip(trials, hits):
+            if t < 1.0:
+                break
+            found.append((h + self.prior * self.prior_weight) / (t + self.prior_weight))
         return found
 
     def grade(self, state: SizingState, evidence: int | None) -> None:
@@ -257,25 +313,88 @@ class CostAwareSize(SizingRule):
         return 0.0, t / k
 
     # the rule ------------------------------------------------------------------------------------
-    def plan(self, states: list[SizingState], limits: list[int], evidence: list[int | None]) -> None:
-        """A batch pads every row's block to the widest one, so rows cannot choose alone: one
-        depth ``W`` for all rows, maximising the batch's expected tokens per second, where the
-        forward runs ``rows x (widest block)`` positions and every row drafts up to ``W``
-        (padding would cost as much)."""
-        rows = len(states)
+    def plan(self, states: list[SizingState], limits: list[int], evidence: list[int | None], others: int = 0,
+             others_keys: int = 0, contexts: list[int] | None = None) -> None:
+        """Choose the rows' depths together, for the batch's expected tokens per second.
+
+        Packed rows (no padding): each row its own depth. From no drafts at all (batched plain
+        decoding), the rule repeatedly takes the one row's deeper draft that raises the
+        batch's rate most, the forward priced at every row's positions together
+        (:meth:`SizingState.batch_forward`), until none raises it: an extra draft token pays
+        only where its chance of being accepted outweighs what one more position adds to
+        every row's step, so under a heavy load drafts shrink to the rows that are nearly
+        sure, and to none. Padded rows: one depth for all rows, every row's block padded to
+        the widest."""
         for state, grade in zip(states, evidence):
             self.grade(state, grade)
-        if any(state.reach is None for state in states):  # someone has not drafted yet: all draft fully
+        if states[0].packed:
+            self._plan_packed(states, limits, others, others_keys, contexts or [0] * len(states))
+        elif any(state.reach is None for state in states):  # someone has not drafted yet: all draft fully
             for state in states:
                 state.cap = None
             return
+        else:
+            self._plan_padded(states, limits, others)
+        for state, limit in zip(states, limits):
+            state.probing = False
+            if state.cap == 0:  # now and then a probe re-measures acceptance (a failed one doubles the wait)
+                state.skipped += 1
+                if state.skipped > state.probe_gap and limit > 0:
+                    state.cap, state.probing = 1, True
+
+    def _plan_packed(self, states: list[SizingState], limits: list[int], others: int, others_keys: int,
+                     contexts: list[int]) -> None:
+        """Each row's own depth (see :meth:`plan`); a row's draft positions attend over its own
+        cache (``contexts``), so on a long one they cost more."""
+        rows = len(states) + others
+        scale = sum(state.scale or 1.0 for state in states) / len(states)
+        options = [self.expected(state, self.top(state, limit) if state.reach is not None else min(limit, FIRST_DEPTHS))
+                   for state, limit in zip(states, limits)]  # a row that has not drafted: its prior's (the pool's)
+        drafting = [[self.drafting_seconds(state, d) for d in range(len(tokens))]
+                    for state, (tokens, _) in zip(states, options)]
+        chosen = [0] * len(states)
+        tokens_total, positions, draft_total = float(rows), float(rows), 0.0
+        keys = float(others_keys + sum(contexts))
+        first = states[0]
+
+        def rate(tokens: float, count: float, attended: float, draft: float) -> float:
+            return tokens / (first.batch_forward(rows, count, attended) * scale + draft)
+
+        best_rate = rate(tokens_total, positions, keys, draft_total)
+        while True:
+            best = None  # (rate, row, depth)
+            for r, ((tokens, nodes), costs) in enumerate(zip(options, drafting)):
+                d0, context = chosen[r], contexts[r]
+                for d in range(d0 + 1, len(tokens)):
+                    added = nodes[d] - nodes[d0]
+                    candidate = rate(tokens_total + tokens[d] - tokens[d0], positions + added, keys + added * context,
+                                     draft_total + costs[d] - costs[d0])
+                    if candidate > best_rate * (1 + 1e-9) and (best is None or candidate > best[0]):
+                        best = (candidate, r, d)
+            if best is None:
+                break
+            best_rate, r, d = best
+            (tokens, nodes), costs = options[r], drafting[r]
+            added = nodes[d] - nodes[chosen[r]]
+            tokens_total += tokens[d] - tokens[chosen[r]]
+            positions += added
+            keys += added * contexts[r]
+            draft_total += costs[d] - costs[chosen[r]]
+            chosen[r] = d
+        for state, depth in zip(states, chosen):
+            state.cap = depth
+
+    def _plan_padded(self, states: list[SizingState], limits: list[int], others: int) -> None:
+        """One depth ``W`` for all rows: the forward runs ``rows x (widest block)`` positions
+        and every row drafts up to ``W`` (padding would cost as much)."""
+        rows = len(states) + others
         top = max(self.top(state, limit) for state, limit in zip(states, limits))
         per_row = [self.expected(state, self.top(state, limit)) for state, limit in zip(states, limits)]
-        scale = sum(state.scale or 1.0 for state in states) / rows
+        scale = sum(state.scale or 1.0 for state in states) / len(states)
         curve = states[0].curve
         best, best_rate = 0, 0.0
         for depth in range(top + 1):
-            tokens = sum(row_tokens[min(depth, len(row_tokens) - 1)] for row_tokens, _ in per_row)
+            tokens = others + sum(row_tokens[min(depth, len(row_tokens) - 1)] for row_tokens, _ in per_row)
             widest = max(row_nodes[min(depth, len(row_nodes) - 1)] for _, row_nodes in per_row)
             drafting = sum(self.drafting_seconds(state, depth) for state in states)
             rate = tokens / (curve(rows * (widest + 1)) * scale + drafting)
@@ -303,6 +422,8 @@ class CostAwareSize(SizingRule):
     def depth(self, state: SizingState, limit: int, evidence: int | None = None) -> int:
         if state.rows > 1 and state.cap is not None:  # a batch: the plan (which graded every row) chose
             state.chosen = min(state.cap, limit)
+            if state.chosen:
+                state.skipped = 0
             return state.chosen
         self.grade(state, evidence)
         state.probing = False
@@ -310,6 +431,8 @@ class CostAwareSize(SizingRule):
             state.chosen = limit
             return limit
         higher = evidence is not None and (state.top_grade is None or evidence > state.top_grade)
+        if higher and state.reach is not None and self.is_steep(state, limit):
+            state.top_grade, higher = evidence, False  # on a steep curve a better grade waits for a probe
         if state.reach is None or higher:
             # nothing drafted yet (or evidence above any drafted so far): the prior's best, at least a probe's
             first = min(limit, FIRST_DEPTHS)
@@ -337,6 +460,14 @@ class CostAwareSize(SizingRule):
         state.chosen = best
         return best
 
+    def is_steep(self, state: SizingState, limit: int) -> bool:
+        """Whether a failed probe costs more than a plain step (judged once a generation)."""
+        if state.steep is None:
+            probe = self.probe_depth(state, min(limit, FIRST_DEPTHS))
+            plain = state.forward_seconds(1)
+            state.steep = bool(probe) and state.forward_seconds(probe + 1) - plain > plain
+        return state.steep
+
     def exploring(self, state: SizingState, seconds: list[float]) -> tuple[float, int]:
         """This step's exploration draw (normal, ``explore_scale`` wide) and the deepest depth
         it may choose: the depths whose failure costs at most one plain step more than a plain
@@ -347,8 +478,10 @@ class CostAwareSize(SizingRule):
         cap = max((k for k in range(1, len(seconds)) if seconds[k] <= 2 * seconds[0]), default=0)
         return (state.draws.gauss(0.0, self.explore_scale), cap) if cap else (0.0, 0)
 
-    def share(self, state: SizingState, rows: int) -> None:
+    def share(self, state: SizingState, rows: int, positions: int | None = None, keys: int | None = None) -> None:
         state.rows = rows
+        if positions is not None or rows == 1:
+            state.positions, state.keys = positions, keys
 
     def observe(self, state: SizingState, tree: TokenTree, accepted: int, draft_seconds: float,
                 verify_seconds: float) -> None:
@@ -358,7 +491,11 @@ class CostAwareSize(SizingRule):
         # the first step's timing is left out: on llama.cpp its block reuses the prompt's last
         # position (computed by the prefill), so it runs one position short of the curve
         if verify_seconds > 0 and state.timed:
-            ratio = verify_seconds / state.curve(positions * state.rows)  # the whole batch's forward
+            if state.packed and state.rows > 1 and state.positions:
+                predicted = state.batch_forward(state.rows, state.positions, state.keys or 0)  # the whole forward
+            else:
+                predicted = state.curve(positions * state.rows)
+            ratio = verify_seconds / predicted
             state.scale = ratio if state.scale is None else 0.8 * state.scale + 0.2 * ratio
         state.timed = True
         if state.chosen and not drafted:  # no proposal (prompt lookup without a match): a plain step,
@@ -384,12 +521,19 @@ class CostAwareSize(SizingRule):
         trials, hits = state.trials, state.hits
         trials.extend([0.0] * (drafted - len(trials)))
         hits.extend([0.0] * (drafted - len(hits)))
+        pool_trials = self.pool_trials.setdefault(state.evidence, [])
+        pool_hits = self.pool_hits.setdefault(state.evidence, [])
+        pool_trials.extend([0.0] * (drafted - len(pool_trials)))
+        pool_hits.extend([0.0] * (drafted - len(pool_hits)))
         for d in range(1, drafted + 1):
             if len(state.width) < d:
                 state.width.append(float(counts[d - 1]))
             state.width[d - 1] = 0.8 * state.width[d - 1] + 0.2 * counts[d - 1]
             if accepted >= d - 1:  # depth d was tried: its parent was accepted
+                hit = 1.0 if accepted >= d else 0.0
                 trials[d - 1] = trials[d - 1] * self.decay + 1.0
-                hits[d - 1] = hits[d - 1] * self.decay + (1.0 if accepted >= d else 0.0)
+                hits[d - 1] = hits[d - 1] * self.decay + hit
+                pool_trials[d - 1] = pool_trials[d - 1] * self.pool_decay + 1.0
+                pool_hits[d - 1] = pool_hits[d - 1] * self.pool_decay + hit
 
 

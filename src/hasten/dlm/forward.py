@@ -79,14 +79,13 @@ class KVStore:
 
 
 def full_forward(model, tokens: torch.Tensor, rows: torch.Tensor, counts: ForwardCounts, per_pair: int,
-                 store: KVStore | None = None, kept: float = 1.0, **model_kwargs) -> torch.Tensor:
+                 store: KVStore | None = None, kept: float = 1.0) -> torch.Tensor:
     """Every position of ``tokens`` [length]; logits at ``rows`` [rows, vocab]. With ``store``, keep all K/V.
-    ``kept``: the fraction of query-key pairs the attention computes (a sparse attention passes it);
-    ``model_kwargs`` reach the attention function."""
+    ``kept``: the fraction of query-key pairs the attention computes (a sparse attention passes it)."""
     length = tokens.shape[0]
     cache = DynamicCache() if store is not None else None
     out = model(input_ids=tokens[None], attention_mask=bidirectional_mask(length, length, model.dtype, tokens.device),
-                **cache_argument(model, cache), use_cache=store is not None, logits_to_keep=rows, **model_kwargs)
+                **cache_argument(model, cache), use_cache=store is not None, logits_to_keep=rows)
     counts.add(length, length, length, per_pair, kept)
     if store is not None:
         store.replace_all(cache, tokens)
@@ -102,18 +101,18 @@ def context_positions(positions: torch.Tensor, length: int) -> torch.Tensor:
 
 
 def partial_forward(model, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, store: KVStore,
-                    counts: ForwardCounts, per_pair: int, kept: float = 1.0, **model_kwargs) -> torch.Tensor:
+                    counts: ForwardCounts, per_pair: int, kept: float = 1.0) -> torch.Tensor:
     """Only ``positions`` (sorted) are run; every other position's K/V come from ``store``. Their new K/V
     are written back to ``store``. Returns logits at ``rows`` (a subset of ``positions``) [rows, vocab].
     The attention sees the keys in the order (other positions ascending, then ``positions``);
-    ``kept`` and ``model_kwargs`` as in :func:`full_forward`."""
+    ``kept`` as in :func:`full_forward`."""
     length = tokens.shape[0]
     context = context_positions(positions, length)  # [length - queries]
     cache = store.context_cache(context)
     keep = torch.searchsorted(positions, rows)  # rows as offsets into the queries
     out = model(input_ids=tokens[positions][None], position_ids=positions[None], **cache_argument(model, cache), use_cache=True,
                 attention_mask=bidirectional_mask(len(positions), length, model.dtype, tokens.device),
-                logits_to_keep=keep, **model_kwargs)
+                logits_to_keep=keep)
     counts.add(len(positions), length, length, per_pair, kept)
     store.write(cache, len(context), positions, tokens[positions])
     return out.logits[0]

@@ -70,12 +70,12 @@ class StepView:
 class DenseAttention:
     """The model's own attention over every query-key pair (what every cache policy uses alone).
 
-    An attention object answers, before each forward, the keyword arguments that forward passes
-    to the model (they reach the attention function) and the fraction of query-key pairs it
-    computes; ``queries`` is None for a full forward, else the sorted positions a partial forward runs."""
+    An attention object sets up, before each forward, how that forward's attention is computed
+    and answers the fraction of query-key pairs it computes; ``queries`` is None for a full
+    forward, else the sorted positions a partial forward runs."""
 
-    def prepare(self, step: int, queries: torch.Tensor | None) -> tuple[dict, float]:
-        return {}, 1.0
+    def prepare(self, step: int, queries: torch.Tensor | None) -> float:
+        return 1.0
 
     def close(self) -> None:
         """Undo anything done to the model (called in a ``finally``)."""
@@ -92,8 +92,8 @@ class Runtime:
 
     def logits(self, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
         """tokens [length] -> logits at view.rows [rows, vocab]."""
-        kwargs, kept = self.attention.prepare(view.step, None)
-        return full_forward(self.model, tokens, view.rows, self.counts, self.per_pair, kept=kept, **kwargs)
+        kept = self.attention.prepare(view.step, None)
+        return full_forward(self.model, tokens, view.rows, self.counts, self.per_pair, kept=kept)
 
     def close(self) -> None:
         """Undo anything the runtime changed on the model (called in a ``finally``)."""
@@ -113,15 +113,15 @@ class _CachedRuntime(Runtime):
         if self.store is None or self.refresh_now(view):
             self.store = KVStore(len(tokens), tokens.device)
             self.index = torch.arange(len(tokens), device=tokens.device)
-            kwargs, kept = self.attention.prepare(view.step, None)
+            kept = self.attention.prepare(view.step, None)
             return full_forward(self.model, tokens, view.rows, self.counts, self.per_pair, store=self.store,
-                                kept=kept, **kwargs)
+                                kept=kept)
         run = self.positions(self, tokens, view)  # [length] bool
         run[view.rows] = True
         positions = run.nonzero().squeeze(1)  # [queries]
-        kwargs, kept = self.attention.prepare(view.step, positions)
+        kept = self.attention.prepare(view.step, positions)
         return partial_forward(self.model, tokens, positions, view.rows, self.store, self.counts, self.per_pair,
-                               kept=kept, **kwargs)
+                               kept=kept)
 
 
 class CachePolicy(Settings):

@@ -137,6 +137,8 @@ def generate(model, input_ids: torch.Tensor, *, mask_token_id: int | None = None
     every prediction more confident than this (parallel decoding). ``shifted_logits`` (Dream-style: the
     output at position i - 1 predicts token i) defaults to ``model.config.dlm_shifted_logits``."""
     _check(input_ids, gen_length, block_length, steps, temperature, remasking, threshold)
+    if model.config.is_encoder_decoder:
+        raise ValueError(f"hasten.dlm runs a causal LM bidirectionally; {type(model).__name__} is an encoder-decoder")
     if mask_token_id is None:
         mask_token_id = find_mask_token_id(model, tokenizer)
     if mask_token_id is None:

@@ -27,11 +27,15 @@ gets its pattern from the attention of the queries that ran in it.
 The sparse attention is gather-based (it runs on CPU): the queries of each query block attend to the
 keys of its own selected key blocks, gathered into one dense tile, so its cost is ``select`` of
 full attention. It reaches the model through ``transformers.AttentionInterface`` as
-``"hasten_sparsed"``; the per-generation state travels in the forward's keyword arguments, not on
-the model.
+``"hasten_sparsed"``. The generation's state reaches it through a context variable set for the
+generation, not through the forward's keyword arguments: some decoder layers (StableLM's) do not
+pass those on to their attention, which then ran full attention and recorded no pattern. Before
+the first step a one-token forward checks that every layer's attention calls it; a model whose
+attention does not go through the interface is refused there, in one line.
 """
 from __future__ import annotations
 
+import contextvars
 import math
 from dataclasses import dataclass, field
 
@@ -54,11 +58,16 @@ class SparseState:
     block: int
     select: float
     split: int | None  # first key block wholly in the generated span (None: one top-k over all blocks)
-    mode: str = "full"  # full | select (full attention that also picks patterns) | sparse
+    mode: str = "full"  # full | select (full attention that also picks patterns) | sparse | probe (records layers)
     queries: torch.Tensor | None = None  # [queries] positions this forward runs (None: all, in order)
     key_positions: torch.Tensor | None = None  # [length] position of each key as attention sees it (None: in order)
     choose: torch.Tensor | None = None  # [blocks] bool: query blocks whose patterns a select forward picks
     patterns: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [heads, query blocks, key blocks] bool
+    probed: set = field(default_factory=set)  # the layers whose attention a probe forward reached
+
+
+# The running generation's state, read by the attention function (None: no SparseD generation).
+CURRENT: contextvars.ContextVar[SparseState | None] = contextvars.ContextVar("hasten_sparsed", default=None)
 
 
 def block_mass(probs: torch.Tensor, block: int, query_positions: torch.Tensor | None = None,
@@ -189,10 +198,14 @@ def _full_with_probs(query, key, value, scaling, groups):
 
 
 def sparsed_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
-                      sparsed: SparseState | None = None, **kwargs):
-    """The attention function registered as ``hasten_sparsed``: sdpa unless ``sparsed`` says otherwise.
-    query [1, heads, Q, d], key/value [1, kv_heads, L, d] -> ([1, Q, heads, d], None)."""
-    if sparsed is None or sparsed.mode == "full" or query.shape[0] != 1:
+                      **kwargs):
+    """The attention function registered as ``hasten_sparsed``: sdpa unless the running generation's
+    state (:data:`CURRENT`) says otherwise. query [1, heads, Q, d], key/value [1, kv_heads, L, d] ->
+    ([1, Q, heads, d], None)."""
+    sparsed = CURRENT.get()
+    if sparsed is not None and sparsed.mode == "probe":
+        sparsed.probed.add(getattr(module, "layer_idx", None))
+    if sparsed is None or sparsed.mode in ("full", "probe") or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
@@ -233,6 +246,29 @@ class SparseAttention:
         self.known = torch.zeros(blocks, dtype=torch.bool, device=model.device)  # [blocks] patterns chosen
         self.previous = model.config._attn_implementation
         model.set_attn_implementation(ATTENTION_NAME)
+        self.token = CURRENT.set(self.state)
+        try:
+            self.check_routed()
+        except BaseException:
+            self.close()
+            raise
+
+    def check_routed(self) -> None:
+        """Refuse, before the first step, a model whose layers' attention does not reach
+        :func:`sparsed_attention` (it would run full attention and pick no pattern): a one-token
+        forward must reach it once in every layer."""
+        state, model = self.state, self.model
+        state.mode = "probe"
+        with torch.no_grad():
+            one = torch.ones(1, 1, dtype=torch.long, device=model.device)
+            model(input_ids=one, attention_mask=one, use_cache=False)
+        state.mode = "full"
+        layers = set(range(model.config.get_text_config().num_hidden_layers))
+        if state.probed != layers:
+            reached = sorted(layer for layer in state.probed if layer is not None)
+            raise ValueError(f"SparseD cannot route the attention of {type(model).__name__}: its layers' attention "
+                             f"does not go through transformers' AttentionInterface (reached in layers {reached} of "
+                             f"{len(layers)}); run it with a cache policy alone, or without one")
 
     def kept_fraction(self, queries: torch.Tensor | None) -> float:
         """The fraction of query-key pairs the sparse forward computes, in whole key blocks, over the
@@ -251,11 +287,11 @@ class SparseAttention:
                 fractions.append(float(per_query.mean()))
         return sum(fractions) / len(fractions) / len(self.known)
 
-    def prepare(self, step: int, queries: torch.Tensor | None) -> tuple[dict, float]:
+    def prepare(self, step: int, queries: torch.Tensor | None) -> float:
         state = self.state
         if step < self.choosing_step:
             state.mode = "full"
-            return {"sparsed": state}, 1.0
+            return 1.0
         state.queries = queries
         state.key_positions = None if queries is None else torch.cat([context_positions(queries, self.length),
                                                                         queries])
@@ -265,12 +301,13 @@ class SparseAttention:
         if bool(missing.any()):
             state.mode, state.choose = "select", missing
             self.known |= missing
-            return {"sparsed": state}, 1.0
+            return 1.0
         state.mode = "sparse"
-        return {"sparsed": state}, self.kept_fraction(queries)
+        return self.kept_fraction(queries)
 
     def close(self) -> None:
         self.model.set_attn_implementation(self.previous)
+        CURRENT.reset(self.token)
 
 
 @dataclass(frozen=True)

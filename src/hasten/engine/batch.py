@@ -19,42 +19,21 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel
 
 from ..core.errors import FieldError
-from ..core.runtime import Capability
-from ..core.sampling import Sampling
+from ..core.request import Request  # the one request object, re-exported here beside the scheduler
 from ..core.stats import DecodeStats
 from ..drafters.base import Drafter, TargetView
-from ..models.batch import BatchRow
 from ..models.hf import runtime_of
-from .inputs import check_positions, eos_ids
+from .calibration import load_or_calibrate_batch
 from .logprobs import TokenLogprob, token_logprobs
-from .sequence import Sequence, step
+from .sequence import RowCache, Sequence, step
 from .sizing import SizingChoice, SizingRule
-from .stops import StopStrings
 from .verify import Acceptance, acceptance_rule
-
-
-@dataclass
-class Request:
-    input_ids: list[int]  # prompt ids, at least one
-    max_new_tokens: int
-    sampling: Sampling = field(default_factory=Sampling)
-    seed: int | None = None  # seeds this row's own generator (sampling); ignored when generator is given
-    eos_token_ids: frozenset[int] | None = None  # None: the model's generation config
-    stop: StopStrings | None = None  # ends the row after the token that completes a stop string
-    generator: torch.Generator | None = None  # a generator shared with other rows (hasten.generate's)
-    logprobs: int | None = None  # score every generated token, with this many alternatives each (None: no scoring)
-    processed_logprobs: bool = False  # score under the request's logit rules and sampling transform (else raw)
-    prompt_logprobs: int | None = None  # score the prompt's tokens from the prefill, with this many alternatives
-    stop_token_ids: frozenset[int] = frozenset()  # end the row after any of these, as after EOS (vLLM's)
-    ignore_eos: bool = False  # EOS does not end the row (it may still be generated; min_tokens holds it back)
-    resumed: int = 0  # the last ``resumed`` input ids were generated already (a continuation): penalties count them
-    use_pool: bool = True  # a pooled drafter may draft from its shared pool and learn this row's text (False: neither)
 
 
 @dataclass
@@ -68,6 +47,7 @@ class RowUpdate:
     logprobs: list[TokenLogprob] | None = None  # one per token of ``tokens``, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1 .. T - 1, on the row's first update, when asked
     stop_token: int | None = None  # on the last update: the EOS or stop id that ended the row (its last token)
+    speculated: bool = False  # the row drafts (a drafter, and its request did not turn drafting off)
 
 
 @dataclass
@@ -89,7 +69,7 @@ class StepInfo:
 @dataclass
 class _Running:
     sequence: Sequence
-    row: BatchRow
+    row: RowCache  # its row of the batch (a PackedRow, a BatchRow, a llama.cpp sequence)
     queued_seconds: float
     reserved: int  # prompt + budget: what it counts against max_tokens_in_flight
     prompt_scored: list[TokenLogprob] | None = None  # the prompt's log-probabilities, until its first update carries them
@@ -117,7 +97,7 @@ class Scheduler:
         self.runtime = runtime_of(model)
         if drafter is not None:
             drafter.check_runtime(self.runtime, batched=True)  # before any forward
-        self.target = self.runtime.batch(max_batch)
+        self.target = self.runtime.batch(max_batch, drafter.needs if drafter is not None else frozenset())
         if drafter is not None:
             drafter.check_target(TargetView(self.target, drafter.needs, self.runtime.source))
         self.model = model
@@ -126,9 +106,10 @@ class Scheduler:
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_prefill_tokens = max_prefill_tokens
         self.sizing = SizingChoice(draft_size)
+        if drafter is not None and draft_size in ("auto", None) and getattr(self.target, "packed_rows", False):
+            load_or_calibrate_batch(model)  # a packed batch's cost, measured now rather than inside the first step
         self.lossy_acceptance = lossy_acceptance
         self.last_step: StepInfo | None = None
-        self._default_eos = eos_ids(self.runtime, None)
         self._lock = threading.Lock()
         self._waiting: deque[tuple[int, Request, float]] = deque()
         self._cancelled: set[int] = set()
@@ -137,8 +118,9 @@ class Scheduler:
 
     # ---- any thread ---------------------------------------------------------------------
     def submit(self, request: Request) -> int:
-        """Queue a request; returns its row id. Bad requests raise ValueError/TypeError."""
-        self.check(request)
+        """Admit a request (checked once, here) and queue it; returns its row id. Bad requests
+        raise FieldError (a ValueError) or TypeError."""
+        request = self.check(request)
         acceptance_rule(request.sampling, self.lossy_acceptance)  # a lossy rule with greedy sampling fails here
         with self._lock:
             row_id = self._next_id
@@ -168,48 +150,18 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self._running or self._waiting or self._cancelled)
 
-    def check(self, request: Request) -> None:
+    def check(self, request: Request) -> Request:
+        """The request admitted (:meth:`Request.admit`: checked against the model, its defaults
+        filled in), within this scheduler's capacity."""
         if not isinstance(request, Request):
             raise TypeError(f"expected a Request, got {type(request).__name__}")
-        ids = request.input_ids
-        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise FieldError("input_ids", "invalid_value", "{field} must be a non-empty list of token ids")
-        vocab = self.runtime.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise FieldError("input_ids", "invalid_value",
-                             f"{{field}} contains token id {bad}, outside the model's vocabulary [0, {vocab})")
+        admitted = request.admit(self.runtime)
         budget = request.max_new_tokens
-        if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-            raise FieldError("max_new_tokens", "invalid_value", f"{{field}} must be an integer >= 0, got {budget!r}")
-        check_positions(self.runtime, len(ids), budget)
-        if not isinstance(request.sampling, Sampling):
-            raise TypeError(f"sampling must be a hasten Sampling, got {type(request.sampling).__name__}")
-        request.sampling.check_vocab(vocab)
-        stop_ids = request.stop_token_ids
-        if not isinstance(stop_ids, (set, frozenset, list, tuple)) or not all(
-                isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in stop_ids):
-            raise FieldError("stop_token_ids", "invalid_value",
-                             f"{{field}} must be token ids in the model's vocabulary [0, {vocab}), got {stop_ids!r}")
-        allowed = request.sampling.allowed_token_ids
-        if request.sampling.min_tokens and allowed is not None and set(allowed) <= self._suppressed(request):
-            raise FieldError("min_tokens", "invalid_value",
-                             "{field} holds back every token allowed_token_ids allows (they all end the row)")
-        if not isinstance(request.use_pool, bool):
-            raise FieldError("pool", "invalid_value", f"{{field}} must be true or false, got {request.use_pool!r}")
-        if request.seed is not None and (isinstance(request.seed, bool) or not isinstance(request.seed, int)):
-            raise FieldError("seed", "invalid_value", f"{{field}} must be an integer or None, got {request.seed!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            count = getattr(request, name)
-            if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 0):
-                raise FieldError(name, "invalid_value", f"{{field}} must be an integer >= 0 or None, got {count!r}")
-        if request.prompt_logprobs is not None and Capability.PROMPT_LOGITS not in self.runtime.capabilities:
-            raise FieldError("prompt_logprobs", "unsupported_parameter",
-                             "{field} needs the prefill's logits, which this model's runtime does not keep")
-        if self.max_tokens_in_flight is not None and len(ids) + budget > self.max_tokens_in_flight:
+        if self.max_tokens_in_flight is not None and len(request.input_ids) + budget > self.max_tokens_in_flight:
             raise FieldError("max_new_tokens", "over_capacity",
-                             f"the prompt ({len(ids)} tokens) and {{field}} ({budget}) exceed "
+                             f"the prompt ({len(request.input_ids)} tokens) and {{field}} ({budget}) exceed "
                              f"max_tokens_in_flight={self.max_tokens_in_flight}")
+        return admitted
 
     # ---- the decode thread ----------------------------------------------------------------
     def step(self) -> list[RowUpdate]:
@@ -230,7 +182,7 @@ class Scheduler:
                 scored = None if sequence.logprobs is None else sequence.scored
                 updates.append(RowUpdate(row_id, new, sequence.finished, sequence.finish_reason, sequence.stats,
                                          entry.queued_seconds, scored, entry.take_prompt_scored(),
-                                         sequence.stop_token))
+                                         sequence.stop_token, sequence.drafter is not None))
                 if sequence.finished:
                     self._finish(row_id)
         self.last_step = StepInfo(len(running), admitted, time.perf_counter() - began, draft_seconds, verify_seconds)
@@ -281,36 +233,28 @@ class Scheduler:
     def _start(self, request: Request, queued_seconds: float, reserved: int) -> _Running:
         clock = time.perf_counter()
         stats = DecodeStats()
-        want_features = self.drafter is not None and self.drafter.reads_features()
+        drafter = self.drafter if request.speculate else None
+        want_features = drafter is not None and drafter.reads_features()
         prompt_scored = None
         if request.prompt_logprobs is None:
-            row, prefilled = self.target.add(request.input_ids, hidden=want_features)
+            row, prefilled = self.target.add(request.input_ids, hidden=want_features, room=reserved)
         else:  # the prefill keeps its logits, scored here and dropped
-            row, prefilled = self.target.add(request.input_ids, hidden=want_features, logits=True)
+            row, prefilled = self.target.add(request.input_ids, hidden=want_features, logits=True, room=reserved)
             prompt_scored = token_logprobs(row.prompt_logits, request.input_ids[1:], request.prompt_logprobs)
             row.prompt_logits = None
-        generator = request.generator
-        if generator is None and request.seed is not None:
-            generator = torch.Generator(self.target.device).manual_seed(request.seed)
-        sizing = self.sizing.for_request(not request.sampling.greedy, seeded=generator is not None)
-        eos = self._eos(request)
-        stops = (frozenset() if request.ignore_eos else eos) | frozenset(request.stop_token_ids)
-        sequence = Sequence(
-            row, list(request.input_ids), prefilled, self.drafter, request.sampling, generator,
-            acceptance_rule(request.sampling, self.lossy_acceptance), stops, request.max_new_tokens, stats,
-            sizing, stop=request.stop, model_source=self.runtime.source, logprobs=request.logprobs,
-            processed_logprobs=request.processed_logprobs,
-            suppressed_ids=self._suppressed(request), resumed=request.resumed, use_pool=request.use_pool,
-        )
+        sizing = self.sizing.for_request(not request.sampling.greedy, seeded=request.generator is not None)
+        sequence = Sequence(row, list(request.input_ids), prefilled, drafter, request,
+                            acceptance_rule(request.sampling, self.lossy_acceptance), stats, sizing,
+                            model_source=self.runtime.source)
         stats.prefill_seconds += time.perf_counter() - clock
         return _Running(sequence, row, queued_seconds, reserved, prompt_scored)
 
-    def _eos(self, request: Request) -> frozenset[int]:
-        return self._default_eos if request.eos_token_ids is None else frozenset(request.eos_token_ids)
-
-    def _suppressed(self, request: Request) -> frozenset[int]:
-        """What min_tokens holds back: EOS (even with ignore_eos, as vLLM) and the stop ids."""
-        return self._eos(request) | frozenset(request.stop_token_ids)
+    def abandon(self) -> None:
+        """Tell the drafter that every running row's generation is over, without an update: a
+        server replacing this scheduler after a failed step goes on with its rows elsewhere (as
+        continuations), so a pooled drafter forgets their prompts here and keeps what they wrote."""
+        for entry in self._running.values():
+            entry.sequence.close()
 
     def _finish(self, row_id: int) -> None:
         entry = self._running.pop(row_id)

@@ -14,12 +14,15 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.sampling import Sampling
+from ..core.generators import consume
 from ..core.stats import DecodeStats
+from ..core.threads import DEFAULT_THREADS, using_threads
 from ..drafters.base import Drafter, TargetView
 from ..core.runtime import Runtime
 from ..models.hf import runtime_of
 from ..models.attention import MaskedTree, attention_path
-from .batch import Request, Scheduler
+from ..core.request import Request
+from .batch import Scheduler
 from .inputs import check_inputs, eos_ids
 from .sequence import Sequence, step
 from .sizing import SizingChoice, SizingRule
@@ -48,25 +51,22 @@ class BatchGenerationOutput:
 
 def decode(
     runtime: Runtime,
-    input_ids: torch.Tensor,
+    request: Request,
     drafter: Drafter | None,
-    max_new_tokens: int,
-    sampling: Sampling,
-    eos_token_ids: frozenset[int],
-    generator: torch.Generator | None,
     stats: DecodeStats,
     acceptance: Acceptance,
     sizing: SizingRule | None = None,
-    stop: StopStrings | None = None,
     kv_compression=None,
     tree_attention: MaskedTree | None = None,
-    **model_inputs: torch.Tensor,
 ) -> Generator[list[int], None, str | None]:
-    """Yield each step's committed tokens of one sequence, then return why it ended. Inputs are assumed validated
-    (see generate). The step itself, shared with batched decoding, is
-    :func:`hasten.engine.sequence.step`; the :class:`Sequence` owns the committed state
-    (tokens, target features, the drafter's per-generation state). ``model_inputs``: a
-    vision-language target's images (``pixel_values``, ...), read by the prefill only."""
+    """Yield each step's committed tokens of one sequence, then return why it ended. The
+    request is admitted here (checked against the model, its defaults filled in). The step
+    itself, shared with batched decoding, is :func:`hasten.engine.sequence.step`; the
+    :class:`Sequence` owns the committed state (tokens, target features, the drafter's
+    per-generation state). A vision-language request's images (``request.model_inputs``) are
+    read by the prefill only."""
+    request = request.admit(runtime)
+    drafter = drafter if request.speculate else None
     if drafter is not None:
         drafter.check_runtime(runtime)  # before any forward
     target = runtime.session(tree_attention)
@@ -74,13 +74,14 @@ def decode(
         drafter.check_target(TargetView(target, drafter.needs, runtime.source))
     clock = time.perf_counter()
     want_features = drafter is not None and drafter.reads_features()
+    input_ids = torch.tensor([request.input_ids], dtype=torch.long, device=runtime.device)  # [1, T]
     if kv_compression is None:
-        tokens, prefilled = target.start(input_ids, hidden=want_features, **model_inputs)
+        tokens, prefilled = target.start(input_ids, hidden=want_features, **request.model_inputs)
     else:  # lossy, asked for by name: the target keeps a compressed cache of the prompt
-        tokens, prefilled = kv_compression.start(target, input_ids, want_features, max_new_tokens=max_new_tokens)
-    source = input_ids[0].tolist() if target.encoder_decoder else None
-    sequence = Sequence(target, tokens, prefilled, drafter, sampling, generator, acceptance, eos_token_ids,
-                        max_new_tokens, stats, sizing, source, stop, runtime.source)
+        tokens, prefilled = kv_compression.start(target, input_ids, want_features,
+                                                 max_new_tokens=request.max_new_tokens)
+    source = list(request.input_ids) if target.encoder_decoder else None
+    sequence = Sequence(target, tokens, prefilled, drafter, request, acceptance, stats, sizing, source, runtime.source)
     stats.prefill_seconds += time.perf_counter() - clock
     try:
         while not sequence.finished:
@@ -116,6 +117,7 @@ def generate(
     logit_bias: dict[int, float] | None = None,
     allowed_token_ids: list[int] | None = None,
     min_tokens: int = 0,
+    threads: int | None = DEFAULT_THREADS,
     **model_inputs: torch.Tensor,
 ) -> GenerationOutput | BatchGenerationOutput:
     """Generate up to ``max_new_tokens`` tokens after ``input_ids`` ([1, T]).
@@ -150,40 +152,40 @@ def generate(
     ``pixel_values=`` and whatever else its processor returns (``pixel_attention_mask``,
     ``image_sizes``, ...); the prefill reads them, decoding is text only (see
     :mod:`hasten.models.vlm`). One prompt at a time: batches take no images.
+
+    ``threads``: CPU threads torch computes with during the call, the caller's count restored
+    after it; 1 by default, as on the command line (on a busy machine torch's default of one per
+    core was 4-10x slower: :mod:`hasten.core.threads`); 0 takes every core, None leaves torch's
+    setting alone.
     """
-    sampling = Sampling(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
-                        logit_bias or (), allowed_token_ids, min_tokens)
-    stop = StopStrings(tokenizer, stop_strings or [])
-    attention = attention_path(tree_attention)
-    attention_mask, model_inputs = _image_inputs(input_ids, attention_mask, model_inputs)
-    prompts = batch_prompts(input_ids, attention_mask)
-    lossy = lossy_parts(lossy_acceptance, kv_compression)
-    if kv_compression is not None and model_inputs:
-        raise ValueError(f"kv_compression compresses a text prompt's cache; {', '.join(sorted(model_inputs))} "
-                         "cannot go with it")
-    runtime = runtime_of(model)
-    if prompts is not None:
-        if kv_compression is not None:
-            raise ValueError("kv_compression takes one prompt at a time, not a batch")
-        return _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
-                               lossy_acceptance, draft_size, stop)
-    check_inputs(runtime, input_ids, drafter, max_new_tokens, generator, model_inputs)
-    sampling.check_vocab(runtime.vocab_size)
-    stats = DecodeStats()
-    eos = eos_ids(runtime, eos_token_id)
-    acceptance = acceptance_rule(sampling, lossy_acceptance)
-    sizing = SizingChoice(draft_size).for_request(not sampling.greedy, seeded=generator is not None)
-    new: list[int] = []
-    pieces = decode(runtime, input_ids, drafter, max_new_tokens, sampling, eos, generator, stats, acceptance, sizing,
-                    stop, kv_compression, attention, **model_inputs)
-    while True:
-        try:
-            new.extend(next(pieces))
-        except StopIteration as end:
-            reason = end.value
-            break
-    head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
-    return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
+    with using_threads(threads):
+        sampling = Sampling(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
+                            logit_bias or (), allowed_token_ids, min_tokens)
+        stop = StopStrings(tokenizer, stop_strings or [])
+        attention = attention_path(tree_attention)
+        attention_mask, model_inputs = _image_inputs(input_ids, attention_mask, model_inputs)
+        prompts = batch_prompts(input_ids, attention_mask)
+        lossy = lossy_parts(lossy_acceptance, kv_compression)
+        if kv_compression is not None and model_inputs:
+            raise ValueError(f"kv_compression compresses a text prompt's cache; {', '.join(sorted(model_inputs))} "
+                             "cannot go with it")
+        runtime = runtime_of(model)
+        if prompts is not None:
+            if kv_compression is not None:
+                raise ValueError("kv_compression takes one prompt at a time, not a batch")
+            return _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
+                                   lossy_acceptance, draft_size, stop)
+        check_inputs(runtime, input_ids, drafter, max_new_tokens, generator, model_inputs)
+        request = Request(input_ids[0].tolist(), max_new_tokens, sampling, eos_token_ids=eos_ids(runtime, eos_token_id),
+                          stop=stop, generator=generator, model_inputs=model_inputs)
+        stats = DecodeStats()
+        acceptance = acceptance_rule(sampling, lossy_acceptance)
+        sizing = SizingChoice(draft_size).for_request(not sampling.greedy, seeded=generator is not None)
+        new: list[int] = []
+        pieces = decode(runtime, request, drafter, stats, acceptance, sizing, kv_compression, attention)
+        reason = consume(pieces, new.extend)
+        head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
+        return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
 
 
 def lossy_parts(lossy_acceptance, kv_compression) -> tuple[str, ...]:
@@ -257,7 +259,8 @@ def _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_tok
     scheduler = Scheduler(runtime, drafter, max_batch=len(prompts), draft_size=draft_size,
                           lossy_acceptance=lossy_acceptance)
     row_ids = [
-        scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, None, eos, stop, generator))
+        scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, eos_token_ids=eos, stop=stop,
+                                 generator=generator))
         for prompt in prompts
     ]
     results = scheduler.run()

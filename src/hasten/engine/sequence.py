@@ -11,10 +11,12 @@ scheduler. The step is the same code either way.
 from __future__ import annotations
 
 import time
+
 import torch
 
+from ..core.request import Request
 from ..core.rows import ForwardOutput, RowCache, Target
-from ..core.sampling import LogitRules, Sampling
+from ..core.sampling import LogitRules
 from ..core.state import GrowingBuffer
 from ..core.stats import DecodeStats, holder_kv_bytes
 from ..core.tree import TokenTree
@@ -22,7 +24,7 @@ from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResul
 from .logprobs import TokenLogprob, token_logprobs
 from .sizing import FixedSize, SizingRule
 from .stops import StopStrings
-from .verify import Acceptance
+from .verify import Acceptance, RowCheck, Verdict, verify_all
 
 
 class Sequence:
@@ -36,42 +38,37 @@ class Sequence:
     def __init__(
         self,
         cache: RowCache,
-        tokens: list[int],
+        tokens: list[int],  # committed tokens to decode after: the prompt (a seq2seq decoder's start token)
         prefilled: torch.Tensor | None,  # [len(tokens) - 1, hidden] features of the prefilled tokens
         drafter: Drafter | None,
-        sampling: Sampling,
-        generator: torch.Generator | None,
+        request: Request,  # admitted (Request.admit): its EOS ids and generator resolved
         acceptance: Acceptance,
-        eos_token_ids: frozenset[int],
-        max_new_tokens: int,
         stats: DecodeStats,
         sizing: SizingRule | None = None,
         source: list[int] | None = None,
-        stop: StopStrings | None = None,
         model_source: str = "",  # where the target was loaded from (a drafter's corpus may need its tokenizer)
-        logprobs: int | None = None,  # score each committed token, with this many alternatives (None: no scoring)
-        processed_logprobs: bool = False,  # score under the logit rules and the sampling transform (else raw)
-        suppressed_ids: frozenset[int] | None = None,  # what min_tokens holds back (None: eos_token_ids)
-        resumed: int = 0,  # the last ``resumed`` of ``tokens`` were generated already (a continuation)
-        use_pool: bool = True,  # whether a pooled drafter may read and write its shared pool for this generation
     ):
+        drafter = drafter if request.speculate else None  # the request's drafting switch: a plain row
+        sampling, max_new_tokens, resumed, stop = request.sampling, request.max_new_tokens, request.resumed, request.stop
+        self.request = request
         self.cache = cache
         self.drafter = drafter
         self.acceptance = acceptance
-        self.eos_token_ids = eos_token_ids
+        self.eos_token_ids = request.ending_ids()  # what ends the row: EOS (unless ignored), stop ids
         self.max_new_tokens = max_new_tokens
         self.stats = stats
         self.stop = stop if stop else None
         if self.stop is not None and sampling.min_tokens > resumed:  # no stop string ends it before min_tokens
             self.stop = StopStrings(stop.tokenizer, stop.strings, sampling.min_tokens - resumed)
         self.generated: list[int] = []
-        self.logprobs = logprobs
-        self.processed_logprobs = processed_logprobs
+        self.logprobs = request.logprobs
+        self.processed_logprobs = request.processed_logprobs
         self.scored: list[TokenLogprob] = []  # the last settle's committed tokens, scored (when logprobs is set)
         self.finish_reason: str | None = "length" if max_new_tokens == 0 else None
         self.stop_token: int | None = None  # the EOS or stop id that ended the sequence
-        self.suppressed_ids = eos_token_ids if suppressed_ids is None else suppressed_ids
+        self.suppressed_ids = request.suppressed_ids()  # what min_tokens holds back
         self.resumed = resumed
+        generator = request.generator
         self.ruled = sampling.has_logit_rules  # asked once: a request without rules does no extra work per step
         self.rules: LogitRules | None = None  # the request's logit rules, from the first step
         self.want_features = drafter is not None and drafter.reads_features()
@@ -82,7 +79,7 @@ class Sequence:
                 features.extend(prefilled)
         view = TargetView(cache, drafter.needs if drafter else frozenset(), model_source)
         self.ctx = DraftContext(tokens, 0, sampling, generator, view, source, features, acceptance=acceptance,
-                                use_pool=use_pool)
+                                use_pool=request.pool)
         self._ended = drafter is None
         self.fit = Draft.limit_depth if cache.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
         self.sizing = sizing or FixedSize()
@@ -140,19 +137,25 @@ class Sequence:
     def block(self, draft: Draft) -> list[int]:
         return [self.tokens[-1], *draft.tokens]
 
-    def settle(self, draft: Draft, out: ForwardOutput) -> list[int]:
-        """Verify this sequence's part of the forward, commit it, apply the stop rules;
-        returns the newly committed tokens."""
-        ctx, cache, stats = self.ctx, self.cache, self.stats
-        start = self._start
+    def check(self, draft: Draft, out: ForwardOutput) -> RowCheck:
+        """What the verifier reads of this sequence's part of the forward: the target's logits
+        under the request's logit rules (the same rules plain decoding applies, each row after
+        its own path)."""
+        ctx = self.ctx
         logits = out.logits  # [n + 1, vocab] the target's, at each block index
-        if self.ruled:  # the same rules plain decoding applies, each row after its own path
+        if self.ruled:
             if self.rules is None:
                 split = len(self.tokens) - self.resumed
                 self.rules = LogitRules(ctx.sampling, logits.shape[-1], logits.device, self.tokens[:split],
                                         self.tokens[split:], self.suppressed_ids)
             logits = self.rules.apply(logits, draft.tree, draft.tokens)
-        verdict = self.acceptance.verify(draft.tree, draft.tokens, logits, draft.probs, ctx.sampling, ctx.generator)
+        return RowCheck(draft.tree, tuple(draft.tokens), logits, draft.probs, ctx.sampling, ctx.generator)
+
+    def settle(self, draft: Draft, out: ForwardOutput, check: RowCheck, verdict: Verdict) -> list[int]:
+        """Commit this sequence's verdict and apply the stop rules; returns the newly
+        committed tokens."""
+        ctx, cache, stats = self.ctx, self.cache, self.stats
+        start = self._start
         cache.commit(start, draft.tree, verdict.accepted)
         kept_blocks = [0, *(node + 1 for node in verdict.accepted)]  # the root and the accepted path
         if ctx.feature_buffer is not None:
@@ -163,7 +166,7 @@ class Sequence:
         if self.rules is not None:
             self.rules.commit(new)
         if self.logprobs is not None:  # each committed token was scored at its block index (kept_blocks)
-            self.scored = token_logprobs(self._scoring_rows(out.logits, logits, kept_blocks[: len(new)]), new,
+            self.scored = token_logprobs(self._scoring_rows(out.logits, check.logits, kept_blocks[: len(new)]), new,
                                          self.logprobs)
         self.tokens.extend(new)
         if cache.cache_length > len(self.tokens) - 1:  # a stop rule cut inside the accepted path
@@ -221,7 +224,8 @@ class Sequence:
 
 
 def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
-    """One decode step for every sequence: propose, one verification forward, settle.
+    """One decode step for every sequence: propose, one verification forward, one
+    verification pass over every row (:func:`~hasten.engine.verify.verify_all`), settle.
     Returns each sequence's newly committed tokens."""
     drafting = [sequence for sequence in sequences if sequence.drafter is not None]
     for sequence in sequences:
@@ -231,10 +235,18 @@ def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
     by_rule: dict[int, list[Sequence]] = {}  # rows resolved alike share a rule, which plans for all of them at once
     for sequence in drafting:
         by_rule.setdefault(id(sequence.sizing), []).append(sequence)
-    for rows in by_rule.values():
-        if len(rows) > 1:
-            rows[0].sizing.plan([s.size_state for s in rows], [s.depth_limit for s in rows], [s.evidence for s in rows])
+    if len(sequences) > 1:
+        for rows in by_rule.values():
+            others = [s for s in sequences if s.drafter is None or s.sizing is not rows[0].sizing]
+            rows[0].sizing.plan([s.size_state for s in rows], [s.depth_limit for s in rows], [s.evidence for s in rows],
+                                len(others), sum(s.cache.cache_length for s in others),
+                                [s.cache.cache_length for s in rows])
     drafts = [sequence.propose() for sequence in sequences]
+    if len(sequences) > 1:
+        positions = sum(len(draft) + 1 for draft in drafts)
+        keys = sum((len(draft) + 1) * sequence.cache.cache_length for sequence, draft in zip(sequences, drafts))
+        for sequence in drafting:  # what the forward will run, for the rule's reading of its time
+            sequence.sizing.share(sequence.size_state, len(sequences), positions, keys)
     riders = [draft.riders for draft in drafts]
     outs = target.forward_rows(
         [sequence.cache for sequence in sequences],
@@ -243,4 +255,7 @@ def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
         any(sequence.want_features for sequence in sequences),
         **({"riders": riders} if any(r is not None for r in riders) else {}),  # only a riders-capable target
     )
-    return [sequence.settle(draft, out) for sequence, draft, out in zip(sequences, drafts, outs)]
+    checks = [sequence.check(draft, out) for sequence, draft, out in zip(sequences, drafts, outs)]
+    verdicts = verify_all([sequence.acceptance for sequence in sequences], checks)
+    return [sequence.settle(draft, out, check, verdict)
+            for sequence, draft, out, check, verdict in zip(sequences, drafts, outs, checks, verdicts)]

@@ -3,9 +3,9 @@ target's forward cost calibrated on this machine, and what the ``draft_size`` se
 """
 from __future__ import annotations
 
-from ..core.cost import CostCurve
+from ..core.cost import BatchCost, CostCurve
 from ..core.sizing import FIRST_DEPTHS, CostAwareSize as CurveSize, FixedSize, SizingRule, SizingState
-from .calibration import load_or_calibrate
+from .calibration import load_or_calibrate, load_or_calibrate_batch
 
 __all__ = ["FIRST_DEPTHS", "CostAwareSize", "FixedSize", "SizingRule", "SizingState", "SIZES", "default_size",
            "SizingChoice", "sizing_rule"]
@@ -17,6 +17,9 @@ class CostAwareSize(CurveSize):
 
     def curve_for(self, target) -> CostCurve:
         return load_or_calibrate(target.model)
+
+    def batch_cost_for(self, target) -> BatchCost:
+        return load_or_calibrate_batch(target.model)
 
 
 SIZES = ("auto", "fixed")

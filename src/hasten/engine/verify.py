@@ -151,6 +151,15 @@ def accept_sampling(
     never; once all are rejected, their tokens are zeroed out of ``p``. Either way the
     output is distributed exactly as ``p``.
     """
+    end, token = sampling_walk(tree, draft, p, q, generator)
+    return sampling_verdict(tree, *torch.stack([end, token]).tolist())  # the step's one device-to-host transfer
+
+
+def sampling_walk(tree: TokenTree, draft, p: torch.Tensor, q: torch.Tensor | None,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`accept_sampling` on the device: 0-dim long tensors of the block index where the
+    walk stops and of the next token, left on the device (a batch stacks every row's and moves
+    them to the host at once)."""
     draft = tuple(draft)
     n, vocab = len(draft), p.shape[-1]
     check_draft(draft, vocab)
@@ -162,7 +171,7 @@ def accept_sampling(
         q = q.to(p.device, torch.float32)
     randoms = uniforms(n + 1, generator, p.device)  # [n + 1] one test per node, then the final draw
     if n == 0:  # plain decoding
-        return Verdict((), int(draw(p[:1], randoms)[0]))
+        return torch.zeros((), dtype=torch.long, device=p.device), draw(p[:1], randoms)[0]
     index = tree_index(tree, p.device)
     tokens = draft_tensor(draft, p.device)  # [n]
     tests = randoms[:n]
@@ -175,9 +184,11 @@ def accept_sampling(
             index.only_child, ratio, _point_mass_tests(index, tokens, p_draft, tests))
     end_block = _walk(index, accept)
     law = _end_distribution(index, tokens, p, q, end_block)  # [vocab]
-    token = draw(law[None], randoms[n:])  # [1]
-    end, token = torch.stack([end_block, token[0]]).tolist()  # the step's one device-to-host transfer
-    return Verdict(tuple(tree.ancestors(end - 1)), token)
+    return end_block, draw(law[None], randoms[n:])[0]
+
+
+def sampling_verdict(tree: TokenTree, end_block: int, token: int) -> Verdict:
+    return Verdict(tuple(tree.ancestors(end_block - 1)) if end_block else (), token)
 
 
 def _point_mass_tests(index: TreeIndex, tokens, p_draft, tests) -> torch.Tensor:
@@ -227,31 +238,109 @@ def _end_distribution(index: TreeIndex, tokens, p, q, end_block) -> torch.Tensor
 
 
 # ---- rules as objects, chosen once per generation ---------------------------------------------
+@dataclass(frozen=True)
+class RowCheck:
+    """One row's part of a step's verification: its draft tree and tokens, the target's logits
+    [n + 1, vocab] at each block index (after the row's logit rules), ``q`` [n, vocab] or None,
+    its sampling settings and generator."""
+
+    tree: TokenTree
+    tokens: tuple[int, ...]
+    logits: torch.Tensor
+    q: torch.Tensor | None
+    sampling: object
+    generator: torch.Generator | None
+
+
 class Acceptance:
     """An acceptance rule. ``lossless`` rules keep the contract; the loop picks one rule
     before the first step (:func:`acceptance_rule`) and never branches per step. A lossy rule
-    names the decoding it relaxes (``relaxes``: ``"sampling"`` or ``"greedy"``)."""
+    names the decoding it relaxes (``relaxes``: ``"sampling"`` or ``"greedy"``).
+
+    ``verify_rows`` checks every row of a batch step that uses this kind of rule at once;
+    rules that keep no state of their own (``batchable``) are grouped across rows by their
+    class, so a step verifies all its greedy rows in one pass and all its sampled rows in
+    another, each with one host transfer."""
 
     lossless = True
     relaxes: str | None = None
+    batchable = False  # the rule holds no per-request state: one object may verify every row of its class
 
     def verify(self, tree: TokenTree, tokens: tuple[int, ...], logits: torch.Tensor, q: torch.Tensor | None,
                sampling, generator: torch.Generator | None) -> Verdict:
         """logits: [n + 1, vocab] target logits at each block index; q: [n, vocab] or None."""
         raise NotImplementedError
 
+    def verify_rows(self, rows: list[RowCheck]) -> list[Verdict]:
+        return [self.verify(r.tree, r.tokens, r.logits, r.q, r.sampling, r.generator) for r in rows]
+
 
 class GreedyAcceptance(Acceptance):
+    batchable = True
+
     def verify(self, tree, tokens, logits, q, sampling, generator) -> Verdict:
         check_draft(tokens, logits.shape[-1])
         return accept_greedy(tree, tokens, greedy_ids(logits))
 
+    def verify_rows(self, rows: list[RowCheck]) -> list[Verdict]:
+        """Every row's argmax in one pass over the step's logits ([sum of blocks, vocab]; the
+        packed batch hands them over as one tensor) and one transfer."""
+        for row in rows:
+            check_draft(row.tokens, row.logits.shape[-1])
+        argmax = greedy_ids(stacked([row.logits for row in rows]))  # [sum of (n + 1)]
+        verdicts, at = [], 0
+        for row in rows:
+            verdicts.append(accept_greedy(row.tree, row.tokens, argmax[at:at + len(row.tokens) + 1]))
+            at += len(row.tokens) + 1
+        return verdicts
+
 
 class SpeculativeSampling(Acceptance):
+    batchable = True
+
     def verify(self, tree, tokens, logits, q, sampling, generator) -> Verdict:
         check_draft(tokens, logits.shape[-1])  # before any work on the device
         check_generator(generator, logits.device)
         return accept_sampling(tree, tokens, sampling.probs(logits), q, generator)
+
+    def verify_rows(self, rows: list[RowCheck]) -> list[Verdict]:
+        """Every row's walk on the device (each with its own law and generator), then every
+        row's (end, token) to the host in one transfer."""
+        for row in rows:
+            check_draft(row.tokens, row.logits.shape[-1])
+            check_generator(row.generator, row.logits.device)
+        walks = [sampling_walk(r.tree, r.tokens, r.sampling.probs(r.logits), r.q, r.generator) for r in rows]
+        found = torch.stack([value for walk in walks for value in walk]).tolist()  # [2 * rows]
+        return [sampling_verdict(row.tree, found[2 * i], found[2 * i + 1]) for i, row in enumerate(rows)]
+
+
+def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` ([n_i, vocab] each) as one [sum n_i, vocab] tensor: a view when they lie end
+    to end in one storage already (the packed batch's logits), else a copy."""
+    first = tensors[0]
+    width = first.shape[-1]
+    if all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors):
+        at = first.data_ptr()
+        adjacent = True
+        for t in tensors:
+            adjacent &= t.data_ptr() == at and t.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+            at += t.numel() * t.element_size()
+        if adjacent:
+            rows = sum(t.shape[0] for t in tensors)
+            return first.as_strided((rows, width), (width, 1))
+    return torch.cat(tensors)
+
+
+def verify_all(rules: list[Acceptance], rows: list[RowCheck]) -> list[Verdict]:
+    """Each row's verdict under its own rule, every rule class's rows in one pass."""
+    groups: dict[object, list[int]] = {}
+    for i, rule in enumerate(rules):
+        groups.setdefault(type(rule) if rule.batchable else id(rule), []).append(i)
+    verdicts: list[Verdict | None] = [None] * len(rows)
+    for members in groups.values():
+        for i, verdict in zip(members, rules[members[0]].verify_rows([rows[i] for i in members])):
+            verdicts[i] = verdict
+    return verdicts
 
 
 def acceptance_rule(sampling, lossy: Acceptance | None = None) -> Acceptance:

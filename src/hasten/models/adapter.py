@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 from . import cache as kv
 from .attention import MaskedTree, kv_heads_in_place
 from .compat import cache_argument
-from . import lean, packed, vlm
+from . import forwards, invariant, lean, vlm
 from .layers import attention_mask, forward_with_placeholders, last_queries, model_name  # model_name: also imported from here
 from ..core.rows import ForwardOutput, Riders  # the row contract lives on the ground floor; imported from here too
 from ..core.tree import TokenTree
@@ -55,7 +55,8 @@ class ModelAdapter:
         self.vocab_size = vocab_size(model)
         self.device = model.device
         self.cache = kv.new_cache(self.encoder_decoder)
-        self.tree_attention = tree_attention or MaskedTree()  # how tree blocks attend (models/attention.py)
+        # how tree blocks attend (models/attention.py); an invariant model attends one way only
+        self.tree_attention = MaskedTree() if invariant.is_prepared(model) else (tree_attention or MaskedTree())
         # positions minus cache entries: 0, unless a lossy KV compression (hasten.approx) left
         # fewer entries than the prompt has tokens; every length this adapter reports or takes
         # is in positions, the cache's own in entries
@@ -127,8 +128,8 @@ class ModelAdapter:
         only the last k positions' logits (a prefill needs none of them). ``riders`` add
         placeholder positions after every block position (see :class:`Riders`); their
         logits come back in ``ForwardOutput.riders``. ``model_inputs``: extra keywords of
-        the model's forward (a VLM prefill's images). A float32 CPU model's large linear layers
-        run on packed weights here (models/packed.py)."""
+        the model's forward (a VLM prefill's images). A CPU model's linear layers and attention
+        run hasten's row-invariant kernels here (models/invariant.py)."""
         if riders is not None:
             return self._forward_with_riders(block, tree, hidden, riders)
         past = kv.length(self.cache)
@@ -148,12 +149,12 @@ class ModelAdapter:
         ids_key = "decoder_input_ids" if self.encoder_decoder else "input_ids"
         path = self.tree_attention if "attention_mask" in kwargs else MaskedTree()  # only tree blocks have a mask
         if not hidden and not model_inputs and type(path) is MaskedTree and lean.usable(self.model, self._lean_modules):
-            with packed.active():
+            with forwards.active():
                 logits = lean.forward(self.model, ids, self.cache, kwargs["position_ids"], kwargs.get("attention_mask"),
                                       logits_to_keep)
             self._check_rollback()
-            return ForwardOutput(logits, None)
-        with path.active(self.model), kv_heads_in_place(self.model, len(block), past), packed.active():
+            return ForwardOutput(logits.float(), None)
+        with path.active(self.model), kv_heads_in_place(self.model, len(block), past), forwards.active():
             out = self.model(
                 **{ids_key: ids}, **cache_argument(self.model, self.cache), use_cache=True, output_hidden_states=hidden, **kwargs
             )
@@ -189,7 +190,7 @@ class ModelAdapter:
         ids = torch.tensor([block], dtype=torch.long, device=self.device)  # [1, block]
         allowed, positions = self._tree_layout(tree, past)
         every_position = torch.arange(size, device=self.device)[None]  # [1, block]: each one anchors riders
-        with kv_heads_in_place(self.model, size * (1 + riders.count), past), packed.active():
+        with kv_heads_in_place(self.model, size * (1 + riders.count), past), forwards.active():
             out = forward_with_placeholders(
                 self.model, ids, allowed, positions, every_position,
                 riders.count, riders.layer, riders.transfer, past_positions=torch.arange(past, device=self.device),

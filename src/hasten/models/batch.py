@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from . import cache as kv
-from . import packed
+from . import forwards
 from .adapter import ForwardOutput, ModelAdapter, vocab_size
 from .attention import kv_heads_in_place
 from .compat import cache_argument
@@ -111,12 +111,13 @@ class BatchAdapter:
 
     # ---- rows joining and leaving ------------------------------------------------------
     @torch.no_grad()
-    def add(self, tokens: list[int], hidden: bool = False,
-            logits: bool = False) -> tuple[BatchRow, torch.Tensor | None]:
+    def add(self, tokens: list[int], hidden: bool = False, logits: bool = False,
+            room: int | None = None) -> tuple[BatchRow, torch.Tensor | None]:
         """Prefill a new sequence (alone, exactly as a single generation does) and give it a
         row. Returns the row and, if asked, the prefilled tokens' features [T - 1, hidden].
         ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab]
-        (row i scores token i + 1) until its reader drops them."""
+        (row i scores token i + 1) until its reader drops them. ``room``: the tokens the row may
+        come to hold (the padded cache widens as it must: nothing to reserve)."""
         self.flush()
         single = ModelAdapter(self.model)
         _, prefilled = single.start(torch.tensor([tokens], dtype=torch.long), hidden=hidden, logits=logits)
@@ -194,7 +195,7 @@ class BatchAdapter:
         ids, block_mask, query_pos = ids.to(self.device), block_mask.to(self.device), query_pos.to(self.device)
         allowed = torch.cat([self.valid[:, None, :].expand(count, width, past), block_mask], dim=2)  # [rows, width, past + width]
         key_pos = torch.cat([self.key_pos, query_pos], dim=1)  # [rows, past + width]
-        with kv_heads_in_place(self.model, width, past), packed.active():
+        with kv_heads_in_place(self.model, width, past), forwards.active():
             out = self.model(
                 input_ids=ids, **cache_argument(self.model, self.cache), use_cache=True, output_hidden_states=hidden,
                 attention_mask=attention_mask(self.model, allowed, query_pos, key_pos), position_ids=query_pos,

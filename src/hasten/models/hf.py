@@ -13,10 +13,11 @@ import torch
 from transformers import PreTrainedModel
 
 from ..core.runtime import Capability, Runtime
-from . import lean, packed, vlm
+from . import invariant, lean, vlm
 from .adapter import ModelAdapter, decoder_start_token, vocab_size
 from .attention import MaskedTree
 from .batch import BatchAdapter
+from .packed_batch import PackedBatch
 from .layers import model_name
 
 # Config names of the number of positions a model was built for (learned position
@@ -44,9 +45,10 @@ class HuggingFaceRuntime(Runtime):
 
     def __init__(self, model: PreTrainedModel):
         self.model = model
-        # a float32 CPU model runs hasten's forwards on packed weights (models/packed.py);
-        # before the cost key is read, since its layers' class names are part of it
-        self.packed_weights = packed.prepare(model)
+        # a CPU model runs hasten's forwards on its row-invariant kernels, so that every position
+        # of a block gets a one-token step's numbers (models/invariant.py); before the cost key is
+        # read, since its layers' class names are part of it
+        self.invariant = invariant.prepare(model)
         self.label = model_name(model)
         self.source = model.config._name_or_path
         self.encoder_decoder = bool(model.config.is_encoder_decoder)
@@ -77,8 +79,23 @@ class HuggingFaceRuntime(Runtime):
     def session(self, tree_attention: MaskedTree | None = None) -> ModelAdapter:
         return ModelAdapter(self.model, tree_attention)
 
-    def batch(self, max_rows: int) -> BatchAdapter:
+    def batch(self, max_rows: int, needs: frozenset[Capability] = frozenset()) -> BatchAdapter | PackedBatch:
+        """Rows packed along one token dimension on the lean forward where the model takes it
+        (models/packed_batch.py), unless the drafter reads the target's modules (it may hook
+        them, and only the model's own forward runs hooks): then padded rows through the
+        model's own forward (models/batch.py). Decided once per batch."""
+        if lean.eligible(self.model) and Capability.MODULES not in needs:
+            return PackedBatch(self.model)
         return BatchAdapter(self.model)
+
+    def warm_up(self, tokens: int = 8) -> None:
+        """A short prefill. A model's first forward packs its weights for hasten's kernels
+        (models/invariant.py), fuses the lean forward's and builds the kernels: on SmolLM2 a first chat's prefill took 0.53 s where
+        later ones took 0.12 s (one thread, idle machine), and 2.45 s on a busy one (issue 44)."""
+        tokens = min(tokens, self.context_length or tokens)
+        ids = [3 + (7 * i) % max(self.vocab_size - 3, 1) for i in range(tokens)]  # any ids will do
+        with torch.no_grad():
+            self.session().start(torch.tensor([ids], device=self.device))
 
     def cost_key(self) -> dict:
         model = self.model
@@ -91,6 +108,8 @@ class HuggingFaceRuntime(Runtime):
             # an int8-quantized model keeps float32 as its dtype but runs other kernels
             "linear": sorted({type(m).__name__ for m in model.modules() if "Linear" in type(m).__name__}),
             "lean_forward": lean.eligible(model),  # models/lean.py: fewer operations around the same layers
+            # models/invariant.py: which instruction path its kernels take (the bfloat16 dot product or not)
+            "kernels": invariant.kernel_path() if self.invariant else None,
             "device": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else self.device.type,
             "threads": torch.get_num_threads(),
             "torch": torch.__version__,

@@ -1,4 +1,4 @@
-"""A Llama-family forward with fewer operations, for float32 models on the CPU.
+"""A Llama-family forward with fewer operations, for CPU models on hasten's kernels.
 
 A decode step of SmolLM2-135M on one CPU thread spends about 41 ms in its linear layers and,
 under Hugging Face's modules, about 18 ms in everything else (norms, rotary embedding, cache,
@@ -7,22 +7,26 @@ them); the same operations called directly cost about 13 ms (measured November 2
 2-core development VM, linear layers stubbed out). vLLM's CPU step is fused kernels throughout;
 this is the part of that which keeps Hugging Face's numbers: :func:`forward` runs **the same
 tensor operations, in the same order, on the same weights** as transformers' Llama and Qwen2
-decoder (its RMSNorm formula, ``rotate_half`` rotary embedding, grouped-query SDPA with the mask
-transformers builds, SiLU-gated MLP), so its logits equal the model's own forward bit for bit
-(tests/test_lean.py checks them, one token, blocks, trees and prefills), only with less around them.
+decoder (its RMSNorm formula, ``rotate_half`` rotary embedding, the attention the model is
+prepared with (hasten's row-invariant kernel, models/invariant.py), SiLU-gated MLP), so its
+logits equal the model's own forward bit for bit (tests/test_lean.py checks them, one token,
+blocks, trees and prefills), only with less around them.
 
 Where it runs (:func:`usable`): a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (without sliding
-windows) in float32 on the CPU, in eval mode, on transformers' sdpa attention, with a rotary
+windows) prepared for hasten's kernels on the CPU (models/invariant.py: float32, bfloat16 or
+float16), in eval mode, on their attention, with a rotary
 embedding whose frequencies do not change with the input ("default", "linear", "llama3"), and
 with no forward hooks anywhere in the model (drafters that read the target's modules hook them;
 those forwards take the model's own path). Everything else, and any forward that asks for
-hidden states, riders or images, goes through the model as before, and so does the batched
-decoder (``models/batch.py``: several sequences in one forward, the server's path).
+hidden states, riders or images, goes through the model as before. :func:`run` is the decoder
+itself over tokens of one sequence or of several packed together (the batched decoder,
+``models/packed_batch.py``: each row's numbers are its own, whatever the other rows).
 ``HASTEN_LEAN_FORWARD=0`` turns it off.
 """
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +34,11 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from . import packed
+from . import invariant
 
 MODEL_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
 STATIC_ROPE = ("default", "linear", "llama3")  # inverse frequencies fixed at load time
+CAPTURING_HOOKS = "transformers.utils.output_capturing"  # where transformers' hidden-state recorders live
 
 
 def eligible(model: PreTrainedModel) -> bool:
@@ -42,7 +47,7 @@ def eligible(model: PreTrainedModel) -> bool:
         return False
     config = model.config
     rope = (getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
-    return (model.device.type == "cpu" and model.dtype == torch.float32 and config._attn_implementation == "sdpa"
+    return (invariant.is_prepared(model)
             and config.hidden_act == "silu" and rope in STATIC_ROPE and not getattr(config, "use_sliding_window", False)
             and getattr(config, "pretraining_tp", 1) == 1)
 
@@ -52,7 +57,15 @@ def hooked(modules: list[nn.Module]) -> bool:
     reading the target's modules), or global ones are set: then the model's own forward must run."""
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks for m in modules)
+    return any((m._forward_hooks or m._forward_pre_hooks) and not _inert(m) for m in modules)
+
+
+def _inert(module: nn.Module) -> bool:
+    """Whether every hook of ``module`` is transformers' own output capturing, which it installs
+    for good at the first forward that asks for hidden states and which records nothing outside
+    such a forward (without this, one such forward turned the lean path off for the model's life)."""
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    return all(getattr(hook, "__module__", None) == CAPTURING_HOOKS for hook in hooks)
 
 
 def usable(model: PreTrainedModel, modules: list[nn.Module] | None) -> bool:
@@ -60,43 +73,30 @@ def usable(model: PreTrainedModel, modules: list[nn.Module] | None) -> bool:
     generation), else None. Usable when nothing needs the model's modules: eval mode, its
     attention still transformers' sdpa (query capture switches it for a forward) and no hooks
     (checked at every forward, since drafters hook targets as they begin)."""
-    return (modules is not None and not model.training and model.config._attn_implementation == "sdpa"
-            and not hooked(modules))
+    return (modules is not None and not model.training and invariant.is_prepared(model) and not hooked(modules))
 
 
-def fused_weight(owner: nn.Module, layers: tuple[nn.Linear, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One packed weight (and bias) for ``layers``, which read the same input (q, k and v;
-    gate and up), cached on ``owner`` and made again if a weight changes; None unless every
-    layer runs packed with biases all present or all absent. oneDNN computes each output
-    column alike however many columns a call has (measured: the fused product equals the
-    separate ones bit for bit, 1 to 279 rows), so this only saves calls."""
-    if not all(type(layer) is packed.PackedLinear for layer in layers):
-        return None
-    biases = [layer.bias for layer in layers]
-    if any(b is None for b in biases) and any(b is not None for b in biases):
-        return None
-    key = tuple((layer.weight.data_ptr(), layer.weight._version) for layer in layers)
-    cached = owner.__dict__.get("_hasten_fused")
-    if cached is None or cached[0] != key:
-        with torch.no_grad():
-            weight = packed.pack(torch.cat([layer.weight.detach() for layer in layers]))
-            bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-        cached = owner.__dict__["_hasten_fused"] = (key, weight, bias)
-    return cached[1], cached[2]
+def fused_linear(owner: nn.Module, layers: tuple[nn.Linear, ...], h: torch.Tensor) -> torch.Tensor | None:
+    """``layers`` (reading the same input ``h`` [..., in]) as one product [..., sum of outs]:
+    the kernel computes each output feature alone, so the fused product has every layer's own
+    bits; None where they cannot be fused."""
+    fused = invariant.fused_weight(owner, layers)
+    return None if fused is None else invariant.apply_linear(h, fused[0], fused[1])
 
 
 def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' LlamaRMSNorm on float32 input ([..., hidden]): ``weight * (x *
-    rsqrt(mean(x^2) + eps))``, which PyTorch's fused ``rms_norm`` computes alike on the CPU
-    (tests/test_lean.py compares it with the model's own forward bit for bit)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    """transformers' LlamaRMSNorm ([..., hidden]): ``weight * (x * rsqrt(mean(x^2) + eps))``
+    computed in float32, the product with the weight in the input's dtype, each row alone
+    (models/invariant.py). On float32 CPU input PyTorch's fused ``rms_norm`` computes it alike
+    (tests/test_lean.py compares both with the model's own forward bit for bit)."""
+    if x.dtype == torch.float32 and not x.is_cuda:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    return invariant.rms_norm(norm, x)
 
 
 def _add_linear(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + layer(h)``: in one packed call with the addition fused where the layer
-    runs packed (the addition of the same two float32 values, so the same bits)."""
-    if type(layer) is packed.PackedLinear:
-        return packed.packed_linear_add(h, layer.packed_weight(), layer.bias, residual)
+    """``residual + layer(h)``, as transformers adds them (the layer's output rounded to the
+    model's dtype first)."""
     return residual + layer(h)
 
 
@@ -105,71 +105,86 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+Attend = Callable[[int, float, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
 @torch.no_grad()
-def forward(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, positions: torch.Tensor,
-            mask: torch.Tensor | None, logits_to_keep: int = 0) -> torch.Tensor:
-    """The model's logits for ``ids`` ([1, Q]) at ``positions`` ([1, Q]) after the cached
-    entries, which ``cache`` gains: [Q, vocab], or the last ``logits_to_keep`` rows.
-    ``mask``: a tree block's 4D additive mask [1, 1, Q, past + Q] (what transformers is
-    given), or None for causal order."""
+def run(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, attend: Attend,
+        keep: torch.Tensor | None = None) -> torch.Tensor:
+    """The decoder over ``ids`` ([N] tokens of one or several sequences, packed along one token
+    dimension) at ``positions`` ([N]): every linear layer is one kernel call for all N rows
+    (each row's numbers its own, whatever the others), and ``attend(layer, scale, q, k, v)``
+    (q [N, H, D], rotated keys and values [N, H_kv, D]) stores the keys and values where their
+    sequences keep them and returns the attention output [N, H, D]. Returns the last-layer
+    states [K, hidden] of the rows in ``keep`` ([K] indices; None: every row): the final
+    norm's output, what transformers reports as the last hidden states and the LM head reads."""
     inner = model.model
     config = model.config
-    length = ids.shape[1]
-    past = cache.get_seq_length()
+    count = ids.shape[0]
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = inner.rotary_emb
-    freqs = positions[..., None].float() * rope.inv_freq  # [1, Q, head_dim / 2]
-    angles = torch.cat((freqs, freqs), dim=-1)  # [1, Q, head_dim]
-    cos = (angles.cos() * rope.attention_scaling)[:, None]  # [1, 1, Q, head_dim]
-    sin = (angles.sin() * rope.attention_scaling)[:, None]
-    causal = False
-    if mask is None and length > 1:
-        if past:  # what transformers' sdpa mask is for a chain after cached entries
-            mask = torch.ones(length, past + length, dtype=torch.bool, device=ids.device).tril(past)[None, None]
-        else:  # a prefill: the kernel's own causal order, as transformers asks for it
-            causal = True
-    x = inner.embed_tokens(ids)  # [1, Q, hidden]
+    freqs = positions[:, None].float() * rope.inv_freq  # [N, head_dim / 2]
+    angles = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
+    cos = (angles.cos() * rope.attention_scaling).to(model.dtype)[:, None]  # [N, 1, head_dim]
+    sin = (angles.sin() * rope.attention_scaling).to(model.dtype)[:, None]
+    x = inner.embed_tokens(ids)  # [N, hidden]
     for index, layer in enumerate(inner.layers):
         attention = layer.self_attn
         h = _rms_norm(layer.input_layernorm, x)
         q, k, v = _attention_inputs(attention, h, heads, kv_heads, head_dim, cos, sin)
-        k, v = cache.update(k, v, index)  # [1, H_kv, past + Q, D]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=attention.scaling,
-                                             enable_gqa=heads != kv_heads)  # [1, H, Q, D]
-        x = _add_linear(attention.o_proj, out.transpose(1, 2).reshape(1, length, heads * head_dim), x)
+        out = attend(index, attention.scaling, q, k, v)  # [N, H, D]
+        x = _add_linear(attention.o_proj, out.reshape(count, heads * head_dim), x)
         h = _rms_norm(layer.post_attention_layernorm, x)
         x = _mlp(layer.mlp, h, x)
-    if logits_to_keep:
-        x = x[:, -logits_to_keep:]
-    return model.lm_head(_rms_norm(inner.norm, x))[0]  # [Q or logits_to_keep, vocab]
+    if keep is not None:
+        x = x.index_select(0, keep)  # [K, hidden]
+    return _rms_norm(inner.norm, x)
+
+
+@torch.no_grad()
+def forward(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, positions: torch.Tensor,
+            mask: torch.Tensor | None, logits_to_keep: int = 0) -> torch.Tensor:
+    """One sequence: the model's logits for ``ids`` ([1, Q]) at ``positions`` ([1, Q]) after
+    the cached entries, which ``cache`` gains: [Q, vocab], or the last ``logits_to_keep`` rows.
+    ``mask``: a tree block's 4D additive mask [1, 1, Q, past + Q] (what transformers is
+    given), or None for causal order."""
+    length = ids.shape[1]
+    past = cache.get_seq_length()
+    lists = invariant.key_lists(mask, length, past + length, True, 1, ids.device)[0]  # each row's own keys, in order
+
+    def attend(index: int, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        keys, values = cache.update(k.transpose(0, 1)[None], v.transpose(0, 1)[None], index)  # [1, H_kv, past + Q, D]
+        return invariant.attend(q, keys[0], values[0], lists, scale)  # [Q, H, D]
+
+    keep = torch.arange(length - logits_to_keep, length, device=ids.device) if logits_to_keep else None
+    return model.lm_head(run(model, ids[0], positions[0], attend, keep))  # [Q or logits_to_keep, vocab]
 
 
 def _attention_inputs(attention: nn.Module, h: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                       cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Rotated queries [1, H, Q, D] and keys [1, H_kv, Q, D], and values [1, H_kv, Q, D], of
-    the normed input ``h`` [1, Q, hidden]: one packed product and one rotation for queries
-    and keys together where the weights allow (elementwise, so the same bits), else as
-    transformers does it."""
-    length = h.shape[1]
+    """Rotated queries [N, H, D] and keys [N, H_kv, D], and values [N, H_kv, D], of the normed
+    input ``h`` [N, hidden]: one packed product and one rotation for queries and keys together
+    where the weights allow (elementwise, so the same bits), else as transformers does it."""
+    count = h.shape[0]
     layers = (attention.q_proj, attention.k_proj, attention.v_proj)
-    fused = fused_weight(attention, layers)
-    if fused is None:
-        q = attention.q_proj(h).view(1, length, heads, head_dim).transpose(1, 2)
-        k = attention.k_proj(h).view(1, length, kv_heads, head_dim).transpose(1, 2)
-        v = attention.v_proj(h).view(1, length, kv_heads, head_dim).transpose(1, 2)
+    qkv = fused_linear(attention, layers, h)
+    if qkv is None:
+        q = attention.q_proj(h).view(count, heads, head_dim)
+        k = attention.k_proj(h).view(count, kv_heads, head_dim)
+        v = attention.v_proj(h).view(count, kv_heads, head_dim)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
-    qkv = packed.packed_linear(h, *fused).view(1, length, heads + 2 * kv_heads, head_dim).transpose(1, 2)
-    qk = qkv[:, : heads + kv_heads]  # [1, H + H_kv, Q, D]
+    qkv = qkv.view(count, heads + 2 * kv_heads, head_dim)
+    qk = qkv[:, : heads + kv_heads]  # [N, H + H_kv, D]
     qk = qk * cos + _rotate_half(qk) * sin
     return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
 
 
 def _mlp(mlp: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual`` plus transformers' SiLU-gated MLP of ``h`` [1, Q, hidden]; gate and up in
+    """``residual`` plus transformers' SiLU-gated MLP of ``h`` [N, hidden]; gate and up in
     one packed product where the weights allow."""
-    fused = fused_weight(mlp, (mlp.gate_proj, mlp.up_proj))
+    fused = fused_linear(mlp, (mlp.gate_proj, mlp.up_proj), h)
     if fused is None:
         return _add_linear(mlp.down_proj, F.silu(mlp.gate_proj(h)) * mlp.up_proj(h), residual)
-    gate, up = packed.packed_linear(h, *fused).chunk(2, dim=-1)
+    gate, up = fused.chunk(2, dim=-1)
     return _add_linear(mlp.down_proj, F.silu(gate) * up, residual)

@@ -187,7 +187,7 @@ class LlamaCppModel(Runtime):
             llama.forget(0)
             self._give_back(llama)
 
-    def batch(self, max_rows: int) -> "LlamaCppBatch":
+    def batch(self, max_rows: int, needs: frozenset = frozenset()) -> "LlamaCppBatch":
         """A target for up to ``max_rows`` generations at once in one llama.cpp context."""
         return LlamaCppBatch(self, max_rows)
 
@@ -448,8 +448,9 @@ class LlamaCppBatch:
         self._free = list(range(rows))  # sequence ids no row holds
         self.rows: list[LlamaCppRow] = []
 
-    def add(self, tokens: list[int], hidden: bool = False) -> tuple[LlamaCppRow, None]:
-        """Prefill a new generation (alone in its batches, as a lone generation's prompt) on a free sequence id."""
+    def add(self, tokens: list[int], hidden: bool = False, room: int | None = None) -> tuple[LlamaCppRow, None]:
+        """Prefill a new generation (alone in its batches, as a lone generation's prompt) on a free
+        sequence id (``room``: llama.cpp's context holds every sequence's cells: nothing to reserve)."""
         if hidden:
             raise ValueError(no_features())
         if not self._free:

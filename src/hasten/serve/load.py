@@ -11,6 +11,11 @@ For each concurrency level C it sends N requests, C at a time, and reports:
 * tau: tokens per target forward, from the ``hasten`` field hasten's server adds.
 
 Percentiles are p50, p90 and p99 over the requests of a level.
+
+Several servers (``--url NAME=URL``, repeated: hasten's and vLLM's OpenAI server, say) are
+measured in one run, level by level in turn, on the same prompts; each answer is compared with
+the first server's answer to the same prompt (``identical``: greedy answers should match
+exactly), and ``--chart`` draws each server's throughput against the number of clients.
 """
 from __future__ import annotations
 
@@ -23,6 +28,9 @@ from pathlib import Path
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
+# Spec-Bench's questions, vendored with hasten bench (data, not an import: bench is this floor's neighbour)
+SPEC_BENCH = Path(__file__).resolve().parents[1] / "bench" / "data" / "spec_bench" / "question.jsonl"
+SPEC_BENCH_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")  # and MT-bench's 8, as one
 
 
 @dataclass
@@ -36,6 +44,16 @@ class Outcome:
     tau: float | None = None
     error: str | None = None
     text: str = field(default="", repr=False)
+
+
+def prompts_from(source: str) -> list[str]:
+    """``spec-bench[:N]`` (:func:`spec_bench_questions`, N per category, 5 by default) or a JSONL file."""
+    name, _, count = source.partition(":")
+    if name == "spec-bench":
+        if count and (not count.isdigit() or not 1 <= int(count) <= 80):
+            raise ValueError(f"--prompts {source}: spec-bench:N takes N from 1 to 80")
+        return spec_bench_questions(int(count or 5))
+    return read_prompts(source)
 
 
 def read_prompts(path: str) -> list[str]:
@@ -61,6 +79,25 @@ def read_prompts(path: str) -> list[str]:
     if not prompts:
         raise ValueError(f"--prompts {path}: no prompts in the file")
     return prompts
+
+
+def spec_bench_questions(per_category: int) -> list[str]:
+    """First turns of Spec-Bench's six categories, ``per_category`` each, taken from the end of each
+    category (``hasten bench --tasks spec-bench`` takes them from the start): conversation's round
+    robin over MT-bench's eight categories (the last question of each, then the one before), then
+    translation, summarization, question answering, mathematical reasoning and RAG."""
+    records = [json.loads(line) for line in SPEC_BENCH.read_text(encoding="utf-8").splitlines() if line.strip()]
+    mt_bench: dict[str, list[str]] = {}
+    for record in records:
+        if record["category"] not in SPEC_BENCH_CATEGORIES:
+            mt_bench.setdefault(record["category"], []).append(record["turns"][0])
+    conversation = [questions[-1 - rank] for rank in range(max(map(len, mt_bench.values())))
+                    for questions in mt_bench.values() if rank < len(questions)]
+    chosen = conversation[:per_category]
+    for category in SPEC_BENCH_CATEGORIES:
+        questions = [r["turns"][0] for r in records if r["category"] == category]
+        chosen += questions[::-1][:per_category]
+    return chosen
 
 
 def builtin_prompts(count: int, context_chars: int = 1500) -> list[str]:
@@ -119,16 +156,17 @@ async def one_request(client, model: str, prompt: str, chat: bool, max_tokens: i
 
 
 async def run_level(client, model: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
-                    temperature: float, chat: bool) -> dict:
+                    temperature: float, chat: bool) -> tuple[dict, list[tuple[int, Outcome]]]:
+    """One level: its summary, and each request's (prompt index, outcome)."""
     gate = asyncio.Semaphore(concurrency)
 
-    async def gated(prompt: str) -> Outcome:
+    async def gated(index: int) -> tuple[int, Outcome]:
         async with gate:
-            return await one_request(client, model, prompt, chat, max_tokens, temperature)
+            return index, await one_request(client, model, prompts[index], chat, max_tokens, temperature)
 
     began = time.perf_counter()
-    outcomes = await asyncio.gather(*(gated(prompts[i % len(prompts)]) for i in range(requests)))
-    return summarize(outcomes, concurrency, time.perf_counter() - began)
+    answered = await asyncio.gather(*(gated(i % len(prompts)) for i in range(requests)))
+    return summarize([o for _, o in answered], concurrency, time.perf_counter() - began), answered
 
 
 def summarize(outcomes: list[Outcome], concurrency: int, wall_seconds: float) -> dict:
@@ -157,59 +195,133 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {f"p{q}": round(float(np.percentile(values, q)), 6) for q in PERCENTILES}
 
 
-def run(url: str, api_key: str | None, model: str | None, prompts: list[str], levels: list[int],
-        requests: int | None, max_tokens: int, temperature: float, chat: bool, warmup: int = 1) -> dict:
-    """Every concurrency level in turn against the server at ``url``; raises ValueError when it cannot be reached."""
-    return asyncio.run(_run(url, api_key, model, prompts, levels, requests, max_tokens, temperature, chat, warmup))
+@dataclass
+class Server:
+    """One server under test: what the table calls it, its API base URL and key."""
+
+    name: str
+    url: str
+    api_key: str | None = None
+    model: str | None = None  # the model to ask for (None: the one it lists)
+    method: str | None = None  # hasten's method, from its model card (None: not a hasten server)
 
 
-async def _run(url, api_key, model, prompts, levels, requests, max_tokens, temperature, chat, warmup) -> dict:
+def servers_from(specs: list[str], api_key: str | None, model: str | None) -> list[Server]:
+    """``URL`` or ``NAME=URL`` each; unnamed ones are called by their host and port."""
+    found = []
+    for spec in specs:
+        name, _, url = spec.rpartition("=") if "=" in spec.split("://")[0] else ("", "", spec)
+        found.append(Server(name or url.split("://")[-1].split("/")[0], url, api_key, model))
+    if len({s.name for s in found}) != len(found):
+        raise ValueError("--url: give each server its own name (NAME=URL)")
+    return found
+
+
+def run(servers: list[Server], prompts: list[str], levels: list[int], requests: int | None, max_tokens: int,
+        temperature: float, chat: bool, warmup: int = 1) -> dict:
+    """Every concurrency level in turn, each server in turn within a level; raises ValueError
+    when a server cannot be reached."""
+    return asyncio.run(_run(servers, prompts, levels, requests, max_tokens, temperature, chat, warmup))
+
+
+async def _connect(server: Server, prompts: list[str], chat: bool, max_tokens: int, temperature: float, warmup: int):
     import openai
 
-    if not prompts:
-        raise ValueError("no prompts to send")
-    client = openai.AsyncOpenAI(base_url=url, api_key=api_key or "none", max_retries=0, timeout=600.0)
+    client = openai.AsyncOpenAI(base_url=server.url, api_key=server.api_key or "none", max_retries=0, timeout=600.0)
     try:
         listed = await client.models.list()
     except openai.APIConnectionError as err:
-        raise ValueError(f"cannot reach a server at {url}: {err}; start one with `hasten serve`") from None
+        raise ValueError(f"cannot reach a server at {server.url}: {err}; start one with `hasten serve`") from None
     except openai.APIStatusError as err:
-        raise ValueError(f"{url}/models answered {err.status_code}: {err.message}") from None
+        raise ValueError(f"{server.url}/models answered {err.status_code}: {err.message}") from None
     cards = list(listed.data)
-    name = model or (cards[0].id if cards else None)
-    if name is None:
-        raise ValueError(f"{url} lists no model; pass --model")
-    method = next(((c.model_extra or {}).get("method") for c in cards if c.id == name), None)
+    server.model = server.model or (cards[0].id if cards else None)
+    if server.model is None:
+        raise ValueError(f"{server.url} lists no model; pass --model")
+    server.method = next(((c.model_extra or {}).get("method") for c in cards if c.id == server.model), None)
     for i in range(warmup):
-        outcome = await one_request(client, name, prompts[i % len(prompts)], chat, max_tokens, temperature)
+        outcome = await one_request(client, server.model, prompts[i % len(prompts)], chat, max_tokens, temperature)
         if outcome.error:
-            raise ValueError(f"the warm-up request failed: {outcome.error}")
+            raise ValueError(f"the warm-up request to {server.name} failed: {outcome.error}")
+    return client
+
+
+async def _run(servers, prompts, levels, requests, max_tokens, temperature, chat, warmup) -> dict:
+    if not prompts:
+        raise ValueError("no prompts to send")
+    clients = [await _connect(server, prompts, chat, max_tokens, temperature, warmup) for server in servers]
+    reference: dict[int, str] = {}  # prompt index -> the first server's first answer to it
     results = []
     for level in levels:
         count = requests or max(8, 4 * level)
-        results.append(await run_level(client, name, prompts, level, count, max_tokens, temperature, chat))
-    await client.close()
-    return {"url": url, "model": name, "method": method, "chat": chat, "max_tokens": max_tokens,
-            "temperature": temperature, "prompts": len(prompts), "levels": results}
+        for position, (server, client) in enumerate(zip(servers, clients)):
+            summary, answered = await run_level(client, server.model, prompts, level, count, max_tokens, temperature,
+                                                chat)
+            if position == 0:
+                for index, outcome in answered:
+                    if outcome.error is None:
+                        reference.setdefault(index, outcome.text)
+            compared = [(outcome.text == reference[index]) for index, outcome in answered
+                        if outcome.error is None and index in reference]
+            results.append({"server": server.name, **summary, "identical": sum(compared), "compared": len(compared)})
+    for client in clients:
+        await client.close()
+    first = servers[0]
+    return {"url": first.url, "model": first.model, "method": first.method, "chat": chat, "max_tokens": max_tokens,
+            "temperature": temperature, "prompts": len(prompts), "reference": first.name,
+            "servers": [{"name": s.name, "url": s.url, "model": s.model, "method": s.method} for s in servers],
+            "levels": results}
 
 
 def table(results: dict) -> str:
-    """A Markdown table of the levels, times in milliseconds."""
+    """A Markdown table of the levels, times in milliseconds; with several servers, one row per
+    server and level, and how many of its answers equal the first server's."""
     ms = lambda value: "-" if value is None else f"{value * 1000:.1f}"  # noqa: E731
-    lines = [
-        f"model {results['model']}, method {results['method'] or '?'}, max_tokens {results['max_tokens']}",
-        "",
-        "| concurrency | requests | errors | out tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms "
-        "| end-to-end p50/p90/p99 ms | tau |",
-        "| ---: | ---: | ---: | ---: | --- | --- | --- | ---: |",
-    ]
+    several = len(results.get("servers", ())) > 1
+    head = "| server " if several else ""
+    lines = [", ".join(f"{s['name']}: model {s['model']}, method {s['method'] or '-'}" for s in results["servers"])
+             if several else f"model {results['model']}, method {results['method'] or '?'}, "
+                             f"max_tokens {results['max_tokens']}", ""]
+    lines.append(f"{head}| concurrency | requests | errors | out tok/s | TTFT p50/p90/p99 ms | ITL p50/p90/p99 ms "
+                 "| end-to-end p50/p90/p99 ms | tau |" + (f" answers equal to {results['reference']}'s |" if several else ""))
+    lines.append(("| --- " if several else "") + "| ---: | ---: | ---: | ---: | --- | --- | --- | ---: |"
+                 + (" ---: |" if several else ""))
     for level in results["levels"]:
         ttft, itl, latency = ("/".join(ms(level[key][f"p{q}"]) for q in PERCENTILES)
                               for key in ("ttft_seconds", "itl_seconds", "latency_seconds"))
         tau = "-" if level["mean_tau"] is None else f"{level['mean_tau']:.2f}"
-        lines.append(f"| {level['concurrency']} | {level['requests']} | {level['errors']} | "
-                     f"{level['output_tokens_per_second']:.1f} | {ttft} | {itl} | {latency} | {tau} |")
+        row = (f"| {level['concurrency']} | {level['requests']} | {level['errors']} | "
+               f"{level['output_tokens_per_second']:.1f} | {ttft} | {itl} | {latency} | {tau} |")
+        if several:
+            row = f"| {level['server']} {row} {level['identical']}/{level['compared']} |"
+        lines.append(row)
     return "\n".join(lines)
+
+
+def chart(results: dict, path: str) -> None:
+    """Output tokens per second against concurrent clients, one line per server (PNG)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for server in results["servers"]:
+        levels = [level for level in results["levels"] if level["server"] == server["name"]]
+        axes.plot([lv["concurrency"] for lv in levels], [lv["output_tokens_per_second"] for lv in levels], marker="o",
+                  label=server["name"])
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sorted({lv["concurrency"] for lv in results["levels"]}))
+    axes.get_xaxis().set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    axes.set_xlabel("concurrent clients")
+    axes.set_ylabel("output tokens / s")
+    axes.set_title(f"{results['servers'][0]['model']}: throughput by load")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def write_json(results: dict, path: str) -> None:

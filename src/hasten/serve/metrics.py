@@ -48,6 +48,16 @@ class Metrics:
                                ["position"], registry=r)
         self.accepted = Counter("hasten_accepted_at_position", "steps whose accepted path reached draft position P",
                                 ["position"], registry=r)
+        self.drafted_tokens = Counter("hasten_drafted_tokens", "draft tokens proposed and verified", registry=r)
+        self.accepted_tokens = Counter("hasten_accepted_tokens", "draft tokens accepted (bonus tokens not counted)",
+                                       registry=r)
+        self.speculating = Counter("hasten_rows_speculating", "finished generations by whether they drafted "
+                                   "(false: plain decoding, asked for with speculate=false or a method without drafts)",
+                                   ["speculated"], registry=r)
+        self.kv_bytes = Gauge("hasten_kv_cache_bytes", "bytes the running batch's KV cache holds allocated",
+                              registry=r)
+        self.reused_tokens = Counter("hasten_prefix_cached_tokens", "prompt tokens whose KV entries a finished "
+                                     "request left (the prefix cache), copied instead of prefilled", registry=r)
         # what a client waits for, as vLLM reports it: the first token, each next token, the whole answer
         self.first_token_seconds = Histogram("hasten_time_to_first_token_seconds",
                                              "seconds from a request's submission to its first generated token",
@@ -85,10 +95,15 @@ class Metrics:
         self.running.set(running)
         self.waiting.set(waiting)
 
-    def row_finished(self, reason: str, stats: DecodeStats, queued_seconds: float) -> None:
+    def row_finished(self, reason: str, stats: DecodeStats, queued_seconds: float, speculated: bool = False) -> None:
+        """A generation ended: its tokens, its mean accepted length (tau), its drafted and
+        accepted tokens, overall and per draft position."""
         self.finished.labels(reason).inc()
         self.generated_tokens.inc(stats.new_tokens)
         self.queue_seconds.observe(queued_seconds)
+        self.speculating.labels("true" if speculated else "false").inc()
+        self.drafted_tokens.inc(stats.drafted_tokens)
+        self.accepted_tokens.inc(stats.accepted_tokens)
         if stats.steps:
             self.tau.observe(stats.mean_accepted)
         accepted = padded(stats.accepted_at_depth, len(stats.drafted_at_depth))

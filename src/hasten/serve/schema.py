@@ -21,6 +21,11 @@ TEMPERATURE_RANGE = (0.0, 2.0)  # as OpenAI; hasten itself would take any temper
 PENALTY_RANGE = (-2.0, 2.0)  # presence_penalty and frequency_penalty, as OpenAI
 LOGIT_BIAS_RANGE = (-100.0, 100.0)  # a bias outside it is clamped to it, as OpenAI and vLLM
 MAX_TOKEN_ID_LIST = 1 << 16  # the most ids stop_token_ids, allowed_token_ids or logit_bias may hold
+# The operator's cap on a request that sets no max_tokens (--default-max-tokens). OpenAI's chat
+# default, the room left in the context, is sized for OpenAI's hardware: on a 2-core CPU a chat
+# without max_tokens sampled 5,400 tokens and held the server 16.5 minutes (issue 44). 512 tokens
+# is longer than most answers and about a minute and a half at the 5.5 tokens/s of that run.
+DEFAULT_MAX_TOKENS = 512
 
 
 class APIError(Exception):
@@ -51,6 +56,7 @@ class Params:
     seed: int | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's continuous_usage_stats: with include_usage, usage in every event
     n: int = 1  # choices per prompt; choice j of a seeded request samples with seed + j
     logprobs: int | None = None  # each generated token's log-probability, with this many alternatives (None: off)
     prompt_logprobs: int | None = None  # each prompt token's, with this many alternatives (vLLM's field; None: off)
@@ -60,6 +66,7 @@ class Params:
     ignore_eos: bool = False  # vLLM's: EOS does not end a choice
     include_stop: bool = False  # vLLM's include_stop_str_in_output: the stop string or stop token stays in the text
     best_of: int = 1  # samples per prompt, of which the n with the highest mean log-probability per token return
+    speculate: bool = True  # hasten's: false decodes this request plainly (the same text, no drafting)
     pool: bool = True  # hasten's: false, the request neither drafts from the server's shared pool nor adds to it
 
 
@@ -106,10 +113,8 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
                       "invalid_type")
     max_tokens = None
     for name in max_tokens_names:  # chat also takes OpenAI's newer name, max_completion_tokens
-        value = optional(body, name, is_int, "an integer")
+        value = optional(body, name, is_int, "an integer")  # its range: checked once, at admission
         if value is not None:
-            if value < 0:
-                raise invalid(name, f"'{name}' must be at least 1 (or 0 with 'echo': true), got {value}")
             max_tokens = value
     temperature = optional(body, "temperature", is_number, "a number", 1.0)
     low, high = TEMPERATURE_RANGE
@@ -125,7 +130,7 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise invalid("seed", f"'seed' must be in [0, 2^63 - 1], got {seed}")
     stream = optional(body, "stream", lambda v: isinstance(v, bool), "true or false", False)
-    include_usage = parse_stream_options(body, stream)
+    include_usage, continuous_usage = parse_stream_options(body, stream)
     n, best_of = parse_choices(body, stream)
     logprobs, prompt_logprobs, echo = parse_logprobs(body, chat, stream)
     if max_tokens == 0 and not echo:
@@ -133,14 +138,15 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
         raise invalid(name, f"'{name}' must be at least 1; 0 only asks a completion to score its prompt, with "
                       "'echo': true")
     check_unsupported(body)
-    rules = parse_rules(body, max_tokens)
+    rules = parse_rules(body)
     stop_token_ids = _token_ids(body, "stop_token_ids", allow_empty=True) or ()
     ignore_eos = optional(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     include_stop = optional(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "true or false", False)
+    speculate = optional(body, "speculate", lambda v: isinstance(v, bool), "true or false", True)
     pool = optional(body, "pool", lambda v: isinstance(v, bool), "true or false", True)
     return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
-                  parse_stop(body), seed, stream, include_usage, n, logprobs, prompt_logprobs, echo, rules,
-                  tuple(stop_token_ids), ignore_eos, include_stop, best_of, pool)
+                  parse_stop(body), seed, stream, include_usage, continuous_usage, n, logprobs, prompt_logprobs, echo,
+                  rules, tuple(stop_token_ids), ignore_eos, include_stop, best_of, speculate, pool)
 
 
 def _token_ids(body: dict, name: str, allow_empty: bool) -> list[int] | None:
@@ -151,7 +157,7 @@ def _token_ids(body: dict, name: str, allow_empty: bool) -> list[int] | None:
     return ids
 
 
-def parse_rules(body: dict, max_tokens: int | None) -> dict:
+def parse_rules(body: dict) -> dict:
     """The fields that transform the target distribution (hasten.core.sampling.Sampling's
     names), only those present and not neutral: a request without them does no extra work."""
     rules = {}
@@ -173,7 +179,7 @@ def parse_rules(body: dict, max_tokens: int | None) -> dict:
     if min_p:
         rules["min_p"] = float(min_p)
     min_tokens = optional(body, "min_tokens", is_int, "an integer", 0)
-    if min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+    if min_tokens < 0:  # more than max_tokens: the request refuses it at admission
         raise invalid("min_tokens", f"'min_tokens' must be in [0, max_tokens], got {min_tokens}")
     if min_tokens:
         rules["min_tokens"] = min_tokens
@@ -262,22 +268,24 @@ def parse_stop(body: dict) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def parse_stream_options(body: dict, stream: bool) -> bool:
+def parse_stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    """(``include_usage``: a last event with the usage; usage in every event as well, vLLM's
+    ``continuous_usage_stats``, which as in vLLM counts only with ``include_usage``)."""
     options = body.get("stream_options")
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise invalid("stream_options", "'stream_options' must be an object", "invalid_type")
     if not stream:
         raise invalid("stream_options", "'stream_options' is only allowed with 'stream': true")
-    if options.get("continuous_usage_stats") not in (None, False):
-        raise invalid("stream_options.continuous_usage_stats", "'stream_options.continuous_usage_stats' is not "
-                      "supported by hasten serve", "unsupported_parameter")
-    include = options.get("include_usage", False)
-    if not isinstance(include, bool):
-        raise invalid("stream_options.include_usage", "'stream_options.include_usage' must be true or false",
-                      "invalid_type")
-    return include
+    flags = []
+    for name in ("include_usage", "continuous_usage_stats"):
+        flag = options.get(name)
+        if flag is not None and not isinstance(flag, bool):
+            raise invalid(f"stream_options.{name}", f"'stream_options.{name}' must be true or false", "invalid_type")
+        flags.append(bool(flag))
+    include, continuous = flags
+    return include, include and continuous
 
 
 # Fields hasten knows and cannot honour: refused rather than silently ignored, since the
@@ -332,8 +340,15 @@ def _one_prompt(prompt, name: str) -> str | list[int]:
     raise invalid("prompt", f"'{name}' must be a non-empty string or a list of token ids", "invalid_type")
 
 
+# OpenAI's chat roles, less those of tool calls ("tool", "function"), which hasten serve does not make
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+TOOL_ROLES = ("tool", "function")
+
+
 def parse_messages(body: dict) -> list[dict[str, str]]:
-    """Chat messages with their content as plain text (OpenAI's text parts are joined)."""
+    """Chat messages with their content as plain text (OpenAI's text parts are joined). Every
+    message has one of :data:`CHAT_ROLES` and a content; OpenAI's content-less assistant turn is
+    one that made tool calls, which this server refuses with ``tools``."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list of {role, content} objects",
@@ -341,9 +356,23 @@ def parse_messages(body: dict) -> list[dict[str, str]]:
     plain = []
     for i, message in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or not message["role"]:
-            raise invalid(where, f"'{where}' must be an object with a string 'role'", "invalid_type")
-        plain.append({"role": message["role"], "content": content_text(message.get("content"), where)})
+        if not isinstance(message, dict):
+            raise invalid(where, f"'{where}' must be an object with a 'role' and a 'content'", "invalid_type")
+        role = message.get("role")
+        for name in ("tool_calls", "function_call"):
+            if not _empty(message.get(name)):
+                raise invalid(f"{where}.{name}", f"'{where}.{name}': tool calls are not supported by hasten serve",
+                              "unsupported_parameter")
+        if role in TOOL_ROLES:
+            raise invalid(f"{where}.role", f"'{where}.role' is {role!r}, a tool call's answer: tool calls are not "
+                          "supported by hasten serve", "unsupported_parameter")
+        if role not in CHAT_ROLES:
+            raise invalid(f"{where}.role", f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got "
+                          f"{json.dumps(role)[:40]}", "missing_required_parameter" if role is None else "invalid_value")
+        if message.get("content") is None:
+            raise invalid(f"{where}.content", f"'{where}.content' is required: a string or a list of text parts",
+                          "missing_required_parameter")
+        plain.append({"role": role, "content": content_text(message["content"], where)})
     return plain
 
 
@@ -359,8 +388,6 @@ def unicode_text(text: str, field: str) -> str:
 
 
 def content_text(content, where: str) -> str:
-    if content is None:
-        return ""
     if isinstance(content, str):
         return unicode_text(content, f"{where}.content")
     if isinstance(content, list):

@@ -74,6 +74,7 @@ class Worker:
         self._wake = threading.Event()
         self._stopping = threading.Event()
         self._thread: threading.Thread | None = None
+        self._reused = 0  # the prefix cache's reused tokens counted so far (the scheduler's batch counts them)
 
     # ---- called from the event loop ------------------------------------------------------------
     def start(self) -> None:
@@ -138,7 +139,8 @@ class Worker:
                     if update.finished:
                         del self._rows[row_id], self._by_scheduler_id[update.row_id]
             if update.finished and self.metrics:
-                self.metrics.row_finished(update.finish_reason or "stop", update.stats, update.queued_seconds)
+                self.metrics.row_finished(update.finish_reason or "stop", update.stats, update.queued_seconds,
+                                          update.speculated)
             if row is not None:
                 row.sink.put(update)
 
@@ -146,13 +148,26 @@ class Worker:
         info = getattr(self.scheduler, "last_step", None)
         if self.metrics and info is not None:
             self.metrics.step(info, self.scheduler.running, self.scheduler.waiting)
+            target = self.scheduler.target
+            held = getattr(target, "held_bytes", None)
+            if callable(held):
+                self.metrics.kv_bytes.set(held())
+            reused = getattr(target, "reused_tokens", 0)
+            if reused > self._reused:
+                self.metrics.reused_tokens.inc(reused - self._reused)
+            self._reused = reused
 
     def _recover(self, err: Exception) -> None:
         """After a step raised: a fresh scheduler, the rows that fail alone failed with the
         error, the others moved over as continuations (see the module's doc)."""
         with self._lock:
             old, self.scheduler = self.scheduler, self.make_scheduler()
+            self._reused = 0  # a fresh batch counts from 0
             rows, self._by_scheduler_id = dict(self._rows), {}
+        try:
+            old.abandon()
+        except Exception:  # noqa: BLE001 - a drafter broken by the failed step must not stop the recovery
+            log.exception("the drafter failed to end the old batch's rows")
         log.warning("a decode step failed (%s: %s); trying its %d rows one by one", type(err).__name__, err, len(rows))
         for row_id, row in rows.items():
             continuation = self._continuation(old, row)

@@ -198,7 +198,7 @@ def distill(model: PreTrainedModel, tokenizer, documents: list[str], settings: D
                        disable=not progress, file=sys.stderr, mininterval=2):
         prompt_ids = torch.tensor([prompt], device=model.device)  # [1, P]
         sequence = generate(model, prompt_ids, drafter=drafter, max_new_tokens=settings.gen_tokens,
-                            eos_token_id=eos).sequences  # [1, L]
+                            eos_token_id=eos, threads=None).sequences  # [1, L]; threads: the command's
         hidden = None
         if settings.store_hidden:
             hidden = model(sequence.to(model.device), output_hidden_states=True).hidden_states[-1][0].half().cpu()  # [L, H]

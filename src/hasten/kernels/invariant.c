@@ -1,0 +1,684 @@
+/* Row-invariant kernels for hasten's CPU forwards: a linear layer and attention.
+ *
+ * Every output element is computed by one fixed sequence of IEEE-754 operations that depends
+ * only on that element's own inputs: never on how many rows a call carries, which other rows
+ * ride along, how many threads run, or which instruction set does the work. A verification
+ * block of k positions therefore gives each position exactly the numbers a one-token step
+ * gives, and because each operation used (fused multiply-add, addition, multiplication,
+ * division, rounding to an integer, conversions between float formats) is correctly rounded,
+ * the AVX-512, AVX2 and portable paths below produce the same bits on any CPU.
+ *
+ * The definitions (the contract every path implements):
+ *   linear:    acc = 0; for k in 0..K-1: acc = fma(x[k], w[n][k], acc);  y = round(acc + bias[n])
+ *   attention: per query row and head, over the row's visible keys j_0 < j_1 < ... in list order
+ *              s_i  = dot(q, k_{j_i}) * scale  (dot: 16 lanes by d mod 16 accumulated by fma in d
+ *                     order, then summed pairwise: lane l += lane l + 8, l + 4, l + 2, l + 1)
+ *              s_i  = softcap * tanh(s_i / softcap)   when softcap > 0
+ *              p_i  = exp(s_i - max s)                (hexp below: a fixed polynomial)
+ *              l    = sum of p_i: 16 lanes by i mod 16 in i order, then summed pairwise as above
+ *              o[d] = round((sum over i in order of fma(p_i, v_{j_i}[d], .)) / l)
+ * Values are read as float32 (bf16 and fp16 convert exactly) and results are rounded to the
+ * output format to nearest even.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define HASTEN_X86 1
+#endif
+
+enum { BF16 = 0, FP16 = 1, FP32 = 2 };
+#define TILE 64 /* output features per packed weight tile: [tiles][K][TILE] */
+#define LANES 16
+
+/* ---- scalar conversions (exact to float32; rounding to nearest even from it) ---------------- */
+static inline float bf16_to_f32(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; memcpy(&f, &u, 4); return f; }
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u; memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40); /* NaN stays NaN */
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static inline float fp16_to_f32(uint16_t h) { _Float16 v; memcpy(&v, &h, 2); return (float)v; }
+static inline uint16_t f32_to_fp16(float f) { _Float16 v = (_Float16)f; uint16_t h; memcpy(&h, &v, 2); return h; }
+
+static inline float load1(const void *p, int64_t i, int dtype) {
+    if (dtype == BF16) return bf16_to_f32(((const uint16_t *)p)[i]);
+    if (dtype == FP16) return fp16_to_f32(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+static inline void store1(void *p, int64_t i, float f, int dtype) {
+    if (dtype == BF16) ((uint16_t *)p)[i] = f32_to_bf16(f);
+    else if (dtype == FP16) ((uint16_t *)p)[i] = f32_to_fp16(f);
+    else ((float *)p)[i] = f;
+}
+
+/* n values from p + offset to float32, the format switch outside the loop so each loop vectorizes */
+static inline void load_row(const void *p, int64_t offset, int64_t n, int dtype, float *dst) {
+    if (dtype == BF16) {
+        const uint16_t *src = (const uint16_t *)p + offset;
+        for (int64_t i = 0; i < n; i++) { uint32_t u = (uint32_t)src[i] << 16; memcpy(dst + i, &u, 4); }
+    } else if (dtype == FP16) {
+        const _Float16 *src = (const _Float16 *)p + offset;
+        for (int64_t i = 0; i < n; i++) dst[i] = (float)src[i];
+    } else {
+        memcpy(dst, (const float *)p + offset, sizeof(float) * (size_t)n);
+    }
+}
+
+static int threads_for(int requested, int64_t work_items) {
+    int t = requested < 1 ? 1 : requested;
+    if (work_items < t) t = (int)(work_items < 1 ? 1 : work_items);
+    return t;
+}
+
+/* ======================================= linear ============================================= */
+/* x: [M, K] (row stride sx), w: packed [ceil(N / TILE)][K][TILE], bias: [N] or NULL, y: [M, N]
+ * (row stride sy). x, w, y and bias each have their own format. */
+
+/* The portable path: the contract written out. */
+static void linear_tile_generic(const void *x, int64_t sx, int xt, const void *w, int wt, const void *bias, int bt,
+                                void *y, int64_t sy, int yt, int64_t rows, int64_t K, int64_t N, int64_t tile) {
+    const int64_t base = tile * K * TILE, n0 = tile * TILE;
+    const int64_t width = N - n0 < TILE ? N - n0 : TILE;
+    for (int64_t m = 0; m < rows; m++) {
+        float acc[TILE];
+        for (int l = 0; l < TILE; l++) acc[l] = 0.0f;
+        for (int64_t k = 0; k < K; k++) {
+            const float xv = load1(x, m * sx + k, xt);
+            for (int l = 0; l < TILE; l++) acc[l] = fmaf(xv, load1(w, base + k * TILE + l, wt), acc[l]);
+        }
+        for (int64_t l = 0; l < width; l++) {
+            float v = acc[l];
+            if (bias) v = v + load1(bias, n0 + l, bt);
+            store1(y, m * sy + n0 + l, v, yt);
+        }
+    }
+}
+
+#ifdef HASTEN_X86
+#define R_MAX 6 /* rows per register block: 6 rows x 4 vectors = 24 accumulators */
+
+__attribute__((target("avx512f"))) static inline __m512 load16_avx512(const void *p, int dtype) {
+    if (dtype == BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    if (dtype == FP16) return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_loadu_ps(p);
+}
+
+/* rows <= R_MAX rows of x against one tile; R is a compile-time constant in each instance */
+#define DEFINE_AVX512_BLOCK(R)                                                                                  \
+    __attribute__((target("avx512f"))) static void linear_block_avx512_##R(                                 \
+        const float *xf, int64_t K, const void *wtile, int wt, float *out /* [R][TILE] */) {                 \
+        __m512 acc[R][4];                                                                                    \
+        for (int r = 0; r < R; r++) for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();             \
+        const size_t esize = wt == FP32 ? 4 : 2;                                                             \
+        const char *wp = (const char *)wtile;                                                                \
+        for (int64_t k = 0; k < K; k++) {                                                                    \
+            const char *row = wp + (size_t)k * TILE * esize;                                                 \
+            __m512 w0 = load16_avx512(row, wt), w1 = load16_avx512(row + 16 * esize, wt);                    \
+            __m512 w2 = load16_avx512(row + 32 * esize, wt), w3 = load16_avx512(row + 48 * esize, wt);       \
+            for (int r = 0; r < R; r++) {                                                                    \
+                __m512 xv = _mm512_set1_ps(xf[r * K + k]);                                                   \
+                acc[r][0] = _mm512_fmadd_ps(xv, w0, acc[r][0]);                                              \
+                acc[r][1] = _mm512_fmadd_ps(xv, w1, acc[r][1]);                                              \
+                acc[r][2] = _mm512_fmadd_ps(xv, w2, acc[r][2]);                                              \
+                acc[r][3] = _mm512_fmadd_ps(xv, w3, acc[r][3]);                                              \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + r * TILE + 16 * v, acc[r][v]); \
+    }
+DEFINE_AVX512_BLOCK(1)
+DEFINE_AVX512_BLOCK(2)
+DEFINE_AVX512_BLOCK(3)
+DEFINE_AVX512_BLOCK(4)
+DEFINE_AVX512_BLOCK(5)
+DEFINE_AVX512_BLOCK(6)
+
+typedef void (*block_fn)(const float *, int64_t, const void *, int, float *);
+static const block_fn AVX512_BLOCKS[R_MAX + 1] = {0, linear_block_avx512_1, linear_block_avx512_2, linear_block_avx512_3,
+                                                  linear_block_avx512_4, linear_block_avx512_5, linear_block_avx512_6};
+
+/* AVX2 + FMA: 8 lanes; a tile is 8 vectors, rows one or two at a time */
+__attribute__((target("avx2,fma,f16c"))) static inline __m256 load8_avx2(const void *p, int dtype) {
+    if (dtype == BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+    if (dtype == FP16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_loadu_ps(p);
+}
+__attribute__((target("avx2,fma,f16c"))) static void linear_block_avx2(const float *xf, int64_t K, const void *wtile,
+                                                                       int wt, float *out, int rows) {
+    const size_t esize = wt == FP32 ? 4 : 2;
+    const char *wp = (const char *)wtile;
+    for (int r0 = 0; r0 < rows; r0 += 1) {
+        __m256 acc[8];
+        for (int v = 0; v < 8; v++) acc[v] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k++) {
+            const char *row = wp + (size_t)k * TILE * esize;
+            __m256 xv = _mm256_set1_ps(xf[r0 * K + k]);
+            for (int v = 0; v < 8; v++) acc[v] = _mm256_fmadd_ps(xv, load8_avx2(row + 8 * v * esize, wt), acc[v]);
+        }
+        for (int v = 0; v < 8; v++) _mm256_storeu_ps(out + r0 * TILE + 8 * v, acc[v]);
+    }
+}
+#endif
+
+static int forced_path = -1;
+static int cpu_path(void) { /* 2: AVX-512F, 1: AVX2 + FMA + F16C, 0: portable */
+#ifdef HASTEN_X86
+    static int path = -1;
+    if (forced_path >= 0) return forced_path;
+    if (path < 0) {
+        __builtin_cpu_init();
+        if (getenv("HASTEN_KERNEL_PATH")) path = atoi(getenv("HASTEN_KERNEL_PATH"));
+        else if (__builtin_cpu_supports("avx512f")) path = 2;
+        else if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) path = 1;
+        else path = 0;
+    }
+    return path;
+#else
+    return 0;
+#endif
+}
+
+int hasten_kernel_path(void) { return cpu_path(); }
+
+/* for tests: run another path (0 portable, 1 AVX2, 2 AVX-512) where the CPU has it; -1 back to the CPU's best */
+int hasten_set_kernel_path(int path) {
+#ifdef HASTEN_X86
+    cpu_path();
+    __builtin_cpu_init();
+    const int best = __builtin_cpu_supports("avx512f") ? 2 : (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) ? 1 : 0;
+    if (path > best) return -1;
+    forced_path = path < 0 ? best : path;
+    return 0;
+#else
+    return path > 0 ? -1 : 0;
+#endif
+}
+
+void hasten_linear(const void *x, int64_t sx, int xt, const void *w, int wt, const void *bias, int bt, void *y,
+                   int64_t sy, int yt, int64_t M, int64_t K, int64_t N, int threads) {
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    const int path = cpu_path();
+    if (path == 0) {
+#pragma omp parallel for schedule(static) num_threads(threads_for(threads, tiles))
+        for (int64_t t = 0; t < tiles; t++) linear_tile_generic(x, sx, xt, w, wt, bias, bt, y, sy, yt, M, K, N, t);
+        return;
+    }
+#ifdef HASTEN_X86
+    /* x converted once to float32 (exact), so the blocks broadcast plain floats */
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(M * K > 0 ? M * K : 1));
+    for (int64_t m = 0; m < M; m++) for (int64_t k = 0; k < K; k++) xf[m * K + k] = load1(x, m * sx + k, xt);
+    const size_t esize = wt == FP32 ? 4 : 2;
+#pragma omp parallel num_threads(threads_for(threads, tiles))
+    {
+        float out[R_MAX * TILE];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const void *wtile = (const char *)w + (size_t)(t * K * TILE) * esize;
+            const int64_t n0 = t * TILE, width = N - n0 < TILE ? N - n0 : TILE;
+            for (int64_t m0 = 0; m0 < M; m0 += R_MAX) {
+                const int rows = (int)(M - m0 < R_MAX ? M - m0 : R_MAX);
+                if (path == 2) AVX512_BLOCKS[rows](xf + m0 * K, K, wtile, wt, out);
+                else linear_block_avx2(xf + m0 * K, K, wtile, wt, out, rows);
+                for (int r = 0; r < rows; r++)
+                    for (int64_t l = 0; l < width; l++) {
+                        float v = out[r * TILE + l];
+                        if (bias) v = v + load1(bias, n0 + l, bt);
+                        store1(y, (m0 + r) * sy + n0 + l, v, yt);
+                    }
+            }
+        }
+    }
+    free(xf);
+#endif
+}
+
+/* ---- bfloat16 weights and inputs on CPUs with AVX512-BF16: the dot-product instruction -------
+ * A second contract, for speed where the instruction exists: acc = 0; for each pair of inputs
+ * (2i, 2i + 1) in order: acc = vdpbf16ps(acc, x pair, w pair); y = round(acc + bias[n]). The
+ * instruction's rounding is the CPU's, so its bits differ from the contract above and from CPUs
+ * without it; like it, each output depends on its own row alone, whatever the rows, threads or
+ * blocking. Weights packed as [tiles][ceil(K / 2)][TILE][2]. */
+int hasten_bf16_dot_available(void) {
+#ifdef HASTEN_X86
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512f");
+#else
+    return 0;
+#endif
+}
+
+void hasten_pack_bf16_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
+    const int64_t tiles = (N + TILE - 1) / TILE, pairs = (K + 1) / 2;
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t p = 0; p < pairs; p++)
+            for (int64_t l = 0; l < TILE; l++)
+                for (int64_t e = 0; e < 2; e++) {
+                    const int64_t n = t * TILE + l, k = 2 * p + e;
+                    out[((t * pairs + p) * TILE + l) * 2 + e] = (n < N && k < K) ? w[n * K + k] : 0;
+                }
+}
+
+#ifdef HASTEN_X86
+#define DEFINE_DOT_BLOCK(R)                                                                                     \
+    __attribute__((target("avx512f,avx512bf16"))) static void dot_block_##R(                                 \
+        const uint32_t *xp, int64_t pairs, const uint16_t *wtile, float *out /* [R][TILE] */) {              \
+        __m512 acc[R][4];                                                                                    \
+        for (int r = 0; r < R; r++) for (int v = 0; v < 4; v++) acc[r][v] = _mm512_setzero_ps();             \
+        for (int64_t p = 0; p < pairs; p++) {                                                                \
+            const __m512i *row = (const __m512i *)(wtile + p * TILE * 2);                                    \
+            const __m512bh w0 = (__m512bh)_mm512_loadu_si512(row), w1 = (__m512bh)_mm512_loadu_si512(row + 1); \
+            const __m512bh w2 = (__m512bh)_mm512_loadu_si512(row + 2), w3 = (__m512bh)_mm512_loadu_si512(row + 3); \
+            for (int r = 0; r < R; r++) {                                                                    \
+                const __m512bh xv = (__m512bh)_mm512_set1_epi32((int)xp[r * pairs + p]);                     \
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], xv, w0);                                             \
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], xv, w1);                                             \
+                acc[r][2] = _mm512_dpbf16_ps(acc[r][2], xv, w2);                                             \
+                acc[r][3] = _mm512_dpbf16_ps(acc[r][3], xv, w3);                                             \
+            }                                                                                                \
+        }                                                                                                    \
+        for (int r = 0; r < R; r++) for (int v = 0; v < 4; v++) _mm512_storeu_ps(out + r * TILE + 16 * v, acc[r][v]); \
+    }
+#define DOT_R_MAX 7
+DEFINE_DOT_BLOCK(1)
+DEFINE_DOT_BLOCK(2)
+DEFINE_DOT_BLOCK(3)
+DEFINE_DOT_BLOCK(4)
+DEFINE_DOT_BLOCK(5)
+DEFINE_DOT_BLOCK(6)
+DEFINE_DOT_BLOCK(7)
+typedef void (*dot_fn)(const uint32_t *, int64_t, const uint16_t *, float *);
+static const dot_fn DOT_BLOCKS[DOT_R_MAX + 1] = {0, dot_block_1, dot_block_2, dot_block_3, dot_block_4, dot_block_5,
+                                                 dot_block_6, dot_block_7};
+#endif
+
+int hasten_linear_bf16_pairs(const uint16_t *x, int64_t sx, const uint16_t *w, const void *bias, int bt, uint16_t *y,
+                             int64_t sy, int64_t M, int64_t K, int64_t N, int threads) {
+#ifdef HASTEN_X86
+    if (!hasten_bf16_dot_available()) return -1;
+    const int64_t tiles = (N + TILE - 1) / TILE, pairs = (K + 1) / 2;
+    uint32_t *xp = (uint32_t *)calloc((size_t)(M * pairs > 0 ? M * pairs : 1), sizeof(uint32_t));
+    if (!xp) return -2;
+    for (int64_t m = 0; m < M; m++) memcpy(xp + m * pairs, x + m * sx, sizeof(uint16_t) * (size_t)K);
+#pragma omp parallel num_threads(threads_for(threads, tiles))
+    {
+        float out[DOT_R_MAX * TILE];
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const uint16_t *wtile = w + t * pairs * TILE * 2;
+            const int64_t n0 = t * TILE, width = N - n0 < TILE ? N - n0 : TILE;
+            for (int64_t m0 = 0; m0 < M; m0 += DOT_R_MAX) {
+                const int rows = (int)(M - m0 < DOT_R_MAX ? M - m0 : DOT_R_MAX);
+                DOT_BLOCKS[rows](xp + m0 * pairs, pairs, wtile, out);
+                for (int r = 0; r < rows; r++)
+                    for (int64_t l = 0; l < width; l++) {
+                        float v = out[r * TILE + l];
+                        if (bias) v = v + load1(bias, n0 + l, bt);
+                        y[(m0 + r) * sy + n0 + l] = f32_to_bf16(v);
+                    }
+            }
+        }
+    }
+    free(xp);
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+/* ====================================== attention =========================================== */
+/* The work is scheduled for speed (keys 16 at a time, shared by every query head of a group and
+ * by every row that sees them; values shared by the heads of a group), but each number is the
+ * contract's: a score is one key's sequential dot product, the exponential sum goes by lanes of
+ * list position mod 16, and each output feature accumulates its row's keys in list order. */
+#define KB 16
+
+static inline float lanes_sum(float *lanes) { /* pairwise, fixed: 16 -> 8 -> 4 -> 2 -> 1 */
+    for (int width = LANES / 2; width >= 1; width /= 2)
+        for (int l = 0; l < width; l++) lanes[l] = lanes[l] + lanes[l + width];
+    return lanes[0];
+}
+
+/* exp(x) for x <= 0 (what softmax needs), from +, *, fma, rint and exponent bits only, so every
+ * path gives the same bits: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-7 polynomial. */
+static inline float hexp(float x) {
+    if (x < -87.0f) return 0.0f;
+    const float n = rintf(x * 1.44269504088896341f);
+    float r = fmaf(n, -0.693145751953125f, x);
+    r = fmaf(n, -1.428606765330187045e-06f, r);
+    float p = 1.98412698412698413e-4f;
+    p = fmaf(p, r, 1.38888888888888889e-3f);
+    p = fmaf(p, r, 8.33333333333333333e-3f);
+    p = fmaf(p, r, 4.16666666666666667e-2f);
+    p = fmaf(p, r, 1.66666666666666667e-1f);
+    p = fmaf(p, r, 0.5f);
+    p = fmaf(p, r, 1.0f);
+    p = fmaf(p, r, 1.0f);
+    int32_t e = (int32_t)n + 127; /* n >= -126 here: a normal scale */
+    uint32_t bits = (uint32_t)e << 23; float scale; memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+static inline float htanh(float x) { /* odd, from hexp */
+    const float a = fabsf(x);
+    const float e = hexp(-2.0f * a);
+    const float t = (1.0f - e) / (1.0f + e);
+    return x < 0 ? -t : t;
+}
+
+/* ---- the hot loops, each in AVX-512, AVX2 and portable C (the same operations) ------------- */
+/* scores of queries qf [nq][D] against keys kt [D][KB] (transposed): out [nq][KB], each a
+ * sequential fma over d */
+static void score_block_generic(const float *qf, int nq, int64_t D, const float *kt, float *out) {
+    for (int a = 0; a < nq; a++) {
+        float s[KB];
+        for (int l = 0; l < KB; l++) s[l] = 0.0f;
+        for (int64_t d = 0; d < D; d++) for (int l = 0; l < KB; l++) s[l] = fmaf(qf[a * D + d], kt[d * KB + l], s[l]);
+        for (int l = 0; l < KB; l++) out[a * KB + l] = s[l];
+    }
+}
+/* s[i] = exp(s[i] - best) and lanes[i mod 16] += s[i], i in order */
+static void exp_sum_generic(float *s, int64_t n, float best, float *lanes) {
+    for (int64_t i = 0; i < n; i++) { s[i] = hexp(s[i] - best); lanes[i % LANES] = lanes[i % LANES] + s[i]; }
+}
+
+#ifdef HASTEN_X86
+__attribute__((target("avx512f"))) static void score_block_avx512(const float *qf, int nq, int64_t D, const float *kt,
+                                                                  float *out) {
+    int a = 0;
+    for (; a + 4 <= nq; a += 4) { /* four independent chains */
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        const float *q0 = qf + a * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
+        for (int64_t d = 0; d < D; d++) {
+            const __m512 k = _mm512_loadu_ps(kt + d * KB);
+            s0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), k, s0);
+            s1 = _mm512_fmadd_ps(_mm512_set1_ps(q1[d]), k, s1);
+            s2 = _mm512_fmadd_ps(_mm512_set1_ps(q2[d]), k, s2);
+            s3 = _mm512_fmadd_ps(_mm512_set1_ps(q3[d]), k, s3);
+        }
+        _mm512_storeu_ps(out + a * KB, s0); _mm512_storeu_ps(out + (a + 1) * KB, s1);
+        _mm512_storeu_ps(out + (a + 2) * KB, s2); _mm512_storeu_ps(out + (a + 3) * KB, s3);
+    }
+    for (; a < nq; a++) {
+        __m512 s0 = _mm512_setzero_ps();
+        for (int64_t d = 0; d < D; d++) s0 = _mm512_fmadd_ps(_mm512_set1_ps(qf[a * D + d]), _mm512_loadu_ps(kt + d * KB), s0);
+        _mm512_storeu_ps(out + a * KB, s0);
+    }
+}
+__attribute__((target("avx512f"))) static inline __m512 hexp_avx512(__m512 x) { /* hexp, lane by lane */
+    const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693145751953125f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(-1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.98412698412698413e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.38888888888888889e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33333333333333333e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666666666666667e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.66666666666666667e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(_mm512_maskz_mov_ps(~tiny, n)), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps(~tiny, p, _mm512_castsi512_ps(e));
+}
+__attribute__((target("avx512f"))) static void exp_sum_avx512(float *s, int64_t n, float best, float *lanes) {
+    __m512 sum = _mm512_loadu_ps(lanes);
+    const __m512 b = _mm512_set1_ps(best);
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const __m512 p = hexp_avx512(_mm512_sub_ps(_mm512_loadu_ps(s + i), b));
+        _mm512_storeu_ps(s + i, p);
+        sum = _mm512_add_ps(sum, p);
+    }
+    _mm512_storeu_ps(lanes, sum);
+    exp_sum_generic(s + i, n - i, best, lanes); /* the tail starts at lane 0: i is a multiple of 16 */
+}
+__attribute__((target("avx2,fma"))) static void score_block_avx2(const float *qf, int nq, int64_t D, const float *kt,
+                                                                 float *out) {
+    for (int a = 0; a < nq; a++) {
+        __m256 lo = _mm256_setzero_ps(), hi = lo;
+        for (int64_t d = 0; d < D; d++) {
+            const __m256 q = _mm256_set1_ps(qf[a * D + d]);
+            lo = _mm256_fmadd_ps(q, _mm256_loadu_ps(kt + d * KB), lo);
+            hi = _mm256_fmadd_ps(q, _mm256_loadu_ps(kt + d * KB + 8), hi);
+        }
+        _mm256_storeu_ps(out + a * KB, lo); _mm256_storeu_ps(out + a * KB + 8, hi);
+    }
+}
+#endif
+
+static void score_block(const float *qf, int nq, int64_t D, const float *kt, float *out) {
+#ifdef HASTEN_X86
+    if (cpu_path() == 2) { score_block_avx512(qf, nq, D, kt, out); return; }
+    if (cpu_path() == 1) { score_block_avx2(qf, nq, D, kt, out); return; }
+#endif
+    score_block_generic(qf, nq, D, kt, out);
+}
+static void exp_sum(float *s, int64_t n, float best, float *lanes) {
+#ifdef HASTEN_X86
+    if (cpu_path() == 2) { exp_sum_avx512(s, n, best, lanes); return; }
+#endif
+    exp_sum_generic(s, n, best, lanes);
+}
+
+/* vf [count][D] += ... : acc [D] = fma(p[i], v[i][d], acc[d]) for i = 0..count-1 in order */
+static void mix_block_generic(const float *p, int count, const float *vf, int64_t D, float *acc) {
+    for (int i = 0; i < count; i++) for (int64_t d = 0; d < D; d++) acc[d] = fmaf(p[i], vf[i * D + d], acc[d]);
+}
+#ifdef HASTEN_X86
+__attribute__((target("avx512f"))) static void mix_block_avx512(const float *p, int count, const float *vf, int64_t D,
+                                                                float *acc) {
+    int64_t d = 0;
+    for (; d + 64 <= D; d += 64) { /* four vectors held across the block's keys */
+        __m512 a0 = _mm512_loadu_ps(acc + d), a1 = _mm512_loadu_ps(acc + d + 16);
+        __m512 a2 = _mm512_loadu_ps(acc + d + 32), a3 = _mm512_loadu_ps(acc + d + 48);
+        for (int i = 0; i < count; i++) {
+            const __m512 w = _mm512_set1_ps(p[i]);
+            const float *v = vf + i * D + d;
+            a0 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v), a0);
+            a1 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16), a1);
+            a2 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 32), a2);
+            a3 = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 48), a3);
+        }
+        _mm512_storeu_ps(acc + d, a0); _mm512_storeu_ps(acc + d + 16, a1);
+        _mm512_storeu_ps(acc + d + 32, a2); _mm512_storeu_ps(acc + d + 48, a3);
+    }
+    for (; d + 16 <= D; d += 16) {
+        __m512 a0 = _mm512_loadu_ps(acc + d);
+        for (int i = 0; i < count; i++) a0 = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), _mm512_loadu_ps(vf + i * D + d), a0);
+        _mm512_storeu_ps(acc + d, a0);
+    }
+    for (; d < D; d++) for (int i = 0; i < count; i++) acc[d] = fmaf(p[i], vf[i * D + d], acc[d]);
+}
+__attribute__((target("avx2,fma"))) static void mix_block_avx2(const float *p, int count, const float *vf, int64_t D,
+                                                               float *acc) {
+    int64_t d = 0;
+    for (; d + 32 <= D; d += 32) {
+        __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+        __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+        for (int i = 0; i < count; i++) {
+            const __m256 w = _mm256_set1_ps(p[i]);
+            const float *v = vf + i * D + d;
+            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+        }
+        _mm256_storeu_ps(acc + d, a0); _mm256_storeu_ps(acc + d + 8, a1);
+        _mm256_storeu_ps(acc + d + 16, a2); _mm256_storeu_ps(acc + d + 24, a3);
+    }
+    for (; d < D; d++) for (int i = 0; i < count; i++) acc[d] = fmaf(p[i], vf[i * D + d], acc[d]);
+}
+#endif
+static void mix_block(const float *p, int count, const float *vf, int64_t D, float *acc) {
+#ifdef HASTEN_X86
+    if (cpu_path() == 2) { mix_block_avx512(p, count, vf, D, acc); return; }
+    if (cpu_path() == 1) { mix_block_avx2(p, count, vf, D, acc); return; }
+#endif
+    mix_block_generic(p, count, vf, D, acc);
+}
+
+typedef struct {
+    const void *q; int64_t q_row, q_head;           /* q[row, head, d] */
+    const void *k, *v; int64_t kv_head, kv_pos;     /* k/v[kv_head, position, d] */
+    void *out; int64_t o_row, o_head;               /* out[row, head, d] */
+    int dtype, kv_dtype;
+    int64_t rows, heads, kv_heads, dim, most;
+    const int64_t *start, *prefix, *extra_offsets, *extra;
+    float scale, softcap;
+} attention_args;
+
+static inline int64_t list_length(const attention_args *a, int64_t r) {
+    return (a->prefix[r] - a->start[r]) + (a->extra_offsets ? a->extra_offsets[r + 1] - a->extra_offsets[r] : 0);
+}
+static inline int64_t list_key(const attention_args *a, int64_t r, int64_t i) {
+    const int64_t run = a->prefix[r] - a->start[r];
+    return i < run ? a->start[r] + i : a->extra[a->extra_offsets[r] + i - run];
+}
+
+typedef struct { /* one thread's scratch */
+    float *qf;      /* [rows * group][D] the queries of one kv head */
+    float *scores;  /* [rows * group][most] scores, then weights */
+    float *acc;     /* [rows * group][D] */
+    float *kt;      /* [D][KB] a key block, transposed */
+    float *vf;      /* [KB][D] a value block */
+    float *block;   /* [rows * group][KB] */
+    float *total;   /* [rows * group] */
+    int64_t keys[KB];
+} scratch;
+
+static inline float finish_score(const attention_args *a, float dot) {
+    float s = dot * a->scale;
+    if (a->softcap > 0.0f) s = a->softcap * htanh(s / a->softcap);
+    return s;
+}
+
+/* keys[0..count) of kv head kvh: transposed into kt [D][KB] (lanes past count zero) and values into vf [count][D] */
+static void load_block(const attention_args *a, int64_t kvh, const int64_t *keys, int count, scratch *w, int values) {
+    const int64_t D = a->dim;
+    for (int l = 0; l < count; l++) {
+        float *row = w->vf + l * D;
+        load_row(a->k, kvh * a->kv_head + keys[l] * a->kv_pos, D, a->kv_dtype, row);
+        for (int64_t d = 0; d < D; d++) w->kt[d * KB + l] = row[d];
+    }
+    for (int l = count; l < KB; l++) for (int64_t d = 0; d < D; d++) w->kt[d * KB + l] = 0.0f;
+    if (values)
+        for (int l = 0; l < count; l++) load_row(a->v, kvh * a->kv_head + keys[l] * a->kv_pos, D, a->kv_dtype, w->vf + l * D);
+}
+
+/* Everything of one kv head: the queries of rows [r0, r1) (those sharing a start) and their group's heads.
+ * Query slot qs = (r - r0) * group + h. */
+static void attend_kv_head(const attention_args *a, int64_t kvh, int64_t r0, int64_t r1, scratch *w) {
+    const int64_t group = a->heads / a->kv_heads, D = a->dim, begin = a->start[r0];
+    int64_t shared = a->prefix[r0];
+    for (int64_t r = r0; r < r1; r++) if (a->prefix[r] < shared) shared = a->prefix[r];
+    const int nq = (int)((r1 - r0) * group);
+    for (int64_t r = r0; r < r1; r++)
+        for (int64_t h = 0; h < group; h++)
+            load_row(a->q, r * a->q_row + (kvh * group + h) * a->q_head, D, a->dtype, w->qf + ((r - r0) * group + h) * D);
+    /* scores: the shared run once for every query, then each row's own keys */
+    for (int64_t j0 = begin; j0 < shared; j0 += KB) {
+        const int count = (int)(shared - j0 < KB ? shared - j0 : KB);
+        for (int l = 0; l < count; l++) w->keys[l] = j0 + l;
+        load_block(a, kvh, w->keys, count, w, 0);
+        score_block(w->qf, nq, D, w->kt, w->block);
+        for (int q = 0; q < nq; q++)
+            for (int l = 0; l < count; l++) w->scores[q * a->most + (j0 - begin) + l] = finish_score(a, w->block[q * KB + l]);
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t n = list_length(a, r);
+        for (int64_t i0 = shared - begin; i0 < n; i0 += KB) {
+            const int count = (int)(n - i0 < KB ? n - i0 : KB);
+            for (int l = 0; l < count; l++) w->keys[l] = list_key(a, r, i0 + l);
+            load_block(a, kvh, w->keys, count, w, 0);
+            score_block(w->qf + (r - r0) * group * D, (int)group, D, w->kt, w->block);
+            for (int64_t h = 0; h < group; h++)
+                for (int l = 0; l < count; l++)
+                    w->scores[((r - r0) * group + h) * a->most + i0 + l] = finish_score(a, w->block[h * KB + l]);
+        }
+    }
+    /* weights: exp(s - max), summed by lanes of list position */
+    float *total = w->total;
+    for (int q = 0; q < nq; q++) {
+        float *s = w->scores + q * a->most;
+        const int64_t n = list_length(a, r0 + q / group);
+        float best = -INFINITY;
+        for (int64_t i = 0; i < n; i++) best = s[i] > best ? s[i] : best;
+        float lanes[LANES];
+        for (int l = 0; l < LANES; l++) lanes[l] = 0.0f;
+        exp_sum(s, n, best, lanes);
+        total[q] = lanes_sum(lanes);
+        for (int64_t d = 0; d < D; d++) w->acc[q * D + d] = 0.0f;
+    }
+    /* values: the shared run once, then each row's own keys, each output in list order */
+    for (int64_t j0 = begin; j0 < shared; j0 += KB) {
+        const int count = (int)(shared - j0 < KB ? shared - j0 : KB);
+        for (int l = 0; l < count; l++) load_row(a->v, kvh * a->kv_head + (j0 + l) * a->kv_pos, D, a->kv_dtype, w->vf + l * D);
+        for (int q = 0; q < nq; q++) mix_block(w->scores + q * a->most + (j0 - begin), count, w->vf, D, w->acc + q * D);
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t n = list_length(a, r);
+        for (int64_t i0 = shared - begin; i0 < n; i0 += KB) {
+            const int count = (int)(n - i0 < KB ? n - i0 : KB);
+            for (int l = 0; l < count; l++)
+                load_row(a->v, kvh * a->kv_head + list_key(a, r, i0 + l) * a->kv_pos, D, a->kv_dtype, w->vf + l * D);
+            for (int64_t h = 0; h < group; h++) {
+                const int q = (int)((r - r0) * group + h);
+                mix_block(w->scores + q * a->most + i0, count, w->vf, D, w->acc + q * D);
+            }
+        }
+    }
+    for (int q = 0; q < nq; q++) {
+        const int64_t r = r0 + q / group, h = kvh * group + q % group, n = list_length(a, r);
+        const int64_t obase = r * a->o_row + h * a->o_head;
+        for (int64_t d = 0; d < D; d++) store1(a->out, obase + d, n > 0 ? w->acc[q * D + d] / total[q] : 0.0f, a->dtype);
+    }
+}
+
+#define ROW_CHUNK 32 /* query rows per work item: bounds the scratch and spreads a prefill over threads */
+
+int hasten_attention(const void *q, int64_t q_row, int64_t q_head, const void *k, const void *v, int64_t kv_head,
+                     int64_t kv_pos, void *out, int64_t o_row, int64_t o_head, int dtype, int kv_dtype, int64_t rows,
+                     int64_t heads, int64_t kv_heads, int64_t dim, const int64_t *start, const int64_t *prefix,
+                     const int64_t *extra_offsets, const int64_t *extra, float scale, float softcap, int threads) {
+    if (kv_heads < 1 || heads % kv_heads != 0) return -1;
+    attention_args a = {q, q_row, q_head, k, v, kv_head, kv_pos, out, o_row, o_head, dtype, kv_dtype, rows, heads,
+                        kv_heads, dim, 1, start, prefix, extra_offsets, extra, scale, softcap};
+    for (int64_t r = 0; r < rows; r++) { const int64_t n = list_length(&a, r); if (n > a.most) a.most = n; }
+    /* work items: (kv head, run of at most ROW_CHUNK rows sharing a start) */
+    int64_t *runs = (int64_t *)malloc(sizeof(int64_t) * (size_t)(rows + 1)), nruns = 0;
+    if (!runs) return -2;
+    for (int64_t r = 0; r < rows; r++)
+        if (r == 0 || start[r] != start[r - 1] || r - runs[nruns - 1] >= ROW_CHUNK) runs[nruns++] = r;
+    runs[nruns] = rows;
+    const int64_t group = heads / kv_heads, work = kv_heads * nruns;
+    int failed = 0;
+#pragma omp parallel num_threads(threads_for(threads, work))
+    {
+        scratch w;
+        const size_t slots = (size_t)((rows < ROW_CHUNK ? rows : ROW_CHUNK) * group);
+        w.qf = (float *)malloc(sizeof(float) * slots * (size_t)dim);
+        w.scores = (float *)malloc(sizeof(float) * slots * (size_t)a.most);
+        w.acc = (float *)malloc(sizeof(float) * slots * (size_t)dim);
+        w.kt = (float *)malloc(sizeof(float) * (size_t)(dim * KB));
+        w.vf = (float *)malloc(sizeof(float) * (size_t)(dim * KB));
+        w.block = (float *)malloc(sizeof(float) * slots * KB);
+        w.total = (float *)malloc(sizeof(float) * slots);
+        if (!w.qf || !w.scores || !w.acc || !w.kt || !w.vf || !w.block || !w.total) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < work; item++)
+            if (!failed) attend_kv_head(&a, item % kv_heads, runs[item / kv_heads], runs[item / kv_heads + 1], &w);
+        free(w.qf); free(w.scores); free(w.acc); free(w.kt); free(w.vf); free(w.block); free(w.total);
+    }
+    free(runs);
+    return failed ? -2 : 0;
+}

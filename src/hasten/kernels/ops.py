@@ -1,0 +1,151 @@
+"""PyTorch-facing calls of the row-invariant kernels (``invariant.c``): a packed linear layer
+and attention over per-row key lists. Shapes are in the comments; every tensor lives on the CPU."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from . import DTYPE_CODES, library
+
+TILE = 64  # output features per packed tile (invariant.c's TILE)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def code(dtype: torch.dtype) -> int:
+    return DTYPE_CODES[str(dtype).removeprefix("torch.")]
+
+
+def bf16_dot() -> bool:
+    """Whether bfloat16 layers use the CPU's bfloat16 dot-product instruction (AVX512-BF16):
+    twice the products per instruction, rounded as the CPU rounds them, so the bits differ from
+    CPUs without it (each row still depends on itself alone). ``HASTEN_BF16_DOT=0`` keeps
+    the float32 multiply-add chain, whose bits every CPU shares."""
+    return os.environ.get("HASTEN_BF16_DOT", "1") != "0" and bool(library().hasten_bf16_dot_available())
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A linear layer's weight laid out for the kernel: ``data`` is [ceil(N / 64), K, 64]
+    (each tile's 64 output features side by side for every input feature, zero-padded), or for
+    the bfloat16 dot product [ceil(N / 64), ceil(K / 2), 64, 2] (input features in pairs)."""
+
+    data: torch.Tensor
+    in_features: int
+    out_features: int
+    pairs: bool  # the bfloat16 dot-product layout
+
+
+def pack(weight: torch.Tensor) -> Packed:
+    """``weight`` [N, K] in its own dtype, laid out once for :func:`linear`."""
+    weight = weight.detach().contiguous()
+    out_features, in_features = weight.shape
+    tiles = -(-out_features // TILE)
+    if weight.dtype == torch.bfloat16 and bf16_dot():
+        data = torch.empty(tiles, -(-in_features // 2), TILE, 2, dtype=weight.dtype)
+        library().hasten_pack_bf16_pairs(weight.data_ptr(), out_features, in_features, data.data_ptr())
+        return Packed(data, in_features, out_features, True)
+    padded = torch.zeros(tiles * TILE, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    data = padded.view(tiles, TILE, in_features).transpose(1, 2).contiguous()
+    return Packed(data, in_features, out_features, False)
+
+
+def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + bias`` for ``W`` packed by :func:`pack`: [..., K] -> [..., N] in ``x``'s dtype,
+    each row's numbers independent of every other row (invariant.c, "linear")."""
+    rows = x.reshape(-1, packed.in_features)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], packed.out_features, dtype=x.dtype)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    bias_pointer, bias_code = (None, 0) if bias is None else (bias.data_ptr(), code(bias.dtype))
+    if packed.pairs:
+        if x.dtype != torch.bfloat16:
+            raise TypeError(f"a bfloat16-pair layer takes bfloat16 inputs, got {x.dtype}")
+        status = library().hasten_linear_bf16_pairs(
+            rows.data_ptr(), rows.stride(0), packed.data.data_ptr(), bias_pointer, bias_code, out.data_ptr(),
+            out.stride(0), rows.shape[0], packed.in_features, packed.out_features, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("linear kernel: out of memory") if status == -2 else RuntimeError(
+                "this CPU has no bfloat16 dot product (AVX512-BF16); pack the weight again")
+    else:
+        library().hasten_linear(
+            rows.data_ptr(), rows.stride(0), code(rows.dtype), packed.data.data_ptr(), code(packed.data.dtype),
+            bias_pointer, bias_code, out.data_ptr(), out.stride(0), code(out.dtype), rows.shape[0],
+            packed.in_features, packed.out_features, torch.get_num_threads())
+    return out.view(*x.shape[:-1], packed.out_features)
+
+
+@dataclass(frozen=True)
+class KeyLists:
+    """Which cached keys each query row attends to, in order: ``start[r]`` up to (not
+    including) ``prefix[r]``, then ``extra[offsets[r]:offsets[r + 1]]`` (increasing, each at or
+    after ``prefix[r]``). A one-token step at position p sees 0..p; a chain block's row r
+    after P cached keys sees 0..P + r; a tree row sees the cache and then its ancestors."""
+
+    start: torch.Tensor  # [rows] int64
+    prefix: torch.Tensor  # [rows] int64
+    offsets: torch.Tensor | None = None  # [rows + 1] int64
+    extra: torch.Tensor | None = None  # [extras] int64
+
+    @staticmethod
+    def causal(rows: int, keys: int, device: torch.device | str = "cpu") -> "KeyLists":
+        """Row r of the last ``rows`` positions of ``keys`` sees every key up to its own."""
+        prefix = torch.arange(keys - rows + 1, keys + 1, dtype=torch.int64, device=device)
+        return KeyLists(torch.zeros(rows, dtype=torch.int64, device=device), prefix)
+
+    @staticmethod
+    def every(rows: int, keys: int, device: torch.device | str = "cpu") -> "KeyLists":
+        """Every row sees all ``keys`` (one query, or attention without causal order)."""
+        return KeyLists(torch.zeros(rows, dtype=torch.int64, device=device),
+                        torch.full((rows,), keys, dtype=torch.int64, device=device))
+
+    @staticmethod
+    def from_mask(visible: torch.Tensor) -> "KeyLists":
+        """From a boolean mask [rows, keys] (True: attends): each row's first run of visible
+        keys, then the visible keys after it."""
+        visible = visible.bool()
+        rows, keys = visible.shape
+        index = torch.arange(keys, device=visible.device)
+        seen = visible.any(dim=-1)
+        start = torch.where(seen, visible.int().argmax(dim=-1), torch.zeros(rows, dtype=torch.long, device=visible.device))
+        after_start = index[None] >= start[:, None]
+        gap = after_start & ~visible  # [rows, keys] hidden keys after the run began
+        prefix = torch.where(gap.any(dim=-1), gap.int().argmax(dim=-1), torch.full((rows,), keys, device=visible.device))
+        prefix = torch.where(seen, prefix, start)
+        later = visible & (index[None] >= prefix[:, None])
+        if not later.any():
+            return KeyLists(start.to(torch.int64), prefix.to(torch.int64))
+        counts = later.sum(dim=-1)
+        offsets = torch.zeros(rows + 1, dtype=torch.int64, device=visible.device)
+        offsets[1:] = counts.cumsum(0)
+        extra = later.nonzero()[:, 1].to(torch.int64).contiguous()  # row-major: each row's in order
+        return KeyLists(start.to(torch.int64), prefix.to(torch.int64), offsets, extra)
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: KeyLists, scale: float,
+              softcap: float | None = None) -> torch.Tensor:
+    """query [rows, heads, D] (any strides with D contiguous), key/value [kv_heads, T, D] (D
+    contiguous, the same strides) -> [rows, heads, D] in the query's dtype: each row's
+    attention over its key list alone (invariant.c, "attention")."""
+    rows, heads, dim = query.shape
+    kv_heads = key.shape[0]
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if key.stride(-1) != 1 or key.stride() != value.stride():
+        key, value = key.contiguous(), value.contiguous()
+    out = torch.empty(rows, heads, dim, dtype=query.dtype)
+    extra = keys.extra
+    status = library().hasten_attention(
+        query.data_ptr(), query.stride(0), query.stride(1), key.data_ptr(), value.data_ptr(), key.stride(0),
+        key.stride(1), out.data_ptr(), out.stride(0), out.stride(1), code(query.dtype), code(key.dtype), rows, heads,
+        kv_heads, dim, keys.start.data_ptr(), keys.prefix.data_ptr(),
+        None if keys.offsets is None else keys.offsets.data_ptr(), None if extra is None else extra.data_ptr(),
+        float(scale), float(softcap or 0.0), torch.get_num_threads())
+    if status != 0:
+        raise (MemoryError("attention kernel: out of memory") if status == -2 else
+               ValueError(f"attention kernel: {heads} query heads do not group over {kv_heads} KV heads"))
+    return out

@@ -1,0 +1,294 @@
+"""Many sequences through the lean Llama-family forward, packed along one token dimension.
+
+Where the model takes the lean forward (``lean.eligible``: a Llama or Qwen2 model on hasten's
+row-invariant kernels), a batch step does not pad: every row's block (a root and its draft,
+a chain or a tree, of any size) is laid end to end into one [N] token sequence, every linear
+layer runs once over all N tokens, and attention is one kernel call per layer in which each
+query row reads its own sequence's keys (its segment of one shared store, ``models/arena.py``,
+then its own ancestors in the block). The kernels compute each row alone (``kernels/ops.py``),
+so **each row's logits are exactly the ones it gets decoded alone**, bit for bit, in every
+dtype, whatever the other rows, their lengths or their blocks (tests/test_packed_batch.py).
+This is vLLM's layout (flattened tokens, per-sequence variable-length attention) on hasten's
+kernels.
+
+A row is a :class:`PackedRow`: the same ``cache_length`` / ``commit`` / ``crop`` interface as a
+single sequence's :class:`~hasten.models.adapter.ModelAdapter`, so the decode step does not know
+which one it drives. A tree's accepted path is moved into place lazily, every row's at once,
+before the next forward. Other architectures, and drafters that read (and may hook) the
+target's modules (their needs hold ``Capability.MODULES``), use
+:class:`~hasten.models.batch.BatchAdapter` (the model's own forward, padded rows); the runtime
+picks one of the two per batch. Should a hook appear anyway (a user's, a profiler's), each row
+runs the model's own forward over its entries, with the same numbers, one row at a time.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from . import cache as kv
+from . import forwards, invariant, lean
+from .adapter import ForwardOutput, ModelAdapter, vocab_size
+from .arena import KVArena
+from .layers import model_name
+from .prefix_cache import PrefixCache
+from ..core.tree import TokenTree
+from ..kernels import ops
+
+SLACK = 64  # entries a segment holds past what its row has when it is (re)sized
+DRAFT_SLACK = 16  # past a row's prompt and budget: a tree draft may run a few positions beyond them
+KEEP_BYTES = 1 << 30  # the KV store grows to this size, if need be, to keep finished rows' entries for later
+
+
+class PackedRow:
+    """One sequence of a :class:`PackedBatch`: its committed length; its entries live in the
+    batch's store."""
+
+    trees_ok = True
+    encoder_decoder = False
+    prompt_embeds = None  # batches take no images
+    encoder_states = None  # nor encoder-decoders
+    kv_readable = False  # drafters run no forwards of their own on a batch's rows
+    packed_rows = True  # its batch runs rows end to end, unpadded (what draft sizing prices a step by)
+    prompt_logits: torch.Tensor | None = None  # [T - 1, vocab] the prefill's logits, when add was asked for them
+
+    def __init__(self, batch: "PackedBatch"):
+        self.batch = batch
+        self.length = 0  # committed tokens cached (all but the root)
+        self.tokens: list[int] = []  # the tokens whose entries the row's segment holds, in order
+
+    @property
+    def model(self):
+        return self.batch.model
+
+    @property
+    def vocab_size(self) -> int:
+        return self.batch.vocab_size
+
+    @property
+    def device(self):
+        return self.batch.device
+
+    @property
+    def cache_length(self) -> int:
+        return self.length
+
+    def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None:
+        """After the block ``[root] + nodes`` cached from ``start``: keep the root and the
+        accepted path (a tree's path is moved into place before the next forward)."""
+        if start != self.length - self.batch.pending.get(id(self), 0):
+            raise RuntimeError("commit must follow this row's block in the last forward")
+        self.batch.pending.pop(id(self), None)
+        if not (tree.is_chain or list(accepted) == list(range(len(accepted)))):
+            base = self.batch.arena.segment(self).start + start + 1
+            self.batch.moves.append(([base + node for node in accepted], list(range(base, base + len(accepted)))))
+        self.tokens[start + 1:] = [self.tokens[start + 1 + node] for node in accepted]
+        self.length = start + 1 + len(accepted)
+
+    def crop(self, new_length: int) -> None:
+        if new_length > self.length:
+            raise ValueError(f"cannot crop a row of {self.length} cached tokens to {new_length}")
+        self.length = new_length
+        del self.tokens[new_length:]
+
+
+class PackedBatch:
+    """Drives any number of sequences of one lean-eligible causal LM through packed forwards."""
+
+    trees_ok = True
+    encoder_decoder = False
+    kv_readable = False
+    packed_rows = True  # rows end to end, unpadded: what draft sizing prices a step by
+
+    def __init__(self, model: PreTrainedModel, keep_bytes: int = KEEP_BYTES):
+        ModelAdapter(model)  # the single-sequence adapter checks the model once
+        if not lean.eligible(model):
+            raise ValueError(f"{model_name(model)!r} does not take the lean forward; batch it with BatchAdapter")
+        self.model = model
+        self.vocab_size = vocab_size(model)
+        self.device = model.device
+        config = model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.arena = KVArena(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype, self.device,
+                             keep_bytes)
+        self.rows: list[PackedRow] = []
+        self.pending: dict[int, int] = {}  # id(row) -> block size cached by the last forward, until commit
+        self.moves: list[tuple[list[int], list[int]]] = []  # trees' accepted paths: (from entries, to entries)
+        self._modules = list(model.modules())
+        self.prefixes = PrefixCache()  # finished rows' entries, for prompts that start the same way
+        self._pinned: object | None = None  # kept entries being copied from: not to be reclaimed meanwhile
+        self.arena.reclaim = self._reclaim
+        self.reused_tokens = 0  # prompt tokens whose entries came from the prefix cache (not prefilled)
+
+    def held_bytes(self) -> int:
+        """Bytes of the batch's KV store (allocated; it never shrinks, see models/arena.py)."""
+        return self.arena.held_bytes()
+
+    # ---- rows joining and leaving ------------------------------------------------------------------
+    @torch.no_grad()
+    def add(self, tokens: list[int], hidden: bool = False, logits: bool = False,
+            room: int | None = None) -> tuple[PackedRow, torch.Tensor | None]:
+        """Prefill a new sequence (every prompt token but the last, the root) and give it a row.
+        Entries a finished row left for the same first tokens are copied, not computed
+        (:mod:`~hasten.models.prefix_cache`; not when features or logits of every prompt
+        position are asked for). Returns the row and, if asked, the prefilled tokens' features
+        [T - 1, hidden]; ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab].
+        ``room``: the tokens the row may come to hold (its prompt and token budget), its segment's
+        size (past it, the segment moves)."""
+        self._flush()
+        prompt = tokens[:-1]
+        row = PackedRow(self)
+        size = max(room or 0, len(tokens)) + DRAFT_SLACK if room else len(prompt) + SLACK
+        kept, reused = (None, 0) if hidden or logits else self.prefixes.find(prompt)
+        if kept is not None and reused == len(kept.tokens) and self.arena.segment(kept).size >= size:
+            # all it holds is this prompt's start: the row takes its segment over (no copy, no second one kept)
+            self.prefixes.forget(kept)
+            self.arena.hand_over(kept, row)
+        else:
+            self._pinned = kept
+            try:
+                self.arena.allocate(row, size)
+                if reused:
+                    self.arena.copy(kept, row, reused)
+            finally:
+                self._pinned = None
+        self.rows.append(row)
+        row.length, row.tokens = reused, list(prompt[:reused])
+        self.reused_tokens += reused
+        if logits:
+            row.prompt_logits = torch.zeros(0, self.vocab_size, device=self.device)  # [0, vocab] a one-token prompt
+        if reused == len(prompt):
+            return row, None
+        try:
+            out = self._forward([row], [prompt[reused:]], [None], hidden, scored=logits)[0]
+        except BaseException:
+            self.remove(row)
+            raise
+        self.pending.pop(id(row))
+        row.length, row.tokens = len(prompt), list(prompt)
+        if logits:
+            row.prompt_logits = out.logits  # [T - 1, vocab]
+        return row, out.hidden
+
+    def remove(self, row: PackedRow) -> None:
+        """Forget a row (finished or cancelled); its entries are kept for a prompt that starts
+        the same way (until a running row needs their room)."""
+        self._flush()
+        if row.batch is not self or row not in self.rows:
+            raise ValueError("this row is not in this batch")
+        self.rows.remove(row)
+        self.pending.pop(id(row), None)
+        kept = self.prefixes.keep(row.tokens[:row.length])
+        if kept is None:
+            self.arena.release(row)
+        else:  # the whole segment: a row that takes it over later has room to go on
+            self.arena.hand_over(row, kept)
+
+    def _reclaim(self) -> bool:
+        """Free the least recently used kept entries (True), if any may go."""
+        kept = next((k for k in self.prefixes.kept if k is not self._pinned), None)  # least recently used first
+        if kept is None:
+            return False
+        self.prefixes.forget(kept)
+        self.arena.release(kept)
+        return True
+
+    # ---- the packed forward --------------------------------------------------------------------
+    @torch.no_grad()
+    def forward_rows(self, rows: list[PackedRow], blocks: list[list[int]], trees: list[TokenTree | None],
+                     hidden: bool) -> list[ForwardOutput]:
+        """Every row's block (``block[1:]`` a tree hanging off ``block[0]``) in one packed
+        forward; any subset of the batch's rows, in any order. Each row's logits [block, vocab]
+        are views of one [N, vocab] float32 tensor (the step's verifier reads them in one pass)."""
+        if any(row.batch is not self for row in rows) or len({id(r) for r in rows}) != len(rows):
+            raise ValueError("forward_rows takes rows of this batch, each once")
+        self._flush()
+        if not rows:
+            return []
+        outs = self._forward(rows, blocks, trees, hidden, scored=True)
+        for row, block in zip(rows, blocks):
+            row.length += len(block)  # cached until commit keeps the root and the accepted path
+            row.tokens += block
+        return outs
+
+    def _forward(self, rows: list[PackedRow], blocks: list[list[int]], trees: list[TokenTree | None],
+                 hidden: bool, scored: bool) -> list[ForwardOutput]:
+        """The rows' blocks after their cached entries, which the store gains (each row's
+        length is moved on by the caller). ``scored``: logits at every block position (else none)."""
+        for row, block in zip(rows, blocks):  # first every move (finding room may move other rows' segments)
+            segment = self.arena.segment(row)
+            if row.length + len(block) > segment.size:  # it outgrew its segment: a larger one, its entries along
+                self.arena.allocate(row, max(2 * segment.size, row.length + len(block) + SLACK), keep=row.length)
+        if not lean.usable(self.model, self._modules):  # hooks (a user's, a profiler's), training mode
+            return [self._own_forward(row, block, tree, hidden, scored) for row, block, tree in zip(rows, blocks, trees)]
+        ids, positions, slots, start, prefix = [], [], [], [], []
+        offsets, extra, any_tree = [0], [], False
+        for row, block, tree in zip(rows, blocks, trees):
+            size, past = len(block), row.length
+            segment = self.arena.segment(row)
+            first = segment.start + past  # the store entry of the block's first token
+            ids += block
+            slots += range(first, first + size)
+            start += [segment.start] * size
+            if tree is None or tree.is_chain:  # causal: each token sees the cache and the block up to itself
+                positions += range(past, past + size)
+                prefix += range(first + 1, first + size + 1)
+                offsets += [offsets[-1]] * size
+            else:  # a tree token sees the cache, then its ancestors in the block (and itself), in order
+                any_tree = True
+                positions += (tree.block_positions + past).tolist()
+                prefix += [first] * size
+                for seen in tree.block_mask.tolist():
+                    extra += [first + j for j, visible in enumerate(seen) if visible]
+                    offsets.append(len(extra))
+            self.pending[id(row)] = size
+        index = dict(dtype=torch.long, device=self.device)
+        lists = ops.KeyLists(torch.tensor(start, **index), torch.tensor(prefix, **index),
+                             torch.tensor(offsets, **index) if any_tree else None,
+                             torch.tensor(extra, **index) if any_tree else None)
+        slot_index = torch.tensor(slots, **index)  # [N]
+        arena = self.arena
+
+        def attend(index: int, scale: float, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+            arena.write(index, slot_index, k, v)
+            return invariant.attend(q, arena.keys[index], arena.values[index], lists, scale)  # [N, H, D]
+
+        with forwards.active():
+            states = lean.run(self.model, torch.tensor(ids, **index),
+                              torch.tensor(positions, **index), attend)  # [N, hidden] the final norm's output
+            logits = self.model.lm_head(states).float() if scored else None  # [N, vocab]
+        outs, at = [], 0
+        for block in blocks:
+            end = at + len(block)
+            outs.append(ForwardOutput(None if logits is None else logits[at:end], states[at:end] if hidden else None))
+            at = end
+        return outs
+
+    def _own_forward(self, row: PackedRow, block: list[int], tree: TokenTree | None, hidden: bool,
+                     scored: bool) -> ForwardOutput:
+        """One row through the model's own forward (the same numbers as the lean one,
+        tests/test_lean.py), for what the lean forward does not take: the row's entries lent as
+        a cache, the block's entries written back to its segment."""
+        start, past, size = self.arena.segment(row).start, row.length, len(block)
+        cache = kv.new_cache(False)
+        for keys, values in zip(self.arena.keys, self.arena.values):
+            layer = kv.GrowingLayer()
+            layer.lazy_initialization(keys[None, :, :0], values[None, :, :0])
+            layer.keys, layer.values = keys[None, :, start:start + past], values[None, :, start:start + past]
+            cache.layers.append(layer)
+        single = ModelAdapter(self.model)
+        single.cache = cache
+        out = single.forward(block, tree, hidden, logits_to_keep=0 if scored else 1)
+        slots = torch.arange(start + past, start + past + size, device=self.device)
+        for index, layer in enumerate(cache.layers):  # [1, H_kv, past + size, D]: the block's entries back
+            self.arena.write(index, slots, layer.keys[0, :, past:].transpose(0, 1), layer.values[0, :, past:].transpose(0, 1))
+        self.pending[id(row)] = size
+        return ForwardOutput(out.logits if scored else None, out.hidden)
+
+    def _flush(self) -> None:
+        """Move the trees' accepted paths into place, every row's at once."""
+        if self.moves:
+            source = torch.tensor([s for moved, _ in self.moves for s in moved], dtype=torch.long)
+            target = torch.tensor([t for _, placed in self.moves for t in placed], dtype=torch.long)
+            self.moves = []
+            self.arena.move(source, target)
