@@ -11,7 +11,7 @@ import torch
 
 import hasten
 from hasten.core.sampling import Sampling
-from hasten.drafters import DraftModel, Lookahead, Medusa, PromptLookup
+from hasten.drafters import DraftModel, Lookahead, Medusa, PromptLookup, Suffix
 from hasten.drafters.base import Draft, DraftContext, Drafter, create
 from hasten.core.runtime import Capability, MissingCapability
 from hasten.drafters.hidden_transfer import HiddenTransfer
@@ -84,15 +84,17 @@ def test_scripted_rows_equal_hf_greedy(arch_setup, mode):
 
 
 @pytest.mark.parametrize("drafter", [None, PromptLookup(num_tokens=DRAFT_LEN), Lookahead(), Medusa(num_heads=3),
-                                     "eagle", "chimera", "gad"],
+                                     "eagle", "chimera", "gad", Suffix()],
                          ids=["plain", "prompt_lookup", "lookahead_tree", "medusa_tree_features", "eagle", "chimera",
-                              "gad"])
+                              "gad", "suffix_tree"])
 @pytest.mark.filterwarnings("ignore:no .* weights found")  # untrained feature drafters: exact, rarely right
 def test_drafters_rows_equal_hf_greedy(arch_setup, drafter):
     model, rows, references = arch_setup
     if isinstance(drafter, str):
         drafter = create(drafter)
     assert_rows_equal(hasten.generate(model, rows, drafter=drafter, max_new_tokens=NEW), references)
+    if drafter is not None and drafter.pool is not None:  # again: the rows now draft from each other's output
+        assert_rows_equal(hasten.generate(model, rows, drafter=drafter, max_new_tokens=NEW), references)
 
 
 def test_draft_model_rows_equal_hf_greedy(arch_setup):

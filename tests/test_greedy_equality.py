@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import hasten
-from hasten.drafters import DraftModel, Lookahead, PromptLookup
+from hasten.drafters import DraftModel, Lookahead, PromptLookup, Suffix
 from helpers import (
     CAUSAL_CONFIGS, DEVICE, SEQ2SEQ_CONFIGS, ScriptedDrafter, TreeScriptedDrafter, hf_greedy, repetitive_prompt,
     tiny_model,
@@ -70,12 +70,29 @@ def test_scripted_trees(setup, mode, right_sibling):
         assert out.stats.drafted_tokens <= DRAFT_LEN * out.stats.steps  # chains: one node per level
 
 
+# one pooled drafter (lookahead, suffix) serves every architecture and test here: its pool holds
+# every earlier generation's output (other vocabularies too) when it drafts
 @pytest.mark.parametrize("drafter", [PromptLookup(num_tokens=DRAFT_LEN), PromptLookup(num_tokens=DRAFT_LEN, match="earliest"),
-                                     Lookahead(), Lookahead(draft_tokens=4, branch_length=2)],
-                         ids=["prompt_lookup", "prompt_lookup_earliest", "lookahead", "lookahead_small"])
+                                     Lookahead(), Lookahead(draft_tokens=4, branch_length=2),
+                                     Lookahead(shared=False), Suffix(), Suffix(tree_spec=False), Suffix(shared=False)],
+                         ids=["prompt_lookup", "prompt_lookup_earliest", "lookahead", "lookahead_small",
+                              "lookahead_per_request", "suffix", "suffix_path", "suffix_per_request"])
 def test_input_guided_drafters(setup, drafter):
     _, model, prompt, reference = setup
     check(model, prompt, reference, drafter)
+    check(model, prompt, reference, drafter)  # again, the pool now holding this very answer
+
+
+@pytest.mark.parametrize("make", [Lookahead, Suffix], ids=["lookahead", "suffix"])
+def test_pooled_drafters_draft_the_answer_they_learned(setup, make):
+    """The second generation of the same prompt drafts from the first one's output: every draft
+    accepted up to the pool's limits, the text still the plain model's."""
+    _, model, prompt, reference = setup
+    drafter = make()
+    first = check(model, prompt, reference, drafter)
+    second = check(model, prompt, reference, drafter)
+    if first.stats.new_tokens > 3:  # (some tiny models end at once)
+        assert second.stats.steps < first.stats.steps and second.stats.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("adaptive", [False, True])

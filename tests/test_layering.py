@@ -2,7 +2,7 @@
 
 Floors, bottom up (a package may import only from strictly lower floors, or within itself):
 core and version; machine and the shared CLI arguments; models and the zoo; drafters,
-diffusion and diffusion LMs; the engine; lossy approximations and the grammar engine; the API and the exporters; training, the benchmark and the server;
+diffusion and diffusion LMs; the engine and the vLLM bridge; lossy approximations and the grammar engine; the API and the exporters; training, the benchmark and the server;
 the command line; the package's front door; the demo and `python -m hasten`, which use it as a user would.
 """
 from __future__ import annotations
@@ -17,10 +17,10 @@ FLOORS = {
     "core": 0, "version": 0,
     "machine": 1, "arguments": 1,
     "kernels": 1,  # hasten's own C kernels (built on first use) and their torch-facing calls
-    "vllm": 1,  # loaded inside vLLM's own environment: the ground floor only, never torch models
     "models": 2, "zoo": 2,
     "drafters": 3, "diffusion": 3, "dlm": 3,
     "engine": 4,
+    "vllm": 4,  # loaded inside vLLM's own environment: the drafters, never models (test below)
     "approx": 5, "loading": 5,
     "structured": 5,  # the grammar engine behind core.constraint (an optional extra)
     "api": 6, "export": 6,  # export: a trained drafter in an engine's layout
@@ -114,3 +114,32 @@ def test_the_graph_is_read():
     assert "hasten.core.tree" in GRAPH["hasten.drafters.candidates"]
     assert "hasten.models.cache" in GRAPH["hasten.models.adapter"]
     assert "hasten.drafters.base" in GRAPH["hasten.engine.loop"]
+
+
+def reachable(module: str) -> set[str]:
+    """Every hasten module ``module`` imports, directly or through others."""
+    seen, todo = set(), [module]
+    while todo:
+        for target in GRAPH.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def test_drafters_base_and_the_vllm_bridge_import_no_model_code():
+    """The row contract is on the ground floor: the drafter protocol, and hasten.vllm with the
+    drafters it wraps, reach no hasten.models module (statically) and load without
+    transformers (in a fresh interpreter)."""
+    import subprocess
+    import sys
+
+    for module in ("hasten.drafters.base", "hasten.vllm"):
+        assert not {m for m in reachable(module) if m.startswith("hasten.models")}, module
+    assert {"hasten.drafters.prompt_lookup", "hasten.drafters.lookahead", "hasten.drafters.suffix"} <= \
+        reachable("hasten.vllm")
+    code = ("import sys, hasten.vllm; "
+            "bad = sorted(m for m in sys.modules if m.startswith('hasten.models') or m.split('.')[0] == 'transformers'); "
+            "print(bad); sys.exit(1 if bad else 0)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr

@@ -243,3 +243,37 @@ def test_a_prompt_that_starts_as_a_finished_row_reuses_its_entries_with_the_same
     assert len(tight.prefixes) == 1
     tight.add(repetitive_prompt(60, seed=5)[0].tolist())
     assert not tight.prefixes and tight.arena.capacity == capacity
+
+
+@pytest.mark.parametrize("method", ["lookahead", "suffix"])
+def test_rows_of_a_packed_batch_feed_the_shared_pool_once_each(method):
+    """The server's scheduler over a packed batch: every row that ends (its budget spent, none
+    asked, cancelled mid-stream, or left behind by a scheduler being replaced) ends its
+    generation in the pool exactly once; a row with pool=False never touches it."""
+    from hasten.api import make_drafter
+    from hasten.engine.batch import Request, Scheduler
+
+    drafter = make_drafter(method)
+    scheduler = Scheduler(tiny_model("llama"), drafter, max_batch=8, draft_size="fixed")
+    assert isinstance(scheduler.target, PackedBatch)
+    prompts = [repetitive_prompt(n, seed=n)[0].tolist() for n in (12, 30, 7, 20, 16, 9)]
+    budgets = [40, 10, 17, 0, 24]
+    rows = [scheduler.submit(Request(p, b)) for p, b in zip(prompts[:5], budgets)]
+    private = scheduler.submit(Request(prompts[5], 24, pool=False))
+    generated = {row: [] for row in [*rows, private]}
+
+    def take(updates):
+        for update in updates:
+            generated[update.row_id] += update.tokens
+
+    take(scheduler.step())
+    scheduler.cancel(rows[4])
+    for _ in range(3):
+        take(scheduler.step())
+    assert scheduler.running  # some rows are left behind ...
+    scheduler.abandon()  # ... by the server's worker, before it moves them to a fresh scheduler
+    scheduler.abandon()  # a row's generation ends once, however often it is told
+    pool = drafter.pool
+    assert not pool.active and pool.finished == 5
+    if method == "suffix":  # every token a pooled row generated is cached once, no prompt token
+        assert pool.cached_tokens == sum(len(generated[row]) for row in generated if row != private)

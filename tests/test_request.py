@@ -72,7 +72,8 @@ def test_refusals_carry_their_field_and_code(engine):
              (Request(ids, -1), "max_new_tokens", "invalid_value"),
              (Request(ids, context), "max_new_tokens", "context_length_exceeded"),
              (Request(ids, 40), "max_new_tokens", "over_capacity"),
-             (Request(ids, 4, seed=1.5), "seed", "invalid_value")]
+             (Request(ids, 4, seed=1.5), "seed", "invalid_value"),
+             (Request(ids, 4, pool="no"), "pool", "invalid_value")]
     for request, field, code in cases:
         with pytest.raises(FieldError) as refusal:
             scheduler.submit(request)
@@ -123,6 +124,23 @@ def test_a_request_that_turns_drafting_off_decodes_plainly_through_every_door(en
     for row, speculate in rows.items():
         assert results[row].tokens == drafting.token_ids
         assert (results[row].stats.drafted_tokens > 0) == speculate
+
+
+def test_a_request_out_of_the_pool_neither_reads_nor_writes_it_through_every_door(checkpoint):
+    """One field (Request.pool), carried to the drafter's context where a sequence is made:
+    the same text, and the shared pool untouched, alone (Engine.generate) and as a row."""
+    engine = hasten.load(checkpoint, "suffix", draft_size="fixed")
+    first = engine.generate(PROMPT, max_new_tokens=16)
+    saved, stats = json.dumps(engine.pool.to_json()), engine.pool.stats()
+    assert engine.generate(PROMPT, max_new_tokens=16, pool=False).token_ids == first.token_ids
+    scheduler = Scheduler(engine.runtime, engine.drafter, max_batch=2, draft_size="fixed")
+    ids = engine.encode(PROMPT)[0].tolist()
+    scheduler.submit(Request(ids, 16, pool=False))
+    assert scheduler.run()[0].tokens == first.token_ids
+    assert json.dumps(engine.pool.to_json()) == saved and engine.pool.stats() == stats
+    scheduler.submit(Request(ids, 16))
+    assert scheduler.run()[1].tokens == first.token_ids
+    assert engine.pool.stats().requests == stats.requests + 1 and engine.pool.stats().hits > stats.hits
 
 
 def test_a_request_is_checked_once_at_admission(engine, monkeypatch):

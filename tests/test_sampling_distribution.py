@@ -20,7 +20,7 @@ import torch
 import hasten
 from hasten.core.sampling import Sampling
 from hasten.core.tree import TokenTree
-from hasten.drafters import DraftModel, Lookahead, PromptLookup
+from hasten.drafters import DraftModel, Lookahead, PromptLookup, Suffix
 from hasten.engine import verify
 from hasten.engine.verify import SpeculativeSampling, Verdict
 from hasten.models import forwards
@@ -63,9 +63,14 @@ def exact_law(model, sampling: Sampling, length: int = 2) -> dict[tuple[int, ...
     return law
 
 
-def sampled_law_tv(model, drafter, sampling: Sampling, length: int, max_new_tokens: int, samples: int) -> float:
+def sampled_law_tv(model, drafter, sampling: Sampling, length: int, max_new_tokens: int, samples: int,
+                   own_generator: bool = True) -> float:
+    """``own_generator`` False: every sample draws from torch's global generator (seeded here), as
+    an unseeded request does; a pooled drafter reads its shared pool only then (DraftContext.reads_pool)."""
     law = exact_law(model, sampling, length)
-    g = torch.Generator(device=DEVICE).manual_seed(1234)
+    g = torch.Generator(device=DEVICE).manual_seed(1234) if own_generator else None
+    if g is None:
+        torch.manual_seed(1234)
     counts = dict.fromkeys(law, 0)
     for _ in range(samples):
         out = hasten.generate(
@@ -128,8 +133,8 @@ DEEP_LAW_SAMPLING = Sampling(1.0, top_k=3)  # 27 outcomes, so a bound from 1500 
 TREE_SAMPLING = Sampling(0.8, top_k=4, top_p=0.9)
 
 
-def deep_tv(drafter, sampling: Sampling, samples: int = DEEP_SAMPLES) -> tuple[float, float]:
-    tv = sampled_law_tv(TARGET, drafter, sampling, 3, 4, samples)
+def deep_tv(drafter, sampling: Sampling, samples: int = DEEP_SAMPLES, own_generator: bool = True) -> tuple[float, float]:
+    tv = sampled_law_tv(TARGET, drafter, sampling, 3, 4, samples, own_generator)
     return tv, bound(exact_law(TARGET, sampling, 3), samples)
 
 
@@ -164,6 +169,27 @@ def test_iad_drafts_accepted_and_rejected_two_deep_follow_the_target(monkeypatch
     drafted, accepted = total.drafted_at_depth, total.accepted_at_depth
     assert len(accepted) >= 2 and all(0 < accepted[d] < drafted[d] for d in (0, 1))  # both fates at depths 1, 2
     tv, limit = deep_tv(IAD(), DEEP_LAW_SAMPLING)
+    assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
+
+
+@pytest.mark.parametrize("make", [lambda: Lookahead(draft_tokens=6, branch_length=3),
+                                  lambda: Suffix(max_spec_factor=3.0, min_token_prob=0.05)],
+                         ids=["lookahead_pooled", "suffix_pooled"])
+def test_pooled_drafters_three_deep_follow_the_target(make):
+    """One drafter for every sample, so its pool learns from the samples before (unseeded ones:
+    a generation with a generator of its own does not read the pool): its drafts, trees up to
+    3 deep, are accepted and rejected at depths 1 and 2, and the law holds."""
+    from hasten.core.stats import DecodeStats
+
+    drafter, total = make(), DecodeStats()
+    torch.manual_seed(1)
+    for _ in range(100):
+        total = total + hasten.generate(TARGET, PROMPT, drafter=drafter, max_new_tokens=4, temperature=1.0, top_k=3,
+                                        draft_size="fixed").stats
+    drafted, accepted = total.drafted_at_depth, total.accepted_at_depth
+    assert len(accepted) >= 2 and all(0 < accepted[d] < drafted[d] for d in (0, 1))  # both fates at depths 1, 2
+    assert drafter.pool.stats().hits > 0  # drafts came from the samples before
+    tv, limit = deep_tv(drafter, DEEP_LAW_SAMPLING, own_generator=False)
     assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
 
 

@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from hasten.vllm import FixedLookahead, FixedPromptLookup, Lookahead, PromptLookup, StepCost
+from hasten.vllm import FixedLookahead, FixedPromptLookup, FixedSuffix, Lookahead, PromptLookup, StepCost
 
 CONTEXT = 1000
 
@@ -126,32 +126,55 @@ def test_only_steps_where_every_row_decoded_are_timed():
     assert (weight, positions, seconds) == (1.0, sum(1 + len(d) for d in second), 0.5)
 
 
-def test_the_lookahead_proposer_drafts_hastens_likeliest_chain():
-    """vLLM verifies chains: hasten.vllm.Lookahead drafts the chain of hasten's lookahead tree
-    that follows each node's first (likeliest) child, from the same trie."""
+@pytest.mark.parametrize("proposer_class", [FixedPromptLookup, FixedLookahead, FixedSuffix])
+def test_each_proposer_drafts_the_main_chain_of_the_real_drafter(proposer_class):
+    """No copy: a proposer hands vLLM the main chain of what its hasten drafter (the very class
+    hasten's loop runs) proposes for the same request driven step by step by hasten's loop."""
     from hasten.core.sampling import Sampling
-    from hasten.drafters.base import DraftContext
-    from hasten.drafters.lookahead import Lookahead as HastenLookahead
+    from hasten.drafters.base import DraftContext, TargetView
+    from test_lookahead import Row
 
-    proposer = FixedLookahead(depth=5, max_model_len=CONTEXT)
-    drafter = HastenLookahead(draft_tokens=10_000, branch_length=5)
+    proposer = proposer_class(depth=5, max_model_len=CONTEXT)
+    drafter = proposer.drafter_class(**proposer.settings(5))
     rng = random.Random(3)
-    tokens = [rng.randrange(20, 26) for _ in range(80)]
+    story = [rng.randrange(20, 26) for _ in range(120)]
     table = np.zeros((1, CONTEXT), dtype=np.int64)
-    compared = 0
-    for length in range(40, 80, 3):
-        table[0, :length] = tokens[:length]
-        ours = proposer.propose([[tokens[length - 1]]], np.array([length]), table)[0]
-        ctx = DraftContext(tokens[:length], 5, Sampling(), None, None, None)
-        ctx.state = drafter.begin(ctx)
-        draft = drafter.propose(ctx)
-        chain, node = [], -1
-        while (children := [i for i, p in enumerate(draft.tree.parents) if p == node]):
-            node = children[0]
-            chain.append(draft.tokens[node])
-        assert ours == chain
-        compared += bool(chain)
+    table[0, :120] = story
+    ctx = DraftContext(story[:40], 5, Sampling(), None, TargetView(Row(), frozenset()))
+    ctx.state = drafter.begin(ctx)
+    length, sampled, compared = 41, [story[40]], 0
+    while length < 110:
+        ours = proposer.propose([sampled], np.array([length]), table)[0]
+        ctx.tokens = story[:length]
+        drafter.evidence(ctx)
+        ctx.max_depth = 5
+        assert ours == list(drafter.propose(ctx).main_chain(5).tokens)
+        compared += bool(ours)
+        accepted = 0
+        while accepted < len(ours) and ours[accepted] == story[length + accepted]:
+            accepted += 1
+        sampled = story[length: length + accepted + 1]
+        length += accepted + 1
     assert compared > 5
+
+
+def test_a_pooled_proposer_learns_each_finished_request_once_across_reused_rows():
+    """vLLM reuses rows and moves requests between them: the lookahead pool sees each request's
+    output once, and a later request drafts it from the first step."""
+    proposer = FixedLookahead(depth=4, max_model_len=CONTEXT)
+    answer = [300 + i for i in range(30)]
+    first = [1, 2, 3] + answer
+    table = np.zeros((2, CONTEXT), dtype=np.int64)
+    table[0, : len(first)] = first
+    table[1, :3] = [7, 8, 9]
+    for length in range(4, len(first) + 1):  # row 0 decodes one token a step; row 1 prefills
+        proposer.propose([[first[length - 1]], []], np.array([length, 3]), table)
+    # row 0 leaves; the request in row 1 moves to row 0 and samples its first token
+    table[0, :4] = [7, 8, 9, 300]
+    drafts = proposer.propose([[300]], np.array([4]), table)
+    assert drafts[0] == answer[1:5]  # the first request's output, drafted for another prompt
+    assert proposer.drafter.pool.stats().requests == 1  # the first request ended once
+    assert len(proposer.rows) == 1
 
 
 def test_sized_lookahead_drafts_where_its_chains_are_accepted():

@@ -26,6 +26,7 @@ from .core.request import Request
 from .core.runtime import Capability
 from .core.sampling import Sampling
 from .core.generators import consume, mapped
+from .core.pool import Pool
 from .core.stats import DecodeStats
 from .core.threads import DEFAULT_THREADS, stepped_in_threads, thread_count, using_threads
 
@@ -123,6 +124,24 @@ class Engine:
             text = stream.push(result.tokens) + stream.finish()
             outputs[rows[row_id]] = EngineOutput(text, stream.token_ids, result.stats, result.finish_reason)
         return outputs
+
+    # ---- what the drafter learns across requests ------------------------------------------
+    @property
+    def pool(self) -> Pool | None:
+        """The pool every generation of this engine drafts from and adds to (lookahead, suffix:
+        :mod:`hasten.core.pool`), or None: the method learns nothing across requests."""
+        return None if self.drafter is None else self.drafter.pool
+
+    def open_pool(self, path: str | os.PathLike) -> Pool:
+        """The shared pool, loaded from the file at ``path`` where one exists (its later
+        :meth:`~hasten.core.pool.Pool.save` writes it there). ValueError: the method has no
+        pool, or the file is not a saved pool of its kind."""
+        if self.pool is None:
+            raise ValueError(f"a pool file needs a method that learns across requests (lookahead or suffix), "
+                             f"not {self.method}")
+        if os.path.exists(path):
+            self.pool.load(path)
+        return self.pool
 
     # ---- chats -----------------------------------------------------------------------------
     def chat(self, messages: list[dict], **kwargs) -> EngineOutput:
@@ -230,10 +249,11 @@ class Engine:
 
     def request(self, input_ids: torch.Tensor | list[int], *, max_new_tokens: int = 128, temperature: float = 0.0,
                 top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
-                stop: str | list[str] | None = None, speculate: bool = True, model_inputs: dict | None = None,
-                constraint=None, **rules) -> Request:
+                stop: str | list[str] | None = None, speculate: bool = True, pool: bool = True,
+                model_inputs: dict | None = None, constraint=None, **rules) -> Request:
         """The one request object of a generation from this engine's keywords (those of
-        :meth:`steps`); ``speculate=False`` decodes plainly. Checked when it is admitted."""
+        :meth:`steps`); ``speculate=False`` decodes plainly, ``pool=False`` keeps the generation out
+        of its drafter's shared pool (:attr:`pool`). Checked when it is admitted."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         if isinstance(input_ids, torch.Tensor):
@@ -242,7 +262,7 @@ class Engine:
             input_ids = input_ids[0].tolist()
         # the generation config's EOS ids, as in Hugging Face generate (filled in at admission)
         return Request(input_ids, max_new_tokens, Sampling(temperature, top_k, top_p, **rules), seed=seed,
-                       stop=StopStrings(self.tokenizer, stop or []), speculate=speculate,
+                       stop=StopStrings(self.tokenizer, stop or []), speculate=speculate, pool=pool,
                        model_inputs=model_inputs or {}, constraint=self.constraint(constraint))
 
     def steps(

@@ -101,6 +101,9 @@ def _add_generate(parser: argparse.ArgumentParser) -> None:
                              "hasten's drafters and verifier on top (pip install 'hasten[llamacpp]'; docs/cpu.md)")
     add_draft_size_argument(parser)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    parser.add_argument("--pool", metavar="FILE",
+                        help="with a method that learns across requests (lookahead, suffix): draft from the pool "
+                        "saved in FILE, where it exists, and save the pool with this generation's text there")
 
 
 def _read_prompt(args: argparse.Namespace) -> str:
@@ -188,6 +191,12 @@ def _run_generate(args: argparse.Namespace) -> int:
         stop=[text.replace("\\n", "\n").replace("\\t", "\t") for text in args.stop],
         images=(args.image or None) if not args.chat else None, constraint=constraint, **rules,
     )
+    pool = None
+    if args.pool is not None:
+        try:
+            pool = engine.open_pool(args.pool)
+        except ValueError as err:  # a method without a pool, or a file that is not a saved pool
+            raise UserError(f"--pool: {err}") from None
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
@@ -198,6 +207,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     except ConstraintError as err:  # a constraint that does not compile, or conflicts with the other flags
         raise UserError(str(err)) from None
     stats = out.stats
+    if pool is not None:
+        pool.save(args.pool)
     if args.json:
         # finish_reason as the server names it: "stop" (EOS or a stop string) or "length"
         record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image,

@@ -195,6 +195,7 @@ def replay(recording: Recording, entry: Recorded, drafter: Drafter | None, sizin
     began = clock()
     while not sequence.finished:
         step(target, [sequence])
+    sequence.close()
     seconds = clock() - began
     if sequence.generated != entry.output:  # the loop is lossless; a mismatch means a broken recording
         raise AssertionError(f"replay of a {entry.category} prompt committed other tokens than recorded")

@@ -18,6 +18,11 @@ at a time, interleaved with every other method as usual. The worker times
   (:class:`hasten.vllm.FixedPromptLookup`): the same depth as ``vllm_ngram``, hasten's matching.
 * ``vllm_lookahead``: hasten's lookahead trie's likeliest chain (:class:`hasten.vllm.Lookahead`),
   sized as ``vllm_prompt_lookup``, up to 10 tokens.
+* ``vllm_suffix``: vLLM's own suffix decoding (``method="suffix"``, arctic-inference's trees;
+  it needs ``arctic_inference`` importable in vLLM's environment), 24 tokens at most;
+  ``vllm_hasten_suffix`` and ``vllm_hasten_suffix_fixed``: hasten's port of the same algorithm
+  through :class:`hasten.vllm.Suffix` (sized) and :class:`hasten.vllm.FixedSuffix` (as deep as
+  the match allows, as vLLM's).
 * ``vllm_medusa``: vLLM with hasten's trained Medusa heads for the model (found as hasten's
   ``medusa`` method finds them), exported into vLLM's layout (:mod:`hasten.export`) in a
   temporary folder; as many speculative tokens as heads. Asked for by name only (not in
@@ -54,10 +59,16 @@ VLLM_PROMPT_LOOKUP = "vllm_prompt_lookup"
 VLLM_PROMPT_LOOKUP_FIXED = "vllm_prompt_lookup_fixed"
 VLLM_LOOKAHEAD = "vllm_lookahead"
 VLLM_MEDUSA = "vllm_medusa"
-BASELINES = (VLLM, VLLM_NGRAM, VLLM_PROMPT_LOOKUP, VLLM_PROMPT_LOOKUP_FIXED, VLLM_LOOKAHEAD, VLLM_MEDUSA)
-# not in --baselines auto: medusa needs trained heads and writes an export; the fixed-depth and lookahead
-# proposers are comparisons for those who ask (each baseline is one more vLLM engine to load)
-ON_REQUEST = (VLLM_PROMPT_LOOKUP_FIXED, VLLM_LOOKAHEAD, VLLM_MEDUSA)
+VLLM_SUFFIX = "vllm_suffix"
+VLLM_HASTEN_SUFFIX = "vllm_hasten_suffix"
+VLLM_HASTEN_SUFFIX_FIXED = "vllm_hasten_suffix_fixed"
+BASELINES = (VLLM, VLLM_NGRAM, VLLM_PROMPT_LOOKUP, VLLM_PROMPT_LOOKUP_FIXED, VLLM_LOOKAHEAD, VLLM_MEDUSA, VLLM_SUFFIX,
+             VLLM_HASTEN_SUFFIX, VLLM_HASTEN_SUFFIX_FIXED)
+# not in --baselines auto: medusa needs trained heads and writes an export; vLLM's suffix method needs
+# arctic-inference in vLLM's environment; the fixed-depth, lookahead and suffix proposers are comparisons
+# for those who ask (each baseline is one more vLLM engine to load)
+ON_REQUEST = (VLLM_PROMPT_LOOKUP_FIXED, VLLM_LOOKAHEAD, VLLM_MEDUSA, VLLM_SUFFIX, VLLM_HASTEN_SUFFIX,
+              VLLM_HASTEN_SUFFIX_FIXED)
 # each baseline's speculative_config (None: plain decoding)
 SPECULATIVE = {
     VLLM: None,
@@ -66,6 +77,12 @@ SPECULATIVE = {
     VLLM_PROMPT_LOOKUP_FIXED: {"method": "custom_class", "model": "hasten.vllm.FixedPromptLookup",
                                "num_speculative_tokens": 5},
     VLLM_LOOKAHEAD: {"method": "custom_class", "model": "hasten.vllm.Lookahead", "num_speculative_tokens": 10},
+    # SuffixDecoding: vLLM's own (arctic-inference's trees, vLLM's defaults: up to 24 tokens) and hasten's
+    # port through hasten.vllm, sized per request or, like vLLM's, always as deep as the match allows
+    VLLM_SUFFIX: {"method": "suffix", "num_speculative_tokens": 24},
+    VLLM_HASTEN_SUFFIX: {"method": "custom_class", "model": "hasten.vllm.Suffix", "num_speculative_tokens": 24},
+    VLLM_HASTEN_SUFFIX_FIXED: {"method": "custom_class", "model": "hasten.vllm.FixedSuffix",
+                               "num_speculative_tokens": 24},
 }
 ENV_PYTHON = "HASTEN_VLLM_PYTHON"
 DEFAULT_PYTHON = Path(".venv-vllm") / "bin" / "python"

@@ -7,7 +7,8 @@ context, capabilities), and nowhere else; a refusal is a :class:`~hasten.core.er
 naming the request's field, which each door shows in its own words (the server with its API's
 names). A new per-request feature is one field here and one hook where it acts: the drafting
 switch :attr:`Request.speculate` is read once, where a sequence is made (a row that does not
-speculate decodes plainly, in any batch).
+speculate decodes plainly, in any batch); so is :attr:`Request.pool`, which keeps a row out of its
+drafter's shared pool (the drafter's context carries it).
 """
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ class Request:
     ignore_eos: bool = False  # EOS does not end the row (it may still be generated; min_tokens holds it back)
     resumed: int = 0  # the last ``resumed`` input ids were generated already (a continuation): penalties count them
     speculate: bool = True  # draft and verify (False: plain decoding, the same text, no drafting cost)
+    # a drafter that learns across requests (lookahead, suffix) may draft from its shared pool and add this
+    # request's text to it (False: neither; it drafts from a private pool that ends with the request)
+    pool: bool = True
     model_inputs: dict = field(default_factory=dict)  # a vision-language prompt's images (pixel_values, ...)
     # the generated text follows it (structured output): a compiled core.constraint.Constraint, shared by the
     # request's rows; each row's Sequence walks it with a matcher of its own (a continuation replays its tokens)
@@ -85,8 +89,9 @@ class Request:
         if self.prompt_logprobs is not None and Capability.PROMPT_LOGITS not in runtime.capabilities:
             raise FieldError("prompt_logprobs", "unsupported_parameter",
                              "{field} needs the prefill's logits, which this model's runtime does not keep")
-        if not isinstance(self.speculate, bool):
-            raise FieldError("speculate", "invalid_value", f"{{field}} must be true or false, got {self.speculate!r}")
+        for name in ("speculate", "pool"):
+            if not isinstance(getattr(self, name), bool):
+                raise FieldError(name, "invalid_value", f"{{field}} must be true or false, got {getattr(self, name)!r}")
         if self.constraint is not None:
             check_constraint(self.constraint, vocab, self.ending_ids(runtime), self.sampling, self.ignore_eos)
         runtime.check_prompt_inputs(torch.tensor([ids]), self.model_inputs)

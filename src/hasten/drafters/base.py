@@ -15,17 +15,18 @@ keeps in ``ctx.state``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from importlib import import_module
 from typing import Any, ClassVar
 
 import torch
 
 from ..core import settings as settings_io
 from ..core.errors import FieldError
+from ..core.rows import Riders
 from ..core.runtime import Capability, MissingCapability, Runtime
 from ..core.sampling import Sampling
 from ..core.state import GrowingBuffer
 from ..core.tree import TokenTree
-from ..models.adapter import Riders
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,17 @@ class Draft:
     def limit_depth(self, max_depth: int) -> "Draft":
         """Drop nodes deeper than ``max_depth`` (so no step can overshoot a token budget)."""
         return self._subset([i for i, depth in enumerate(self.tree.depths) if depth <= max_depth])
+
+    def within_vocab(self, vocab_size: int) -> "Draft":
+        """Drop nodes (with their subtrees) whose token the target does not have: a pool saved
+        or warmed with another model's tokens may hold some."""
+        keep, dropped = [], set()
+        for i, (token, parent) in enumerate(zip(self.tokens, self.tree.parents)):
+            if token >= vocab_size or token < 0 or parent in dropped:
+                dropped.add(i)
+            else:
+                keep.append(i)
+        return self._subset(keep)
 
     def main_chain(self, max_depth: int) -> "Draft":
         """The path that follows each node's first child (every tree builder puts its best
@@ -157,6 +169,18 @@ class DraftContext:
     # the generation's acceptance rule (an engine.verify.Acceptance), for drafters that verify a
     # draft of their own before proposing (TriForce's middle level): the one verifier, reused
     acceptance: Any = None
+    # whether this generation may read and write its drafter's shared pool (Drafter.pool): False,
+    # a pooled drafter drafts from a private pool that ends with the generation (the server's "pool": false)
+    use_pool: bool = True
+
+    @property
+    def reads_pool(self) -> bool:
+        """Whether a pooled drafter may draft from its shared pool in this generation: not when
+        it opted out, nor when it samples with its own generator (a seed must give the same
+        text every run, which a draft read from what other generations wrote would not: the
+        verifier's draws follow the draft). Such a generation still adds its text, unless it
+        opted out."""
+        return self.use_pool and (self.generator is None or self.sampling.greedy)
 
     @property
     def features(self) -> torch.Tensor | None:
@@ -240,17 +264,79 @@ class Drafter:
     def observe(self, ctx: DraftContext, result: StepResult) -> None:
         """Learn from the verdict (adapt draft length, keep rider logits) in ``ctx.state``."""
 
+    def end(self, ctx: DraftContext) -> None:
+        """The generation ended (finished, cancelled or abandoned): called once, after its last
+        step. A pooled drafter keeps the generation's output and forgets its prompt here."""
+
+    @property
+    def pool(self):
+        """The :class:`~hasten.core.pool.Pool` every generation of this drafter shares (what
+        ``--pool FILE`` saves and loads, ``/metrics`` reports), or None: this drafter forgets
+        everything when a generation ends."""
+        return None
+
     def cache_bytes(self, state: Any) -> int | None:
         """Bytes the drafter's own per-generation caches hold (allocated, not the target's):
         the bench's "drafter KV" column. None: the drafter keeps no cache of its own."""
         return None
 
 
-REGISTRY: dict[str, type[Drafter]] = {}
+# the modules of hasten's own drafters, imported by the registry the first time it is read: importing one
+# drafter (hasten.vllm imports those that need no model) then never imports the others and their model code
+BUILT_IN = ("chimera", "draft_model", "eagle", "eagle3", "eagle_vlm", "easyspec", "gad", "hidden_transfer", "iad",
+            "lookahead", "longspec", "medusa", "prompt_lookup", "suffix", "triforce")
+
+
+class Registry(dict):
+    """Drafter classes by name: hasten's own (:data:`BUILT_IN`, imported on the first read) and
+    whatever :func:`register` adds."""
+
+    _complete = False
+
+    def _load(self) -> None:
+        if not self._complete:
+            self._complete = True  # first: a drafter module that reads the registry while importing must not recurse
+            for module in BUILT_IN:
+                import_module(f"{__package__}.{module}")
+
+    def __getitem__(self, name):
+        self._load()
+        return super().__getitem__(name)
+
+    def __contains__(self, name) -> bool:
+        self._load()
+        return super().__contains__(name)
+
+    def __iter__(self):
+        self._load()
+        return super().__iter__()
+
+    def __len__(self) -> int:
+        self._load()
+        return super().__len__()
+
+    def get(self, name, default=None):
+        self._load()
+        return super().get(name, default)
+
+    def keys(self):
+        self._load()
+        return super().keys()
+
+    def values(self):
+        self._load()
+        return super().values()
+
+    def items(self):
+        self._load()
+        return super().items()
+
+
+REGISTRY: Registry = Registry()
 
 
 def register(cls: type[Drafter]) -> type[Drafter]:
-    REGISTRY[cls.name] = cls
+    dict.__setitem__(REGISTRY, cls.name, cls)
     return cls
 
 

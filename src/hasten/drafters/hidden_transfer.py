@@ -10,7 +10,7 @@ and to each other in causal order, and the LM head reads placeholder ``j``'s gue
 ``x_{a+2+j}`` (``x_{a+1}`` being the target's own next token after ``a``).
 
 Drafting costs no forward of its own: the placeholders *ride* on the verification
-forward (:class:`~hasten.models.adapter.Riders`), ``num_tokens`` of them after every
+forward (:class:`~hasten.core.rows.Riders`), ``num_tokens`` of them after every
 block position, hidden from the real tokens by the tree mask. The loop hands back the
 rider logits at the accepted path's end ``e``; the next root is the bonus token at
 ``e + 1``, so placeholder ``j`` guesses exactly depth ``j + 1`` of the next draft. The
@@ -31,9 +31,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from ..core.rows import Riders
 from ..core.runtime import Capability
 from ..core.settings import Settings, option
-from ..models.adapter import Riders
 from ..models.layers import num_layers, placeholder_logits_batch
 from .base import Draft, DraftContext, StepResult, register
 from .candidates import TreeSettings

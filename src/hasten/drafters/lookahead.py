@@ -1,63 +1,61 @@
-"""Lookahead (Zhao et al. 2023, Alipay): multi-branch drafts retrieved from a trie.
+"""Lookahead (Zhao et al. 2023, Alipay): multi-branch drafts retrieved from a pool of what
+followed each token, shared by every generation of the drafter (:mod:`hasten.core.lookahead_pool`
+has the pool as the reference builds it: prompt and output frequencies kept apart and mixed
+for ranking, pruning by ``squeeze``, hierarchical multi-branch drafts, save and load).
 
-Every window of ``max_prefix + branch_length`` tokens of the prompt, the generated text
-and an optional corpus is inserted into a trie whose nodes count how often they were
-reached. To draft, the longest recent suffix (up to ``max_prefix`` tokens) found in the
-trie selects a subtree, and its most frequent nodes, up to ``draft_tokens`` of them and
-``branch_length`` deep, become one token tree verified in a single forward pass.
+``shared=True`` (the default) keeps one pool on the drafter object: an :class:`~hasten.api.Engine`'s
+generations and every row of ``hasten serve`` learn from each other's output (never from each
+other's prompts). ``shared=False`` starts every generation on an empty pool of its own, as a
+drafter that forgets between requests would. A generation with ``ctx.use_pool`` False drafts
+from a private pool too, so it neither reads the shared one nor writes to it.
 
-Counts never grow down a path, so taking nodes best-first by count always takes a
-parent before its children.
-
-Graded drafts (``Drafter.evidence``, for cost-aware sizing): a draft found from a longer
-suffix, or whose first token followed that suffix more than once, is accepted far more
-often. On SmolLM2's chat tasks the first token was accepted at 0.36 after a 1-token suffix
-seen once, 0.5-0.7 after a 1-token suffix seen more often or a 2-token one, and 0.8-1.0 after
-a 3-token one.
+Graded drafts (``Drafter.evidence``, for cost-aware sizing): 2 per query token matched, minus
+1 when the likeliest first token followed the query only once. A draft found after a longer
+query, or whose first token followed it more than once, is accepted far more often.
 """
 from __future__ import annotations
 
-import heapq
+import threading
 from dataclasses import dataclass
-from functools import lru_cache
 
+from ..core.lookahead_pool import LookaheadPool, Stream
 from ..core.settings import Settings
 from ..core.tree import TokenTree
-from ..core.trie import NgramTrie, TrieNode, evidence
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
+from .corpus import corpus_ids
 
 
 @dataclass(frozen=True)
 class LookaheadSettings(Settings):
-    draft_tokens: int = 12  # tree nodes verified per step
-    branch_length: int = 6  # deepest draft node
-    max_prefix: int = 3  # longest suffix used to find the subtree
-    min_prefix: int = 1
-    corpus: str | None = None  # optional text file whose n-grams seed the trie
+    draft_tokens: int = 12  # tree nodes verified per step (the reference: decoding_length 64, so 63)
+    branch_length: int = 6  # deepest draft node (the reference: 12)
+    max_prefix: int = 2  # newest tokens a draft is looked up after, the longest first (the reference's max_query_length)
+    min_prefix: int = 1  # the shortest such query tried
+    output_weight: float = 1e-4  # weight of output frequency against prompt frequency in the ranking
+    shared: bool = True  # one pool for every generation of this drafter; False: a new one per generation
+    max_nodes: int = 1 << 19  # the pool's bound: squeezed (halved, rare nodes dropped) while it holds more
+    max_tree_nodes: int = 65536  # the reference's max_node: one token's tree is squeezed past it ...
+    max_output_nodes: int = 512  # ... or past this many nodes grown from output (max_output_node)
+    corpus: str | None = None  # a text file the pool learns once, as if generated, before the first draft
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        for name in ("draft_tokens", "branch_length", "min_prefix"):
+        for name in ("draft_tokens", "branch_length", "min_prefix", "max_nodes", "max_tree_nodes",
+                     "max_output_nodes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_prefix < self.min_prefix:
             raise ValueError(f"max_prefix ({self.max_prefix}) must be >= min_prefix ({self.min_prefix})")
+        if not 0.0 <= self.output_weight <= 1.0:
+            raise ValueError(f"output_weight must be in [0, 1], got {self.output_weight}")
 
 
-@lru_cache(maxsize=4)
-def _corpus_ids(path: str, model_dir: str) -> tuple[int, ...]:
-    from transformers import AutoTokenizer
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as err:
-        raise ValueError(f"lookahead corpus {path!r}: {err.strerror}") from None
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"lookahead corpus needs the target's tokenizer, none found at {model_dir!r}") from err
-    return tuple(tokenizer(text, add_special_tokens=False).input_ids)
+@dataclass
+class LookaheadState:
+    pool: LookaheadPool  # what the generation drafts from
+    stream: Stream
+    learn_into: LookaheadPool | None = None  # the shared pool its output goes to at the end, when it drafts from its own
+    prompt_length: int = 0
 
 
 @register
@@ -65,48 +63,64 @@ class Lookahead(Drafter):
     name = "lookahead"
     Settings = LookaheadSettings
 
-    def begin(self, ctx: DraftContext) -> NgramTrie:
+    def __init__(self, settings: LookaheadSettings | None = None, **kwargs):
+        super().__init__(settings, **kwargs)
+        self._shared = self.new_pool() if self.settings.shared else None
+        self._corpus_lock = threading.Lock()
+        self._corpus_fed = False
+
+    def new_pool(self) -> LookaheadPool:
         s = self.settings
-        trie = NgramTrie(s.max_prefix + s.branch_length)
-        if s.corpus:
-            trie.feed(_corpus_ids(s.corpus, ctx.target.source))
-            trie.close()
-        if ctx.source:
-            trie.feed(ctx.source)
-            trie.close()
-        trie.feed(ctx.tokens)  # the prompt, now rather than in the first (timed) step
-        trie.fed = len(ctx.tokens)
-        return trie
+        return LookaheadPool(s.max_prefix - 1 + s.branch_length, s.max_prefix, s.min_prefix, s.output_weight,
+                             s.max_tree_nodes, s.max_output_nodes, s.max_nodes)
+
+    @property
+    def pool(self) -> LookaheadPool | None:
+        return self._shared
+
+    def begin(self, ctx: DraftContext) -> LookaheadState:
+        reads = self._shared is not None and ctx.reads_pool
+        pool = self._shared if reads else self.new_pool()
+        if self.settings.corpus:
+            self._feed_corpus(pool, ctx, once=reads)
+        # an encoder-decoder's prompt is its source; its decoder tokens are all output
+        prompt = ctx.source if ctx.source else ctx.tokens
+        learn_into = self._shared if self._shared is not None and ctx.use_pool and not reads else None
+        return LookaheadState(pool, pool.start(prompt, fed=len(ctx.tokens)), learn_into, len(ctx.tokens))
+
+    def _feed_corpus(self, pool: LookaheadPool, ctx: DraftContext, once: bool) -> None:
+        corpus = corpus_ids(self.settings.corpus, ctx.target.source)
+        if not once:
+            pool.feed(corpus)
+            return
+        with self._corpus_lock:
+            if not self._corpus_fed:
+                pool.feed(corpus)
+                self._corpus_fed = True
 
     def evidence(self, ctx: DraftContext) -> int:
-        """See :func:`hasten.core.trie.evidence` (1 .. 2 * max_prefix; 0: no suffix found)."""
-        return evidence(*self.anchor(ctx))
+        """0: no draft; else 2 per query token, minus 1 when the likeliest first token followed
+        the query once (1 .. 2 * max_prefix)."""
+        found = self._draft(ctx, self.settings.branch_length)
+        return 0 if not found.query else 2 * found.query - (found.top < 2.0)
 
     def propose(self, ctx: DraftContext) -> Draft:
-        depth_limit = min(self.settings.branch_length, ctx.max_depth)
-        anchor, _ = self.anchor(ctx) if depth_limit >= 1 else (None, 0)
-        return EMPTY_DRAFT if anchor is None else _best_first(anchor, self.settings.draft_tokens, depth_limit)
+        depth = min(self.settings.branch_length, ctx.max_depth)
+        if depth < 1:
+            return EMPTY_DRAFT
+        found = self._draft(ctx, depth)
+        ctx.state.pool.count(found.learned)
+        if not found.tokens:
+            return EMPTY_DRAFT
+        return Draft(tuple(found.tokens), TokenTree(tuple(found.parents))).within_vocab(ctx.target.vocab_size)
 
-    def anchor(self, ctx: DraftContext) -> tuple[TrieNode | None, int]:
-        return ctx.state.anchor(ctx.tokens, self.settings.max_prefix, self.settings.min_prefix)
+    def _draft(self, ctx: DraftContext, depth: int):
+        state: LookaheadState = ctx.state
+        return state.pool.draft(state.stream, ctx.tokens, self.settings.draft_tokens, depth)
 
-
-def _best_first(anchor: TrieNode, budget: int, depth_limit: int) -> Draft:
-    """The ``budget`` most frequent nodes under ``anchor`` (ties: first seen), as a tree."""
-    tokens: list[int] = []
-    parents: list[int] = []
-    order = 0  # tie-breaker keeping the heap deterministic
-    heap: list[tuple[int, int, int, int, TrieNode, int]] = []
-    for token, node in anchor.children.items():
-        heapq.heappush(heap, (-node.count, order, -1, token, node, 1))
-        order += 1
-    while heap and len(tokens) < budget:
-        _, _, parent, token, node, depth = heapq.heappop(heap)
-        index = len(tokens)
-        tokens.append(token)
-        parents.append(parent)
-        if depth < depth_limit:
-            for child_token, child in node.children.items():
-                heapq.heappush(heap, (-child.count, order, index, child_token, child, depth + 1))
-                order += 1
-    return Draft(tuple(tokens), TokenTree(tuple(parents)))
+    def end(self, ctx: DraftContext) -> None:
+        state: LookaheadState = ctx.state
+        state.pool.extend(state.stream, ctx.tokens)  # the last step's tokens, which no draft has read yet
+        state.pool.end(state.stream)
+        if state.learn_into is not None:
+            state.learn_into.learn(ctx.tokens[state.prompt_length :])

@@ -229,6 +229,7 @@ class Scheduler:
                 updates.append(RowUpdate(row_id, [], True, entry.sequence.finish_reason, entry.sequence.stats,
                                          entry.queued_seconds, None if request.logprobs is None else [],
                                          entry.take_prompt_scored()))
+                entry.sequence.close()
                 self.target.remove(entry.row)
             else:
                 self._running[row_id] = entry
@@ -253,8 +254,16 @@ class Scheduler:
         stats.prefill_seconds += time.perf_counter() - clock
         return _Running(sequence, row, queued_seconds, reserved, prompt_scored)
 
+    def abandon(self) -> None:
+        """Tell the drafter that every running row's generation is over, without an update: a
+        server replacing this scheduler after a failed step goes on with its rows elsewhere (as
+        continuations), so a pooled drafter forgets their prompts here and keeps what they wrote."""
+        for entry in self._running.values():
+            entry.sequence.close()
+
     def _finish(self, row_id: int) -> None:
         entry = self._running.pop(row_id)
+        entry.sequence.close()
         self.target.remove(entry.row)
 
     def run(self) -> dict[int, "RowResult"]:

@@ -84,8 +84,11 @@ def decode(
     source = list(request.input_ids) if target.encoder_decoder else None
     sequence = Sequence(target, tokens, prefilled, drafter, request, acceptance, stats, sizing, source, runtime.source)
     stats.prefill_seconds += time.perf_counter() - clock
-    while not sequence.finished:
-        yield step(target, [sequence])[0]
+    try:
+        while not sequence.finished:
+            yield step(target, [sequence])[0]
+    finally:  # also when a caller stops the stream early
+        sequence.close()
     sequence.record_kv_bytes()
     return sequence.finish_reason
 

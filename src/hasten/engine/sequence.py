@@ -11,49 +11,21 @@ scheduler. The step is the same code either way.
 from __future__ import annotations
 
 import time
-from typing import Protocol
 
 import torch
 
 from ..core.request import Request
+from ..core.rows import ForwardOutput, RowCache, Target
 from ..core.sampling import LogitRules
 from ..core.state import GrowingBuffer
 from ..core.stats import DecodeStats, holder_kv_bytes
 from ..core.tree import TokenTree
 from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult, TargetView
-from ..models.adapter import ForwardOutput, Riders
 from .constraint import RowConstraint
 from .logprobs import TokenLogprob, token_logprobs
 from .sizing import FixedSize, SizingRule
 from .stops import StopStrings
 from .verify import Acceptance, RowCheck, Verdict, verify_all
-
-
-class RowCache(Protocol):
-    """One sequence's target: its model, and its rows of the KV cache. A ModelAdapter is
-    one; so is a BatchRow. Drafters see a :class:`~hasten.drafters.base.TargetView` of it."""
-
-    model: object
-    vocab_size: int
-    encoder_decoder: bool
-    trees_ok: bool
-    prompt_embeds: torch.Tensor | None  # [T - 1, embed] what an image prefill fed the language model
-    kv_readable: bool  # whether read_kv, read_all_kv and probe_queries answer (one sequence's full cache)
-
-    @property
-    def cache_length(self) -> int: ...
-
-    def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None: ...
-
-    def crop(self, new_length: int) -> None: ...
-
-
-class Target(Protocol):
-    """Runs one block per sequence, all in one forward. ``riders`` (per row) is passed only
-    when a draft carries riders, which only a target with ``Capability.RIDERS`` is given."""
-
-    def forward_rows(self, rows: list[RowCache], blocks: list[list[int]], trees: list[TokenTree],
-                     hidden: bool, **riders: list[Riders | None]) -> list[ForwardOutput]: ...
 
 
 class Sequence:
@@ -107,7 +79,9 @@ class Sequence:
             if prefilled is not None:
                 features.extend(prefilled)
         view = TargetView(cache, drafter.needs if drafter else frozenset(), model_source)
-        self.ctx = DraftContext(tokens, 0, sampling, generator, view, source, features, acceptance=acceptance)
+        self.ctx = DraftContext(tokens, 0, sampling, generator, view, source, features, acceptance=acceptance,
+                                use_pool=request.pool)
+        self._ended = drafter is None
         self.fit = Draft.limit_depth if cache.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
         self.sizing = sizing or FixedSize()
         if drafter is not None:
@@ -249,6 +223,13 @@ class Sequence:
 
     def cancel(self) -> None:
         self.finish_reason = "cancelled"
+
+    def close(self) -> None:
+        """Tell the drafter the generation is over (finished, cancelled or abandoned), once:
+        a pooled drafter keeps its output and forgets its prompt."""
+        if not self._ended:
+            self._ended = True
+            self.drafter.end(self.ctx)
 
     def record_kv_bytes(self) -> None:
         """Put the target's and the drafter's KV bytes in the stats. Once, at the end of a

@@ -10,9 +10,6 @@ newest one, the *root*, which is fed at the start of the next block.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
-
 import torch
 from transformers import PreTrainedModel
 
@@ -21,29 +18,8 @@ from .attention import MaskedTree, kv_heads_in_place
 from .compat import cache_argument
 from . import forwards, invariant, lean, vlm
 from .layers import attention_mask, forward_with_placeholders, last_queries, model_name  # model_name: also imported from here
+from ..core.rows import ForwardOutput, Riders  # the row contract lives on the ground floor; imported from here too
 from ..core.tree import TokenTree
-
-
-@dataclass(frozen=True)
-class Riders:
-    """Placeholder positions riding on a verification forward (hidden transfer): ``count``
-    of them after every block position ``b``, in causal order, seeing what ``b`` sees plus
-    ``b`` itself; their input to decoder layer ``layer`` is ``transfer(h_b)``, ``h_b`` being
-    ``b``'s input to that layer (the layers below never run them). Real tokens never see
-    them, so verification is unchanged, and their cache entries are dropped with the
-    rejected nodes."""
-
-    count: int
-    layer: int
-    transfer: Callable[[torch.Tensor], torch.Tensor]  # [..., hidden] -> [..., count, hidden]
-
-
-@dataclass
-class ForwardOutput:
-    logits: torch.Tensor  # [block, vocab] float32
-    hidden: torch.Tensor | None  # [block, hidden] last layer, when asked for
-    riders: torch.Tensor | None = None  # [block, count, vocab] rider logits, when riders were given
-    embeds: torch.Tensor | None = None  # [block, embed] the inputs the language model read (an image prefill's)
 
 
 def vocab_size(model: PreTrainedModel) -> int:

@@ -44,6 +44,7 @@ class ServeOptions:
     # logit rules and sampling transform, the law its tokens were drawn from
     logprobs_mode: str = "raw"
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # the most tokens a request that sets no max_tokens gets
+    pool_file: str | None = None  # the drafter's shared pool: loaded at start where the file exists, saved at exit
 
     def __post_init__(self) -> None:
         if self.logprobs_mode not in ("raw", "processed"):
@@ -213,6 +214,10 @@ def create_app(engine, make_scheduler: Callable[[], object], options: ServeOptio
                metrics: Metrics | None = None) -> Starlette:
     """The ASGI app; its lifespan starts and stops the decode thread that steps the scheduler."""
     metrics = metrics or Metrics()
+    # one pool serves every request of the server, whichever client sent it (docs/serve.md)
+    pool = engine.pool if options.pool_file is None else engine.open_pool(options.pool_file)
+    if pool is not None:
+        metrics.watch_pool(pool)
     worker = Worker(make_scheduler, metrics)
     service = Service(engine, worker, metrics, options)
 
@@ -224,6 +229,8 @@ def create_app(engine, make_scheduler: Callable[[], object], options: ServeOptio
         finally:
             worker.stop()
             service.translate.close()
+            if options.pool_file is not None:
+                pool.save(options.pool_file)  # after the decode thread: every row's text is in
 
     routes = [
         Route("/health", service.health, methods=["GET"]),

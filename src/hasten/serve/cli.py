@@ -65,6 +65,10 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="what logprobs report: the model's own log-probabilities (raw, vLLM's default) or "
                         "those of the law each token was drawn from, after the request's penalties, biases and "
                         "sampling transform (processed)")
+    parser.add_argument("--pool", metavar="FILE",
+                        help="with a method that learns across requests (lookahead, suffix): start from the pool "
+                        "saved in FILE, where it exists, and save the pool there at exit (a corpus warms it too: "
+                        "--method-arg corpus=TEXT_FILE)")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                         help="uvicorn's log level (default warning; info logs every request)")
     parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
@@ -115,8 +119,12 @@ def run_serve(args: argparse.Namespace) -> int:
     make_scheduler = scheduler_factory(engine, args.max_batch, args.max_tokens_in_flight, args.max_prefill_tokens,
                                        args.prefix_cache_mib << 20)
     name = args.served_model_name or args.model
-    options = ServeOptions(name, args.api_key, args.max_body_bytes, args.logprobs_mode, args.default_max_tokens)
-    app = create_app(engine, make_scheduler, options)
+    options = ServeOptions(name, args.api_key, args.max_body_bytes, args.logprobs_mode, args.default_max_tokens,
+                           pool_file=args.pool)
+    try:
+        app = create_app(engine, make_scheduler, options)
+    except ValueError as err:  # --pool: a method without a pool, or a file that is not a saved pool
+        raise UserError(f"--pool: {err}") from None
     if args.api_key is None and not is_loopback(args.host):
         print(f"hasten serve: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)

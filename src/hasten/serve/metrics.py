@@ -7,6 +7,7 @@ their ratio over any time window is the acceptance rate, which a gauge could not
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..core.stats import DecodeStats
@@ -110,8 +111,35 @@ class Metrics:
             self.drafted.labels(str(position)).inc(drafted)
             self.accepted.labels(str(position)).inc(hits)
 
+    def watch_pool(self, pool) -> None:
+        """Report the drafter's shared pool (a :class:`~hasten.core.pool.Pool`), read at each scrape."""
+        self.registry.register(PoolCollector(pool))
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class PoolCollector:
+    """The shared pool's size and hit rate, read from the pool when ``/metrics`` is asked."""
+
+    def __init__(self, pool):
+        self.pool = pool
+
+    def describe(self):
+        return []  # read at each scrape: nothing to check at registration
+
+    def collect(self):
+        stats = self.pool.stats()
+        unit = "nodes" if self.pool.kind == "lookahead" else "tokens"
+        yield GaugeMetricFamily("hasten_pool_entries", f"what the shared draft pool holds ({self.pool.kind}: {unit}), "
+                                "the quantity its memory bound counts", value=stats.entries)
+        yield GaugeMetricFamily("hasten_pool_requests", "generations whose text the shared pool holds",
+                                value=stats.requests)
+        yield CounterMetricFamily("hasten_pool_lookups", "draft steps that asked the shared pool", value=stats.lookups)
+        yield CounterMetricFamily("hasten_pool_hits", "draft steps whose draft came from text the pool learned "
+                                  "(others' output or this request's own, not its prompt)", value=stats.hits)
+        yield GaugeMetricFamily("hasten_pool_hit_rate", "hits / lookups since the server started",
+                                value=stats.hit_rate)
 
 
 def padded(values: list[int], length: int) -> list[int]:

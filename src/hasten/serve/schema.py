@@ -68,6 +68,7 @@ class Params:
     best_of: int = 1  # samples per prompt, of which the n with the highest mean log-probability per token return
     speculate: bool = True  # hasten's: false decodes this request plainly (the same text, no drafting)
     structured: object = None  # serve.structured.Structured: the structured output asked for (None: free text)
+    pool: bool = True  # hasten's: false, the request neither drafts from the server's shared pool nor adds to it
 
 
 def parse_body(raw: bytes) -> dict:
@@ -143,9 +144,10 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
     ignore_eos = optional(body, "ignore_eos", lambda v: isinstance(v, bool), "true or false", False)
     include_stop = optional(body, "include_stop_str_in_output", lambda v: isinstance(v, bool), "true or false", False)
     speculate = optional(body, "speculate", lambda v: isinstance(v, bool), "true or false", True)
+    pool = optional(body, "pool", lambda v: isinstance(v, bool), "true or false", True)
     return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
                   parse_stop(body), seed, stream, include_usage, continuous_usage, n, logprobs, prompt_logprobs, echo,
-                  rules, tuple(stop_token_ids), ignore_eos, include_stop, best_of, speculate)
+                  rules, tuple(stop_token_ids), ignore_eos, include_stop, best_of, speculate, pool)
 
 
 def _token_ids(body: dict, name: str, allow_empty: bool) -> list[int] | None:

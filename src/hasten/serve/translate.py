@@ -145,7 +145,7 @@ class Translator:
             request = Request(ids, budget, sampling, seed=seed, stop=stop, logprobs=scoring(params),
                               prompt_logprobs=prompt_scoring(params), processed_logprobs=self.processed_logprobs,
                               stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                              speculate=params.speculate, constraint=constraint)
+                              speculate=params.speculate, pool=params.pool, constraint=constraint)
             samples.append(Sample(request, echo, names))
         return samples
 

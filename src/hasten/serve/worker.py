@@ -168,6 +168,10 @@ class Worker:
             old, self.scheduler = self.scheduler, self.make_scheduler()
             self._reused = 0  # a fresh batch counts from 0
             rows, self._by_scheduler_id = dict(self._rows), {}
+        try:
+            old.abandon()
+        except Exception:  # noqa: BLE001 - a drafter broken by the failed step must not stop the recovery
+            log.exception("the drafter failed to end the old batch's rows")
         log.warning("a decode step failed (%s: %s); trying its %d rows one by one", type(err).__name__, err, len(rows))
         for row_id, row in rows.items():
             continuation = self._continuation(old, row)

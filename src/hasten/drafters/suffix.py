@@ -1,0 +1,137 @@
+"""SuffixDecoding (Oliaro et al., arXiv 2411.04975, NeurIPS 2025): drafts from suffix trees over
+the text generations wrote before and the current generation's own prompt and output.
+
+A *global* tree holds the responses of earlier generations of the drafter (and of those still
+running), oldest evicted first past ``max_cached_requests`` (or ``max_cached_tokens``); a *local*
+tree holds this generation's prompt and tokens so far. Each step matches the newest tokens at
+every length, scores each candidate continuation by the sum of its tokens' estimated
+probabilities (count ratios down the tree), and drafts the best: at most ``max_spec_factor``
+tokens per matched token (the draft grows with the match), no token below ``min_token_prob``.
+With ``tree_spec=True`` the draft is a token tree grown best-first, verified in one forward.
+
+The trees and the cache are a step-for-step port of the reference, ``arctic-inference``
+(:mod:`hasten.core.suffix_tree`, :mod:`hasten.core.suffix_pool`); vLLM runs the same reference as
+``speculative_config={"method": "suffix"}``, with these defaults.
+
+``shared=True`` (the default) keeps one pool on the drafter object for every generation;
+``shared=False``, or a generation with ``ctx.use_pool`` False, drafts from its local tree alone.
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from ..core.settings import Settings
+from ..core.suffix_pool import Request, SuffixPool
+from ..core.suffix_tree import SuffixDraft
+from ..core.tree import TokenTree
+from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
+from .corpus import corpus_ids
+
+# evidence classes (Drafter.evidence): the newest tokens matched; a draft found after a longer
+# match is accepted more often (SuffixDecoding's reason for sizing drafts by the match length)
+MATCH_CLASSES = (1, 3, 6, 12)  # a class starts at each of these match lengths
+
+
+@dataclass(frozen=True)
+class SuffixSettings(Settings):
+    max_tree_depth: int = 24  # suffixes kept this long; the newest this many tokens are matched (vLLM's default)
+    max_spec_tokens: int = 24  # draft tokens at most (vLLM's num_speculative_tokens default for suffix)
+    max_spec_factor: float = 1.0  # draft tokens per matched token
+    max_spec_offset: float = 0.0  # ... plus this many
+    min_token_prob: float = 0.1  # no draft token whose estimated probability is lower
+    tree_spec: bool = True  # a token tree grown best-first (False: the likeliest path, as vLLM drafts)
+    shared: bool = True  # one pool for every generation of this drafter; False: each drafts from its own text
+    max_cached_requests: int = 10000  # responses the global tree keeps, oldest evicted first (vLLM's default)
+    max_cached_tokens: int = 1 << 19  # hasten's bound on the global tree's tokens, oldest responses evicted first
+    corpus: str | None = None  # a text file the shared pool learns once, as if it were a response
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        for name in ("max_tree_depth", "max_spec_tokens", "max_cached_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_cached_requests < 0:
+            raise ValueError(f"max_cached_requests must be >= 0, got {self.max_cached_requests}")
+        if self.max_spec_factor < 0:
+            raise ValueError(f"max_spec_factor must be >= 0, got {self.max_spec_factor}")
+        if not 0.0 <= self.min_token_prob <= 1.0:
+            raise ValueError(f"min_token_prob must be in [0, 1], got {self.min_token_prob}")
+
+
+@dataclass
+class SuffixState:
+    pool: SuffixPool  # what the generation drafts from
+    request: Request
+    learn_into: SuffixPool | None = None  # the shared pool its response goes to at the end, when it drafts from its own
+    prompt_length: int = 0
+    found: tuple[int, SuffixDraft, bool] | None = None  # (len(tokens), draft, from the global tree) last drafted
+
+
+@register
+class Suffix(Drafter):
+    name = "suffix"
+    Settings = SuffixSettings
+
+    def __init__(self, settings: SuffixSettings | None = None, **kwargs):
+        super().__init__(settings, **kwargs)
+        s = self.settings
+        self._shared = SuffixPool(s.max_tree_depth, s.max_cached_requests, s.max_cached_tokens) if s.shared else None
+        self._corpus_lock = threading.Lock()
+        self._corpus_fed = False
+
+    @property
+    def pool(self) -> SuffixPool | None:
+        return self._shared
+
+    def begin(self, ctx: DraftContext) -> SuffixState:
+        s = self.settings
+        reads = self._shared is not None and ctx.reads_pool
+        if reads:
+            pool = self._shared
+            if s.corpus:
+                with self._corpus_lock:
+                    if not self._corpus_fed:
+                        pool.feed(corpus_ids(s.corpus, ctx.target.source))
+                        self._corpus_fed = True
+        else:  # private: the local tree alone, or the corpus and this response where a corpus is given
+            pool = SuffixPool(s.max_tree_depth, 2 if s.corpus else 0, s.max_cached_tokens)
+            if s.corpus:
+                pool.feed(corpus_ids(s.corpus, ctx.target.source))
+        prompt = ctx.source if ctx.source else ctx.tokens  # an encoder-decoder's prompt is its source
+        learn_into = self._shared if self._shared is not None and ctx.use_pool and not reads else None
+        return SuffixState(pool, pool.start(list(prompt), fed=len(ctx.tokens)), learn_into=learn_into,
+                           prompt_length=len(ctx.tokens))
+
+    def evidence(self, ctx: DraftContext) -> int:
+        """0: no draft; else 1 + how many of MATCH_CLASSES the match length reaches beyond the first."""
+        draft, _ = self._speculate(ctx)
+        if not draft.token_ids:
+            return 0
+        return sum(draft.match_len >= start for start in MATCH_CLASSES)
+
+    def propose(self, ctx: DraftContext) -> Draft:
+        if ctx.max_depth < 1:
+            return EMPTY_DRAFT
+        draft, learned = self._speculate(ctx)
+        ctx.state.pool.count(learned and bool(draft.token_ids))
+        if not draft.token_ids:
+            return EMPTY_DRAFT
+        tree = TokenTree(tuple(draft.parents))
+        return Draft(tuple(draft.token_ids), tree).limit_depth(ctx.max_depth).within_vocab(ctx.target.vocab_size)
+
+    def _speculate(self, ctx: DraftContext) -> tuple[SuffixDraft, bool]:
+        state: SuffixState = ctx.state
+        if state.found is None or state.found[0] != len(ctx.tokens):
+            s = self.settings
+            draft, learned = state.pool.speculate(state.request, ctx.tokens, s.max_spec_tokens, s.max_spec_factor,
+                                                  s.max_spec_offset, s.min_token_prob, s.tree_spec)
+            state.found = (len(ctx.tokens), draft, learned)
+        return state.found[1], state.found[2]
+
+    def end(self, ctx: DraftContext) -> None:
+        state: SuffixState = ctx.state
+        state.pool.extend(state.request, ctx.tokens)  # the last step's tokens, which no draft has read yet
+        state.pool.end(state.request)
+        if state.learn_into is not None:
+            state.learn_into.learn(ctx.tokens[state.prompt_length :])
