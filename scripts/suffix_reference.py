@@ -3,7 +3,7 @@
 Run with a Python that imports ``arctic_inference.suffix_decoding`` (its sdist builds on a CPU:
 docs/fidelity.md, "suffix", says how) and hasten's source on the path:
 
-    PYTHONPATH=src /tmp/arctic/venv/bin/python scripts/suffix_reference.py tests/data/suffix_reference.json
+    PYTHONPATH=src /tmp/arctic/venv/bin/python scripts/suffix_reference.py tests/data/suffix_reference.json.gz
 
 It drives the reference's ``SuffixDecodingCache`` through generations that start, grow a token at
 a time (or a few, as accepted drafts do), speculate at every step with path and tree drafts, and
@@ -13,6 +13,7 @@ calls; the script checks that too and prints how many drafts it compared.
 """
 from __future__ import annotations
 
+import gzip
 import json
 import random
 import sys
@@ -107,7 +108,7 @@ def main() -> None:
     compared = sum(replay(case) for case in cases)
     print(f"{compared} drafts compared over {len(cases)} recorded runs: all equal")
     if len(sys.argv) > 1:
-        with open(sys.argv[1], "w", encoding="utf-8") as f:
+        with gzip.open(sys.argv[1], "wt", encoding="utf-8") as f:
             json.dump({"source": "arctic-inference 0.3.0 (sdist, built here), scripts/suffix_reference.py",
                        "cases": cases}, f, separators=(",", ":"))
             f.write("\n")

@@ -3,6 +3,7 @@ curves, the calibration cache (engine/calibration.py), and losslessness (greedy 
 sampled law) with auto sizing. No test times anything: cost curves are given, and the one
 real calibration's numbers are never asserted."""
 import functools
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -535,10 +536,11 @@ def test_lookahead_grades_its_draft_by_suffix_length_and_repeats():
 
     def graded(tokens):
         drafter = Lookahead()
-        ctx = DraftContext(list(tokens), 6, Sampling(), None, None)
+        target = SimpleNamespace(vocab_size=100)  # what a drafter reads of the target here
+        ctx = DraftContext(list(tokens), 6, Sampling(), None, target)
         ctx.state = drafter.begin(ctx)
         grade, draft = drafter.evidence(ctx), drafter.propose(ctx)
-        fresh = DraftContext(list(tokens), 6, Sampling(), None, None)
+        fresh = DraftContext(list(tokens), 6, Sampling(), None, target)
         fresh.state = drafter.begin(fresh)
         assert draft.tokens == drafter.propose(fresh).tokens  # grading first never changes the draft
         return grade, draft.tokens[:1]
@@ -546,8 +548,9 @@ def test_lookahead_grades_its_draft_by_suffix_length_and_repeats():
     assert graded([1, 2, 3, 4, 5]) == (0, ())  # nothing recurs
     assert graded([7, 1, 8, 1]) == (1, (8,))  # a 1-token suffix, followed once
     assert graded([7, 1, 8, 1, 8, 6, 1]) == (2, (8,))  # ... followed twice
-    assert graded([1, 2, 3, 4, 5, 1, 2, 3]) == (5, (4,))  # a 3-token suffix, followed once
-    assert graded([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]) == (6, (4,))
+    # queries are at most max_prefix (2, the reference's max_query_length) tokens long
+    assert graded([1, 2, 3, 4, 5, 1, 2, 3]) == (3, (4,))  # a 2-token query, followed once
+    assert graded([1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3]) == (4, (4,))  # ... followed twice
 
 
 def test_an_unset_draft_size_is_auto_but_fixed_for_seeded_sampling():

@@ -1,5 +1,6 @@
 """SuffixDecoding: the port equals its reference on recorded streams; one global tree for every
 generation of a drafter, bounded, saved and loaded; a generation that opts out uses none."""
+import gzip
 import json
 import random
 import sys
@@ -12,13 +13,13 @@ from hasten.core.suffix_tree import SuffixTree, f32
 from hasten.drafters import Suffix, create
 from test_lookahead import Row, context, generation
 
-REFERENCE = Path(__file__).parent / "data" / "suffix_reference.json"
+REFERENCE = Path(__file__).parent / "data" / "suffix_reference.json.gz"
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from suffix_reference import replay  # noqa: E402 - the calls recorded from arctic-inference, through hasten's port
 
 
 def test_drafts_equal_the_reference_on_recorded_streams():
-    cases = json.loads(REFERENCE.read_text())["cases"]
+    cases = json.loads(gzip.decompress(REFERENCE.read_bytes()))["cases"]
     assert sum(replay(case) for case in cases) > 2000  # path and tree drafts, evictions included
 
 

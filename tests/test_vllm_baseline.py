@@ -120,7 +120,8 @@ def test_vllm_baselines_run_the_model_directory_in_its_dtype_with_the_threads_as
     assert engines[1]["env"]["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     requests = [r for r in stand_in() if "prompt" in r]
     assert requests[0]["prompt"] == ids[0].tolist()
-    assert requests[0]["params"] == {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "detokenize": False}
+    assert requests[0]["params"] == {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True, "detokenize": False,
+                                     "structured_outputs": None}
     assert plain.settings["dtype"] == "float32" and plain.settings["vllm"] == "0.0-stand-in"
 
 

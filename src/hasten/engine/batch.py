@@ -111,7 +111,7 @@ class Scheduler:
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_prefill_tokens = max_prefill_tokens
         self.sizing = SizingChoice(draft_size)
-        if drafter is not None and draft_size in ("auto", None) and getattr(self.target, "packed_rows", False):
+        if drafter is not None and draft_size in ("auto", None) and self.target.packed_rows:
             load_or_calibrate_batch(model)  # a packed batch's cost, measured now rather than inside the first step
         self.lossy_acceptance = lossy_acceptance
         self.last_step: StepInfo | None = None

@@ -439,6 +439,7 @@ class LlamaCppBatch:
     trees_ok = False
     encoder_decoder = False
     kv_readable = False  # llama.cpp's KV cells are not exposed
+    packed_rows = False  # priced as padded rows (its batch path is not calibrated)
     device = torch.device("cpu")
 
     def __init__(self, model: LlamaCppModel, rows: int):

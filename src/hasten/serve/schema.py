@@ -147,7 +147,7 @@ def parse_params(body: dict, max_tokens_names: tuple[str, ...] = ("max_tokens",)
     pool = optional(body, "pool", lambda v: isinstance(v, bool), "true or false", True)
     return Params(model, max_tokens, float(temperature), None if top_p is None else float(top_p), top_k,
                   parse_stop(body), seed, stream, include_usage, continuous_usage, n, logprobs, prompt_logprobs, echo,
-                  rules, tuple(stop_token_ids), ignore_eos, include_stop, best_of, speculate, pool)
+                  rules, tuple(stop_token_ids), ignore_eos, include_stop, best_of, speculate, pool=pool)
 
 
 def _token_ids(body: dict, name: str, allow_empty: bool) -> list[int] | None:
