@@ -44,7 +44,6 @@ class BatchRow:
     encoder_states = None  # nor encoder-decoders
     prompt_logits: torch.Tensor | None = None  # [T - 1, vocab] the prefill's logits, when add was asked for them
     kv_readable = False  # the rows share one padded cache: no row's entries can be read alone
-    packed_rows = False  # every row's block is padded to the widest (what draft sizing prices a step by)
 
     def __init__(self, batch: "BatchAdapter", slot: int, length: int):
         self.batch = batch
@@ -85,6 +84,7 @@ class BatchAdapter:
     trees_ok = True
     encoder_decoder = False
     kv_readable = False  # the rows share one padded cache: no row's entries can be read alone
+    packed_rows = False  # every row's block is padded to the widest (what draft sizing prices a step by)
 
     def __init__(self, model: PreTrainedModel):
         # the single-sequence adapter checks the model once (type, rollback-able cache)
