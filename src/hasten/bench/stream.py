@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "machine_after": machine_info()["load_average"],
         "settings": {"model": args.model, "workload": args.workload, "per_task": args.per_task, "count": args.count,
-                     "max_new_tokens": args.max_new_tokens, "dtype": "float32", "repeats": 1},
+                     "max_new_tokens": args.max_new_tokens, "dtype": "float32", "repeats": 1, "draft": None,
+                     "chat_template": True},
         "tasks": [dataclasses.asdict(t) for t in tasks],
         **measured,
     }
