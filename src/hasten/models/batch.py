@@ -35,21 +35,18 @@ from ..core.tree import TokenTree
 _COMPACT_SLACK = 32  # columns of holes tolerated before compacting, whatever the length
 
 
-class BatchRow:
-    """One sequence's view of the batch cache."""
+class RowOfBatch:
+    """What every batch's row shows the decode step and the drafters: the batch's model, its
+    vocabulary and device, the row's committed length (``self.length``)."""
 
     trees_ok = True
     encoder_decoder = False
     prompt_embeds = None  # batches take no images
     encoder_states = None  # nor encoder-decoders
     prompt_logits: torch.Tensor | None = None  # [T - 1, vocab] the prefill's logits, when add was asked for them
-    kv_readable = False  # the rows share one padded cache: no row's entries can be read alone
-
-    def __init__(self, batch: "BatchAdapter", slot: int, length: int):
-        self.batch = batch
-        self.slot = slot  # its row in the cache tensors; renumbered when earlier rows leave
-        self.length = length  # committed tokens cached (all but the root)
-        self.stored = length  # of them, those already in valid columns (the rest wait in batch._kept)
+    kv_readable = False  # drafters run no forwards of their own on a batch's rows
+    batch: object
+    length: int  # committed tokens cached (all but the root)
 
     # what drafters read of ``ctx.target``: the batch's model
     @property
@@ -67,6 +64,16 @@ class BatchRow:
     @property
     def cache_length(self) -> int:
         return self.length
+
+
+class BatchRow(RowOfBatch):
+    """One sequence's view of the batch cache (one padded cache: no row's entries can be read alone)."""
+
+    def __init__(self, batch: "BatchAdapter", slot: int, length: int):
+        self.batch = batch
+        self.slot = slot  # its row in the cache tensors; renumbered when earlier rows leave
+        self.length = length  # committed tokens cached (all but the root)
+        self.stored = length  # of them, those already in valid columns (the rest wait in batch._kept)
 
     def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None:
         if start != self.length or self.slot not in self.batch._kept:

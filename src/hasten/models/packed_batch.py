@@ -29,6 +29,7 @@ from . import cache as kv
 from . import forwards, invariant, lean
 from .adapter import ForwardOutput, ModelAdapter, vocab_size
 from .arena import KVArena
+from .batch import RowOfBatch
 from .layers import model_name
 from .prefix_cache import PrefixCache
 from ..core.tree import TokenTree
@@ -39,38 +40,16 @@ DRAFT_SLACK = 16  # past a row's prompt and budget: a tree draft may run a few p
 KEEP_BYTES = 1 << 30  # the KV store grows to this size, if need be, to keep finished rows' entries for later
 
 
-class PackedRow:
+class PackedRow(RowOfBatch):
     """One sequence of a :class:`PackedBatch`: its committed length; its entries live in the
     batch's store."""
 
-    trees_ok = True
-    encoder_decoder = False
-    prompt_embeds = None  # batches take no images
-    encoder_states = None  # nor encoder-decoders
-    kv_readable = False  # drafters run no forwards of their own on a batch's rows
     packed_rows = True  # its batch runs rows end to end, unpadded (what draft sizing prices a step by)
-    prompt_logits: torch.Tensor | None = None  # [T - 1, vocab] the prefill's logits, when add was asked for them
 
     def __init__(self, batch: "PackedBatch"):
         self.batch = batch
         self.length = 0  # committed tokens cached (all but the root)
         self.tokens: list[int] = []  # the tokens whose entries the row's segment holds, in order
-
-    @property
-    def model(self):
-        return self.batch.model
-
-    @property
-    def vocab_size(self) -> int:
-        return self.batch.vocab_size
-
-    @property
-    def device(self):
-        return self.batch.device
-
-    @property
-    def cache_length(self) -> int:
-        return self.length
 
     def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None:
         """After the block ``[root] + nodes`` cached from ``start``: keep the root and the
