@@ -19,8 +19,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
@@ -51,19 +49,11 @@ def vllm_command(python: str, directory: str, name: str, port: int, max_seqs: in
 
 
 def start(command: list[str], env: dict, log: Path, port: int, timeout: float) -> subprocess.Popen:
+    from hasten.serve.load import wait_until_healthy
+
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{command[0]} exited; its log: {log}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return process
-        except OSError:
-            time.sleep(1)
-    process.kill()
-    raise SystemExit(f"a server did not start within {timeout} s; its log: {log}")
+    wait_until_healthy(process, port, timeout, lambda: f"its log: {log}")
+    return process
 
 
 def main() -> int:

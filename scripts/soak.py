@@ -83,19 +83,12 @@ def start_server(args, port: int) -> subprocess.Popen:
                "--dtype", args.dtype, "--prefix-cache-mib", str(args.prefix_cache_mib)]
     if args.draft_size:
         command += ["--draft-size", args.draft_size]
+    from hasten.serve.load import wait_until_healthy
+
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"the server exited: {server.stderr.read()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
-                if response.status == 200:
-                    return server
-        except OSError:
-            time.sleep(0.5)
-    server.kill()
-    raise SystemExit("the server did not start in time")
+    wait_until_healthy(server, port, args.start_timeout,
+                       lambda: "its errors: " + (server.stderr.read()[-3000:] if server.poll() is not None else "-"))
+    return server
 
 
 def prompts_for(args) -> list[str]:

@@ -23,6 +23,7 @@ import asyncio
 import json
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +45,25 @@ class Outcome:
     tau: float | None = None
     error: str | None = None
     text: str = field(default="", repr=False)
+
+
+def wait_until_healthy(process, port: int, timeout: float, why: Callable[[], str]) -> None:
+    """Wait for a server process started on ``port`` to answer ``/health``; SystemExit saying
+    ``why()`` (where its output went) if it exits or does not answer within ``timeout`` seconds."""
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"the server exited; {why()}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    process.kill()
+    raise SystemExit(f"the server did not start within {timeout} s; {why()}")
 
 
 def prompts_from(source: str) -> list[str]:
