@@ -350,6 +350,7 @@ class TrustTheDraft(Acceptance):
     """The control: accepts the first-child path whole, then samples from p."""
 
     lossless = False
+    relaxes = "sampling"  # a lossy rule names the decoding it relaxes (engine/verify.py)
 
     def verify(self, tree, tokens, logits, q, sampling, generator):
         path, node = [], -1
