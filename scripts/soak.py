@@ -80,7 +80,7 @@ def kv_bytes(base: str) -> float:
 def start_server(args, port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "hasten", "serve", "--model", args.model, "--method", args.method,
                "--port", str(port), "--max-batch", str(args.max_batch), "--threads", str(args.threads),
-               "--dtype", args.dtype, "--prefix-cache-mib", str(args.prefix_cache_mib)]
+               "--dtype", args.dtype, "--kv-cache-mib", str(args.kv_cache_mib)]
     if args.draft_size:
         command += ["--draft-size", args.draft_size]
     from hasten.serve.load import wait_until_healthy
@@ -183,9 +183,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--prefix-cache-mib", type=int, default=64,
-                        help="the server's (default 64: the store reaches it during warm-up, after which it must stay "
-                        "flat; the server's own default, 1 GiB, takes a long soak to fill)")
+    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="the server's (default: its own default)")
     parser.add_argument("--dtype", default="float32", help="the server's and the references' (one dtype for both)")
     parser.add_argument("--draft-size", choices=("auto", "fixed"), help="the server's (default: its own)")
     parser.add_argument("--cancel-share", type=float, default=0.15, help="streamed requests whose client leaves early")

@@ -115,7 +115,7 @@ def test_rows_that_outgrow_their_segments_move_and_keep_their_entries(monkeypatc
     compactions = []
     real = KVArena._compact
     monkeypatch.setattr(KVArena, "_compact", lambda self: (compactions.append(1), real(self)))
-    batch = PackedBatch(model, keep_bytes=0)  # no room kept for finished rows: the store grows only when it must
+    batch = PackedBatch(model)  # a store of no set size: it grows only when the rows need it
     prompts = [repetitive_prompt(8 + 6 * i, seed=i)[0].tolist() for i in range(4)]
     rows = [batch.add(prompt)[0] for prompt in prompts]
     alone_rows = []
@@ -166,14 +166,52 @@ def test_the_runtime_packs_rows_unless_the_drafter_reads_the_models_modules():
     assert isinstance(HuggingFaceRuntime(tiny_model("gpt2")).batch(4), BatchAdapter)
 
 
-def test_the_scheduler_passes_its_prefix_cache_budget_to_the_batch():
-    from hasten.engine.batch import Scheduler
+def run_to_the_end(scheduler, prompts: list[list[int]], budget: int) -> tuple[dict[int, list[int]], list[int], int]:
+    """Every prompt submitted, then stepped until done, checking that the fixed store never
+    changes: each row's tokens by id, the ids, and the most rows that ran together."""
+    from hasten.engine.batch import Request
+
+    held = scheduler.target.held_bytes()
+    ids = [scheduler.submit(Request(input_ids=p, max_new_tokens=budget)) for p in prompts]
+    results, most_running = {}, 0
+    while scheduler.has_work():
+        for update in scheduler.step():
+            results.setdefault(update.row_id, []).extend(update.tokens)
+        most_running = max(most_running, scheduler.running)
+        assert scheduler.target.held_bytes() == held and scheduler.target.arena.overflows == 0
+    return results, ids, most_running
+
+
+@pytest.mark.parametrize("rows_it_holds, max_batch", [(2, 4), (3, 2)])
+def test_a_fixed_kv_store_holds_its_size_and_requests_wait_for_room(rows_it_holds, max_batch):
+    """A scheduler with ``kv_cache_bytes``: the store is allocated once and never grows; a
+    request joins only while every running row's segment fits (the others wait their turn),
+    finished rows' entries serve later prompts from the room the running rows leave, a request
+    that cannot fit alone is refused, and every row decodes as it does alone."""
+    from hasten.engine.batch import Request, Scheduler
+    from hasten.core.request import FieldError
 
     model = tiny_model("llama")
-    assert Scheduler(model, max_batch=2).target.arena.keep_entries > 0  # the runtime's default budget
-    assert Scheduler(model, max_batch=2, prefix_cache_bytes=0).target.arena.keep_entries == 0
-    with pytest.raises(ValueError, match="prefix_cache_bytes"):
-        Scheduler(model, max_batch=2, prefix_cache_bytes=-1)
+    entry_bytes = Scheduler(model, max_batch=1, kv_cache_bytes=1).target.arena.entry_bytes
+    shared = repetitive_prompt(16, seed=99)[0].tolist()  # a system prompt: finished rows' entries get reused
+    prompts = [shared + repetitive_prompt(n, seed=n)[0].tolist() for n in (20, 12, 26, 16, 9, 30)]
+    budget = 12
+    need = PackedBatch.entries_for(16 + 30 + budget)
+    scheduler = Scheduler(model, max_batch=max_batch, kv_cache_bytes=rows_it_holds * need * entry_bytes)
+    assert scheduler.target.kv_entries == rows_it_holds * need
+    assert scheduler.target.held_bytes() == rows_it_holds * need * entry_bytes
+    results, ids, most_running = run_to_the_end(scheduler, prompts, budget)
+    assert most_running == min(rows_it_holds, max_batch)  # the store or max_batch, whichever holds fewer
+    if rows_it_holds > max_batch:  # room beside the running rows: a finished row's entries copied, not prefilled
+        assert scheduler.target.reused_tokens > 0
+    for row_id, prompt in zip(ids, prompts):
+        alone = hasten.generate(model, torch.tensor([prompt], device=DEVICE), max_new_tokens=budget).sequences
+        assert results[row_id] == alone[0, len(prompt):].tolist()
+    with pytest.raises(FieldError, match="kv-cache-mib"):
+        scheduler.submit(Request(input_ids=[3 + i % (VOCAB - 3) for i in range(rows_it_holds * need)],
+                                 max_new_tokens=1))
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        Scheduler(model, max_batch=2, kv_cache_bytes=-1)
 
 
 def test_a_batch_of_prompts_decodes_each_as_alone():
@@ -236,8 +274,8 @@ def test_a_prompt_that_starts_as_a_finished_row_reuses_its_entries_with_the_same
     assert torch.equal(got, alone(model, follow_up, [([follow_up[-1], 3, 4], None, ())])[0])
     batch.remove(again)
 
-    # past the room kept for them, kept entries give way to running rows before the store grows
-    tight = PackedBatch(model, keep_bytes=0)
+    # kept entries give way to running rows before the store grows
+    tight = PackedBatch(model)
     tight.remove(tight.add(first)[0])
     capacity = tight.arena.capacity
     assert len(tight.prefixes) == 1

@@ -19,7 +19,7 @@ def test_the_soak_passes_in_short_mode(tmp_path):
     out = tmp_path / "soak.json"
     run = subprocess.run([sys.executable, str(SCRIPT), "--short", "--model", model, "--requests", "48",
                           "--clients", "8", "--max-batch", "4", "--draft-size", "fixed", "--memory-slack", "0.1",
-                          "--prefix-cache-mib", "1",
+                          "--kv-cache-mib", "1",
                           "--out", str(out)], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads(out.read_text())

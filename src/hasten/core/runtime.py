@@ -90,11 +90,12 @@ class Runtime:
         """A fresh one-row target for one generation."""
         raise NotImplementedError
 
-    def batch(self, max_rows: int, needs: frozenset[Capability] = frozenset(), keep_bytes: int | None = None) -> Any:
+    def batch(self, max_rows: int, needs: frozenset[Capability] = frozenset(),
+              kv_cache_bytes: int | None = None) -> Any:
         """A target for up to ``max_rows`` generations at once, for a drafter that needs
-        ``needs`` (a runtime with several batch paths picks one by them). ``keep_bytes``: how
-        much memory it may spend keeping finished rows' KV entries for later prompts that start
-        the same way (None: the runtime's default; 0: none kept)."""
+        ``needs`` (a runtime with several batch paths picks one by them). ``kv_cache_bytes``:
+        a fixed size for its KV store, allocated at once, where the batch path has one store
+        (its ``kv_entries`` then says how many token entries it holds; None: the store grows)."""
         raise NotImplementedError
 
     def warm_up(self) -> None:

@@ -83,7 +83,7 @@ class Scheduler:
     def __init__(self, model: PreTrainedModel, drafter: Drafter | None = None, *, max_batch: int = 8,
                  max_tokens_in_flight: int | None = None, draft_size: str | SizingRule | None = None,
                  lossy_acceptance: Acceptance | None = None, max_prefill_tokens: int | None = None,
-                 prefix_cache_bytes: int | None = None):
+                 kv_cache_bytes: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if max_tokens_in_flight is not None and (
@@ -98,11 +98,11 @@ class Scheduler:
         self.runtime = runtime_of(model)
         if drafter is not None:
             drafter.check_runtime(self.runtime, batched=True)  # before any forward
-        if prefix_cache_bytes is not None and (
-                isinstance(prefix_cache_bytes, bool) or not isinstance(prefix_cache_bytes, int) or prefix_cache_bytes < 0):
-            raise ValueError(f"prefix_cache_bytes must be an integer >= 0 or None, got {prefix_cache_bytes!r}")
+        if kv_cache_bytes is not None and (
+                isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < 1):
+            raise ValueError(f"kv_cache_bytes must be an integer >= 1 or None, got {kv_cache_bytes!r}")
         self.target = self.runtime.batch(max_batch, drafter.needs if drafter is not None else frozenset(),
-                                         prefix_cache_bytes)
+                                         kv_cache_bytes)
         if drafter is not None:
             drafter.check_target(TargetView(self.target, drafter.needs, self.runtime.source))
         self.model = model
@@ -166,6 +166,11 @@ class Scheduler:
             raise FieldError("max_new_tokens", "over_capacity",
                              f"the prompt ({len(request.input_ids)} tokens) and {{field}} ({budget}) exceed "
                              f"max_tokens_in_flight={self.max_tokens_in_flight}")
+        entries = self.target.kv_entries
+        if entries is not None and self.target.entries_for(len(request.input_ids) + budget) > entries:
+            raise FieldError("max_new_tokens", "over_capacity",
+                             f"the prompt ({len(request.input_ids)} tokens) and {{field}} ({budget}) need more KV "
+                             f"entries than the KV cache holds ({entries}; a server sets it with --kv-cache-mib)")
         return admitted
 
     # ---- the decode thread ----------------------------------------------------------------
@@ -217,9 +222,7 @@ class Scheduler:
                         and prefilled + len(request.input_ids) > self.max_prefill_tokens):
                     break  # the rows already running decode a step before the next prefill
                 need = len(request.input_ids) + request.max_new_tokens
-                in_flight = sum(entry.reserved for entry in self._running.values())
-                if (self.max_tokens_in_flight is not None and self._running
-                        and in_flight + need > self.max_tokens_in_flight):
+                if not self._fits(need):
                     break
                 self._waiting.popleft()
             entry = self._start(request, time.perf_counter() - submitted, need)
@@ -234,6 +237,16 @@ class Scheduler:
             else:
                 self._running[row_id] = entry
         return admitted
+
+    def _fits(self, need: int) -> bool:
+        """Whether a request that may hold ``need`` tokens joins the running rows within
+        ``max_tokens_in_flight`` and a fixed KV store (the first always joins the first bound;
+        :meth:`check` refused one the store cannot hold alone)."""
+        reserved = [entry.reserved for entry in self._running.values()]
+        if self.max_tokens_in_flight is not None and reserved and sum(reserved) + need > self.max_tokens_in_flight:
+            return False
+        entries = self.target.kv_entries
+        return entries is None or sum(map(self.target.entries_for, reserved + [need])) <= entries
 
     def _start(self, request: Request, queued_seconds: float, reserved: int) -> _Running:
         clock = time.perf_counter()

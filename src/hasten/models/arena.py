@@ -6,11 +6,16 @@ The batched decoder (``models/packed_batch.py``) writes every row's new keys of 
 segment (hasten's attention kernel takes a key list per query row, ``kernels/ops.py``), so nothing
 is padded and no row sees another's entries. A segment is sized for what its sequence may hold
 and moves to a larger one when a block would overflow it. Space is found first-fit among the free
-segments; when none fits, the store grows while it stays within ``keep_bytes`` (room for finished
-rows' entries kept for later, ``models/prefix_cache.py``), then kept segments give way (``reclaim``),
-then the rows are moved to the front (compaction) if that frees enough, else the store grows. It
-never shrinks: its size is the high-water mark of ``keep_bytes`` and what the rows held together,
-so memory stays flat under a steady load.
+segments; when none fits, segments only kept for later (finished rows' entries,
+``models/prefix_cache.py``) give way (``reclaim``), then the rows are moved to the front
+(compaction) if that frees enough, and only then does the store grow.
+
+Two sizes. A **fixed** store (``capacity_bytes``, what ``hasten serve --kv-cache-mib`` sets) is
+allocated and written once, up front, so a server's memory is what it is from its first request:
+the scheduler admits a request only while every running row's segment fits in it
+(``PackedBatch.kv_entries``), and kept entries live in whatever room the rows leave. A store of
+no set size (a library batch) starts empty and grows to what its rows held together at most, its
+high-water mark; it never shrinks.
 """
 from __future__ import annotations
 
@@ -29,16 +34,20 @@ class Segment:
 
 class KVArena:
     def __init__(self, layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 keep_bytes: int = 0):
+                 capacity_bytes: int | None = None):
         self.shape, self.dtype, self.device = (kv_heads, head_dim), dtype, device
-        # the store may grow to this many bytes before what is only kept (reclaim) gives way
         self.entry_bytes = 2 * layers * kv_heads * head_dim * torch.tensor([], dtype=dtype).element_size()
-        self.keep_entries = keep_bytes // self.entry_bytes
         self.keys = [self._empty(0) for _ in range(layers)]  # per layer [kv_heads, capacity, head_dim]
         self.values = [self._empty(0) for _ in range(layers)]
         self.free: list[Segment] = []  # sorted by start, coalesced
         self.owned: dict[int, Segment] = {}  # by id of the owner (a row)
         self.reclaim = lambda: False  # frees some owner's segment that may go (kept prefixes), True if it did
+        # a fixed store's entries (None: it grows); past them it grows only if a row outgrows its
+        # admitted segment with no room left, which admission makes rare (counted here)
+        self.fixed_entries = None if capacity_bytes is None else capacity_bytes // self.entry_bytes
+        self.overflows = 0
+        if self.fixed_entries:
+            self._grow(self.fixed_entries, zeroed=True)
 
     @property
     def capacity(self) -> int:
@@ -57,15 +66,13 @@ class KVArena:
         """A segment of ``size`` entries for ``owner``; if it had one, its first ``keep`` entries
         move into the new one and the old one is freed."""
         start = self._find(size)
-        if start is None and self.capacity + size <= self.keep_entries:  # room to grow and keep what is kept
-            self._grow(min(max(int(GROWTH * self.capacity), self.capacity + size), self.keep_entries))
+        while start is None and self.reclaim():  # what is only kept for later gives way first
             start = self._find(size)
-        while start is None and self.reclaim():  # past that, what is only kept for later gives way first
-            start = self._find(size)
-        if start is None and sum(s.size for s in self.free) >= size:
+        if start is None and self.free_entries() >= size:
             self._compact()
             start = self._find(size)
         if start is None:
+            self.overflows += self.fixed_entries is not None
             self._grow(max(int(GROWTH * self.capacity), self.capacity + size))
             start = self._find(size)
         self._take(start, size)
@@ -77,6 +84,9 @@ class KVArena:
             self._release(old)
         self.owned[id(owner)] = segment
         return segment
+
+    def free_entries(self) -> int:
+        return sum(s.size for s in self.free)
 
     def release(self, owner: object) -> None:
         segment = self.owned.pop(id(owner), None)
@@ -117,14 +127,17 @@ class KVArena:
                 merged.append(Segment(s.start, s.size))
         self.free = merged
 
-    def _grow(self, capacity: int) -> None:
-        """Room for ``capacity`` entries or more; entries keep their places."""
+    def _grow(self, capacity: int, zeroed: bool = False) -> None:
+        """Room for ``capacity`` entries or more; entries keep their places. ``zeroed``: its
+        memory written now (a fixed store's pages are resident from the start)."""
         old = self.capacity
         if capacity <= old:
             return
         for stores in (self.keys, self.values):
             for i, store in enumerate(stores):
                 bigger = self._empty(capacity)
+                if zeroed:
+                    bigger.zero_()
                 bigger[:, :old].copy_(store)
                 stores[i] = bigger
         self._release(Segment(old, capacity - old))

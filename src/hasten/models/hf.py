@@ -80,13 +80,14 @@ class HuggingFaceRuntime(Runtime):
         return ModelAdapter(self.model, tree_attention)
 
     def batch(self, max_rows: int, needs: frozenset[Capability] = frozenset(),
-              keep_bytes: int | None = None) -> BatchAdapter | PackedBatch:
+              kv_cache_bytes: int | None = None) -> BatchAdapter | PackedBatch:
         """Rows packed along one token dimension on the lean forward where the model takes it
         (models/packed_batch.py), unless the drafter reads the target's modules (it may hook
         them, and only the model's own forward runs hooks): then padded rows through the
-        model's own forward (models/batch.py). Decided once per batch."""
+        model's own forward (models/batch.py; it pads, and ``kv_cache_bytes`` does not bound it).
+        Decided once per batch."""
         if lean.eligible(self.model) and Capability.MODULES not in needs:
-            return PackedBatch(self.model) if keep_bytes is None else PackedBatch(self.model, keep_bytes)
+            return PackedBatch(self.model, kv_cache_bytes)
         return BatchAdapter(self.model)
 
     def warm_up(self, tokens: int = 8) -> None:

@@ -187,9 +187,10 @@ class LlamaCppModel(Runtime):
             llama.forget(0)
             self._give_back(llama)
 
-    def batch(self, max_rows: int, needs: frozenset = frozenset(), keep_bytes: int | None = None) -> "LlamaCppBatch":
-        """A target for up to ``max_rows`` generations at once in one llama.cpp context (it keeps
-        no finished rows' entries: ``keep_bytes`` is not used)."""
+    def batch(self, max_rows: int, needs: frozenset = frozenset(),
+              kv_cache_bytes: int | None = None) -> "LlamaCppBatch":
+        """A target for up to ``max_rows`` generations at once in one llama.cpp context (whose
+        own KV cache is sized by the context: ``kv_cache_bytes`` is not used)."""
         return LlamaCppBatch(self, max_rows)
 
     def close(self) -> None:
@@ -440,6 +441,7 @@ class LlamaCppBatch:
     encoder_decoder = False
     kv_readable = False  # llama.cpp's KV cells are not exposed
     packed_rows = False  # priced as padded rows (its batch path is not calibrated)
+    kv_entries = None  # its KV cache is llama.cpp's, sized by the context
     device = torch.device("cpu")
 
     def __init__(self, model: LlamaCppModel, rows: int):

@@ -37,7 +37,6 @@ from ..kernels import ops
 
 SLACK = 64  # entries a segment holds past what its row has when it is (re)sized
 DRAFT_SLACK = 16  # past a row's prompt and budget: a tree draft may run a few positions beyond them
-KEEP_BYTES = 1 << 30  # the KV store grows to this size, if need be, to keep finished rows' entries for later
 
 
 class PackedRow(RowOfBatch):
@@ -78,7 +77,9 @@ class PackedBatch:
     kv_readable = False
     packed_rows = True  # rows end to end, unpadded: what draft sizing prices a step by
 
-    def __init__(self, model: PreTrainedModel, keep_bytes: int = KEEP_BYTES):
+    def __init__(self, model: PreTrainedModel, kv_cache_bytes: int | None = None):
+        """``kv_cache_bytes``: the KV store's fixed size, allocated now (None: it grows with
+        what the rows hold, models/arena.py)."""
         ModelAdapter(model)  # the single-sequence adapter checks the model once
         if not lean.eligible(model):
             raise ValueError(f"{model_name(model)!r} does not take the lean forward; batch it with BatchAdapter")
@@ -89,7 +90,7 @@ class PackedBatch:
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         self.arena = KVArena(config.num_hidden_layers, config.num_key_value_heads, head_dim, model.dtype, self.device,
-                             keep_bytes)
+                             kv_cache_bytes)
         self.rows: list[PackedRow] = []
         self.pending: dict[int, int] = {}  # id(row) -> block size cached by the last forward, until commit
         self.moves: list[tuple[list[int], list[int]]] = []  # trees' accepted paths: (from entries, to entries)
@@ -102,6 +103,17 @@ class PackedBatch:
     def held_bytes(self) -> int:
         """Bytes of the batch's KV store (allocated; it never shrinks, see models/arena.py)."""
         return self.arena.held_bytes()
+
+    @property
+    def kv_entries(self) -> int | None:
+        """Entries a fixed store holds (None: it grows). Rows fit while their
+        :meth:`entries_for` add up to at most this."""
+        return self.arena.fixed_entries
+
+    @staticmethod
+    def entries_for(reserved: int) -> int:
+        """Entries a row that may hold ``reserved`` tokens (its prompt and budget) takes."""
+        return reserved + DRAFT_SLACK
 
     # ---- rows joining and leaving ------------------------------------------------------------------
     @torch.no_grad()
@@ -117,8 +129,13 @@ class PackedBatch:
         self._flush()
         prompt = tokens[:-1]
         row = PackedRow(self)
-        size = max(room or 0, len(tokens)) + DRAFT_SLACK if room else len(prompt) + SLACK
+        size = self.entries_for(max(room, len(tokens))) if room else len(prompt) + SLACK
         kept, reused = (None, 0) if hidden or logits else self.prefixes.find(prompt)
+        if (kept is not None and self.arena.fixed_entries is not None
+                and not (reused == len(kept.tokens) and self.arena.segment(kept).size >= size)):
+            rows_hold = sum(self.arena.segment(r).size for r in self.rows)
+            if self.arena.capacity - rows_hold - self.arena.segment(kept).size < size:
+                kept, reused = None, 0  # no room beside the entries to copy (a fixed store would grow): prefill
         if kept is not None and reused == len(kept.tokens) and self.arena.segment(kept).size >= size:
             # all it holds is this prompt's start: the row takes its segment over (no copy, no second one kept)
             self.prefixes.forget(kept)

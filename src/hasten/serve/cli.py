@@ -51,10 +51,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens prefilled per decode step at most (one request always gets in): new "
                         "requests join a few per step, so a burst of long prompts does not stall running streams "
                         "(default 2048)")
-    parser.add_argument("--prefix-cache-mib", type=int, default=1024, metavar="N",
-                        help="memory the batch's KV store may spend keeping finished requests' entries, copied for a "
-                        "later prompt that starts the same way instead of prefilled again (default 1024; 0 keeps none). "
-                        "The store grows to this size under load and then stays there")
+    parser.add_argument("--kv-cache-mib", type=int, default=1024, metavar="N",
+                        help="memory of the KV cache, allocated at start so the server's memory stays flat (default "
+                        "1024). Requests wait while the running ones fill it; one that cannot fit alone is refused. "
+                        "Room the running requests leave keeps finished ones' entries, copied for a later prompt that "
+                        "starts the same way instead of prefilled again")
     parser.add_argument("--default-max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                         help="the most tokens a request that sets no max_tokens generates (a completion's default "
                         f"stays OpenAI's 16); GET /v1/models shows it (default {DEFAULT_MAX_TOKENS}: OpenAI's chat "
@@ -87,7 +88,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     at_least(args, 1, "max_batch", "max_tokens_in_flight", "max_prefill_tokens", "max_body_bytes",
              "default_max_tokens")
-    at_least(args, 0, "prefix_cache_mib")
+    at_least(args, 1, "kv_cache_mib")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
     settings_cls = getattr(REGISTRY.get(args.method), "Settings", None)
@@ -117,7 +118,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       draft_size=args.draft_size, threads=args.threads, **method_kwargs)
     # on llama.cpp the Scheduler's rows are sequences of one llama.cpp context (LlamaCppBatch)
     make_scheduler = scheduler_factory(engine, args.max_batch, args.max_tokens_in_flight, args.max_prefill_tokens,
-                                       args.prefix_cache_mib << 20)
+                                       args.kv_cache_mib << 20)
     name = args.served_model_name or args.model
     options = ServeOptions(name, args.api_key, args.max_body_bytes, args.logprobs_mode, args.default_max_tokens,
                            pool_file=args.pool)
