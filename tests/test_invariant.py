@@ -149,6 +149,30 @@ def test_every_instruction_path_gives_the_same_bits(monkeypatch):
         assert digests[0] == MACHINE_INDEPENDENT_DIGEST  # this machine gives the development machine's bits
 
 
+def test_every_instruction_path_gives_the_same_attention_at_a_models_head_size(monkeypatch):
+    """Head size 64 (SmolLM2's, Llama's 128 alike) takes the wide value loops (two queries
+    sharing each value load); a prefill's run of rows and decode rows over separate lists, with
+    groups of 3 and 8 query heads, give the portable path's bits on every path."""
+    runs = []
+    for heads, kv_heads in ((9, 3), (8, 1)):
+        k = exact_values(kv_heads * 120 * 64, 7).view(kv_heads, 120, 64)
+        v = exact_values(kv_heads * 120 * 64, 8).view(kv_heads, 120, 64)
+        prefill = ((3 * exact_values(40 * heads * 64, 9)).view(40, heads, 64), ops.KeyLists.causal(40, 120))
+        starts = torch.tensor([0, 30, 70])
+        decode = ((3 * exact_values(3 * heads * 64, 10)).view(3, heads, 64),
+                  ops.KeyLists(starts, starts + torch.tensor([25, 40, 50]), None, None))
+        runs += [(q, k, v, lists) for q, lists in (prefill, decode)]
+    outputs = {}
+    for path in (0, 1, 2):
+        try:
+            with kernels.forced_path(path):
+                outputs[path] = [ops.attention(q, k, v, lists, 0.125) for q, k, v, lists in runs]
+        except ValueError:  # a CPU without that path
+            continue
+    for path, got in outputs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, outputs[0])), f"path {path}"
+
+
 @pytest.mark.skipif(not ops.bf16_dot(), reason="this CPU has no AVX512-BF16")
 def test_the_bfloat16_dot_product_keeps_rows_independent():
     torch.manual_seed(2)

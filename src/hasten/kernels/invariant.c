@@ -388,27 +388,32 @@ static void exp_sum_generic(float *s, int64_t n, float best, float *lanes) {
 }
 
 #ifdef HASTEN_X86
+/* C queries at once (C independent chains hide the FMA latency), each a sequential fma over d */
+#define DEFINE_SCORE_AVX512(C)                                                                                  \
+    __attribute__((target("avx512f"))) static inline void score_chains_avx512_##C(                           \
+        const float *qf, int64_t D, const float *kt, float *out) {                                           \
+        __m512 s[C];                                                                                         \
+        for (int c = 0; c < C; c++) s[c] = _mm512_setzero_ps();                                              \
+        for (int64_t d = 0; d < D; d++) {                                                                    \
+            const __m512 k = _mm512_loadu_ps(kt + d * KB);                                                   \
+            for (int c = 0; c < C; c++) s[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c * D + d]), k, s[c]);      \
+        }                                                                                                    \
+        for (int c = 0; c < C; c++) _mm512_storeu_ps(out + c * KB, s[c]);                                    \
+    }
+DEFINE_SCORE_AVX512(1)
+DEFINE_SCORE_AVX512(2)
+DEFINE_SCORE_AVX512(3)
+DEFINE_SCORE_AVX512(4)
+DEFINE_SCORE_AVX512(8)
+
 __attribute__((target("avx512f"))) static void score_block_avx512(const float *qf, int nq, int64_t D, const float *kt,
                                                                   float *out) {
     int a = 0;
-    for (; a + 4 <= nq; a += 4) { /* four independent chains */
-        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
-        const float *q0 = qf + a * D, *q1 = q0 + D, *q2 = q1 + D, *q3 = q2 + D;
-        for (int64_t d = 0; d < D; d++) {
-            const __m512 k = _mm512_loadu_ps(kt + d * KB);
-            s0 = _mm512_fmadd_ps(_mm512_set1_ps(q0[d]), k, s0);
-            s1 = _mm512_fmadd_ps(_mm512_set1_ps(q1[d]), k, s1);
-            s2 = _mm512_fmadd_ps(_mm512_set1_ps(q2[d]), k, s2);
-            s3 = _mm512_fmadd_ps(_mm512_set1_ps(q3[d]), k, s3);
-        }
-        _mm512_storeu_ps(out + a * KB, s0); _mm512_storeu_ps(out + (a + 1) * KB, s1);
-        _mm512_storeu_ps(out + (a + 2) * KB, s2); _mm512_storeu_ps(out + (a + 3) * KB, s3);
-    }
-    for (; a < nq; a++) {
-        __m512 s0 = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d++) s0 = _mm512_fmadd_ps(_mm512_set1_ps(qf[a * D + d]), _mm512_loadu_ps(kt + d * KB), s0);
-        _mm512_storeu_ps(out + a * KB, s0);
-    }
+    for (; a + 8 <= nq; a += 8) score_chains_avx512_8(qf + a * D, D, kt, out + a * KB);
+    for (; a + 4 <= nq; a += 4) score_chains_avx512_4(qf + a * D, D, kt, out + a * KB);
+    if (nq - a == 3) score_chains_avx512_3(qf + a * D, D, kt, out + a * KB);
+    else if (nq - a == 2) score_chains_avx512_2(qf + a * D, D, kt, out + a * KB);
+    else if (nq - a == 1) score_chains_avx512_1(qf + a * D, D, kt, out + a * KB);
 }
 __attribute__((target("avx512f"))) static inline __m512 hexp_avx512(__m512 x) { /* hexp, lane by lane */
     const __mmask16 tiny = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_LT_OQ);
@@ -516,12 +521,43 @@ __attribute__((target("avx2,fma"))) static void mix_block_avx2(const float *p, i
     for (; d < D; d++) for (int i = 0; i < count; i++) acc[d] = fmaf(p[i], vf[i * D + d], acc[d]);
 }
 #endif
+#ifdef HASTEN_X86
+/* two queries' outputs at once, sharing the value loads (eight chains); each as mix_block_avx512 */
+__attribute__((target("avx512f"))) static void mix_pair_avx512(const float *p0, const float *p1, int count,
+                                                               const float *vf, int64_t D, float *acc0, float *acc1) {
+    if (D % 64) { mix_block_avx512(p0, count, vf, D, acc0); mix_block_avx512(p1, count, vf, D, acc1); return; }
+    for (int64_t d = 0; d < D; d += 64) {
+        __m512 a[4], b[4];
+        for (int j = 0; j < 4; j++) { a[j] = _mm512_loadu_ps(acc0 + d + 16 * j); b[j] = _mm512_loadu_ps(acc1 + d + 16 * j); }
+        for (int i = 0; i < count; i++) {
+            const __m512 w0 = _mm512_set1_ps(p0[i]), w1 = _mm512_set1_ps(p1[i]);
+            const float *v = vf + i * D + d;
+            for (int j = 0; j < 4; j++) {
+                const __m512 x = _mm512_loadu_ps(v + 16 * j);
+                a[j] = _mm512_fmadd_ps(w0, x, a[j]);
+                b[j] = _mm512_fmadd_ps(w1, x, b[j]);
+            }
+        }
+        for (int j = 0; j < 4; j++) { _mm512_storeu_ps(acc0 + d + 16 * j, a[j]); _mm512_storeu_ps(acc1 + d + 16 * j, b[j]); }
+    }
+}
+#endif
+
 static void mix_block(const float *p, int count, const float *vf, int64_t D, float *acc) {
 #ifdef HASTEN_X86
     if (cpu_path() == 2) { mix_block_avx512(p, count, vf, D, acc); return; }
     if (cpu_path() == 1) { mix_block_avx2(p, count, vf, D, acc); return; }
 #endif
     mix_block_generic(p, count, vf, D, acc);
+}
+/* the queries q = 0..nq-1 (weights p + q * stride, outputs acc + q * D), two at a time where the path has it */
+static void mix_queries(const float *p, int64_t stride, int nq, int count, const float *vf, int64_t D, float *acc) {
+    int q = 0;
+#ifdef HASTEN_X86
+    if (cpu_path() == 2)
+        for (; q + 2 <= nq; q += 2) mix_pair_avx512(p + q * stride, p + (q + 1) * stride, count, vf, D, acc + q * D, acc + (q + 1) * D);
+#endif
+    for (; q < nq; q++) mix_block(p + q * stride, count, vf, D, acc + q * D);
 }
 
 typedef struct {
@@ -559,6 +595,38 @@ static inline float finish_score(const attention_args *a, float dot) {
     return s;
 }
 
+#ifdef HASTEN_X86
+__attribute__((target("avx512f"))) static void scale16_avx512(const float *dots, float scale, float *dst) {
+    _mm512_storeu_ps(dst, _mm512_mul_ps(_mm512_loadu_ps(dots), _mm512_set1_ps(scale)));
+}
+__attribute__((target("avx512f"))) static float max_avx512(const float *s, int64_t n) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) best = _mm512_max_ps(best, _mm512_loadu_ps(s + i));
+    float m = _mm512_reduce_max_ps(best);
+    for (; i < n; i++) m = s[i] > m ? s[i] : m;
+    return m;
+}
+#endif
+
+/* dst[l] = finish_score(dots[l]) for l < count (the same multiply, 16 at once where it can) */
+static inline void finish_scores(const attention_args *a, const float *dots, int count, float *dst) {
+#ifdef HASTEN_X86
+    if (count == KB && a->softcap <= 0.0f && cpu_path() == 2) { scale16_avx512(dots, a->scale, dst); return; }
+#endif
+    for (int l = 0; l < count; l++) dst[l] = finish_score(a, dots[l]);
+}
+
+/* the largest of s[0..n) (a maximum is the same whatever the order it is taken in) */
+static inline float scores_max(const float *s, int64_t n) {
+#ifdef HASTEN_X86
+    if (cpu_path() == 2) return max_avx512(s, n);
+#endif
+    float best = -INFINITY;
+    for (int64_t i = 0; i < n; i++) best = s[i] > best ? s[i] : best;
+    return best;
+}
+
 /* keys[0..count) of kv head kvh: transposed into kt [D][KB] (lanes past count zero) and values into vf [count][D] */
 static void load_block(const attention_args *a, int64_t kvh, const int64_t *keys, int count, scratch *w, int values) {
     const int64_t D = a->dim;
@@ -582,25 +650,33 @@ static void attend_kv_head(const attention_args *a, int64_t kvh, int64_t r0, int
     for (int64_t r = r0; r < r1; r++)
         for (int64_t h = 0; h < group; h++)
             load_row(a->q, r * a->q_row + (kvh * group + h) * a->q_head, D, a->dtype, w->qf + ((r - r0) * group + h) * D);
+    /* rows whose lists are one run from begin (a prefill, a chain block): the keys past the shared
+     * run are scored once for every query too (a row's scores past its own list go unread) */
+    int contiguous = 1;
+    int64_t upto = shared;
+    for (int64_t r = r0; r < r1; r++) {
+        if (a->extra_offsets && a->extra_offsets[r + 1] != a->extra_offsets[r]) contiguous = 0;
+        if (a->prefix[r] > upto) upto = a->prefix[r];
+    }
+    const int64_t scored = contiguous ? upto : shared;
     /* scores: the shared run once for every query, then each row's own keys */
-    for (int64_t j0 = begin; j0 < shared; j0 += KB) {
-        const int count = (int)(shared - j0 < KB ? shared - j0 : KB);
+    for (int64_t j0 = begin; j0 < scored; j0 += KB) {
+        const int count = (int)(scored - j0 < KB ? scored - j0 : KB);
         for (int l = 0; l < count; l++) w->keys[l] = j0 + l;
         load_block(a, kvh, w->keys, count, w, 0);
         score_block(w->qf, nq, D, w->kt, w->block);
         for (int q = 0; q < nq; q++)
-            for (int l = 0; l < count; l++) w->scores[q * a->most + (j0 - begin) + l] = finish_score(a, w->block[q * KB + l]);
+            finish_scores(a, w->block + q * KB, count, w->scores + q * a->most + (j0 - begin));
     }
     for (int64_t r = r0; r < r1; r++) {
         const int64_t n = list_length(a, r);
-        for (int64_t i0 = shared - begin; i0 < n; i0 += KB) {
+        for (int64_t i0 = scored - begin; i0 < n; i0 += KB) {
             const int count = (int)(n - i0 < KB ? n - i0 : KB);
             for (int l = 0; l < count; l++) w->keys[l] = list_key(a, r, i0 + l);
             load_block(a, kvh, w->keys, count, w, 0);
             score_block(w->qf + (r - r0) * group * D, (int)group, D, w->kt, w->block);
             for (int64_t h = 0; h < group; h++)
-                for (int l = 0; l < count; l++)
-                    w->scores[((r - r0) * group + h) * a->most + i0 + l] = finish_score(a, w->block[h * KB + l]);
+                finish_scores(a, w->block + h * KB, count, w->scores + ((r - r0) * group + h) * a->most + i0);
         }
     }
     /* weights: exp(s - max), summed by lanes of list position */
@@ -608,8 +684,7 @@ static void attend_kv_head(const attention_args *a, int64_t kvh, int64_t r0, int
     for (int q = 0; q < nq; q++) {
         float *s = w->scores + q * a->most;
         const int64_t n = list_length(a, r0 + q / group);
-        float best = -INFINITY;
-        for (int64_t i = 0; i < n; i++) best = s[i] > best ? s[i] : best;
+        const float best = scores_max(s, n);
         float lanes[LANES];
         for (int l = 0; l < LANES; l++) lanes[l] = 0.0f;
         exp_sum(s, n, best, lanes);
@@ -620,18 +695,27 @@ static void attend_kv_head(const attention_args *a, int64_t kvh, int64_t r0, int
     for (int64_t j0 = begin; j0 < shared; j0 += KB) {
         const int count = (int)(shared - j0 < KB ? shared - j0 : KB);
         for (int l = 0; l < count; l++) load_row(a->v, kvh * a->kv_head + (j0 + l) * a->kv_pos, D, a->kv_dtype, w->vf + l * D);
-        for (int q = 0; q < nq; q++) mix_block(w->scores + q * a->most + (j0 - begin), count, w->vf, D, w->acc + q * D);
+        mix_queries(w->scores + (j0 - begin), a->most, nq, count, w->vf, D, w->acc);
     }
-    for (int64_t r = r0; r < r1; r++) {
+    for (int64_t j0 = shared; contiguous && j0 < upto; j0 += KB) { /* one run: each value block loaded once */
+        const int count = (int)(upto - j0 < KB ? upto - j0 : KB);
+        for (int l = 0; l < count; l++) load_row(a->v, kvh * a->kv_head + (j0 + l) * a->kv_pos, D, a->kv_dtype, w->vf + l * D);
+        for (int64_t r = r0; r < r1; r++) {
+            const int64_t seen = a->prefix[r] - j0; /* of this block's keys, those in row r's list */
+            const int64_t q0 = (r - r0) * group;
+            if (seen > 0)
+                mix_queries(w->scores + q0 * a->most + (j0 - begin), a->most, (int)group, (int)(seen < count ? seen : count),
+                            w->vf, D, w->acc + q0 * D);
+        }
+    }
+    for (int64_t r = r0; r < r1 && !contiguous; r++) {
         const int64_t n = list_length(a, r);
         for (int64_t i0 = shared - begin; i0 < n; i0 += KB) {
             const int count = (int)(n - i0 < KB ? n - i0 : KB);
             for (int l = 0; l < count; l++)
                 load_row(a->v, kvh * a->kv_head + list_key(a, r, i0 + l) * a->kv_pos, D, a->kv_dtype, w->vf + l * D);
-            for (int64_t h = 0; h < group; h++) {
-                const int q = (int)((r - r0) * group + h);
-                mix_block(w->scores + q * a->most + i0, count, w->vf, D, w->acc + q * D);
-            }
+            const int64_t q0 = (r - r0) * group;
+            mix_queries(w->scores + q0 * a->most + i0, a->most, (int)group, count, w->vf, D, w->acc + q0 * D);
         }
     }
     for (int q = 0; q < nq; q++) {
