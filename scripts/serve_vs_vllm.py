@@ -61,7 +61,7 @@ def main() -> int:
     parser.add_argument("--model", default="zoo:smollm2-135m")
     parser.add_argument("--servers", default="hasten,vllm,vllm_ngram",
                         help="which to run, in this order (the first is the answers' reference): hasten, "
-                        "hasten_plain (hasten's autoregressive method), vllm, vllm_ngram")
+                        "hasten_plain (hasten's autoregressive method), hasten_METHOD (e.g. hasten_suffix), vllm, vllm_ngram")
     parser.add_argument("--concurrency", default="1,4,8,16,32")
     parser.add_argument("--requests", type=int, default=30)
     parser.add_argument("--max-tokens", type=int, default=96)
@@ -84,8 +84,8 @@ def main() -> int:
     try:
         for name in args.servers.split(","):
             port = free_port()
-            if name in ("hasten", "hasten_plain"):
-                method = "prompt_lookup" if name == "hasten" else "autoregressive"
+            if name == "hasten" or name.startswith("hasten_"):  # hasten (its default), hasten_plain, hasten_METHOD
+                method = {"hasten": "prompt_lookup", "hasten_plain": "autoregressive"}.get(name, name[len("hasten_"):])
                 command = [sys.executable, "-m", "hasten", "serve", "--model", args.model, "--method", method,
                            "--port", str(port), "--max-batch", str(args.max_batch), "--threads", "1", "--dtype", args.dtype]
                 env = dict(os.environ)
