@@ -196,6 +196,7 @@ def compare(cells: dict[str, list[Cell]]) -> list[dict]:
             "efficiency": _ratio(speedup, tau),
             # prompts whose output is the reference, token for token (all, or the run stops, for exact methods)
             "identical": f"{sum(c.identical for c in cs)}/{len(cs)}",
+            "prompts": len(cs),  # the tasks this row sums over (a group need not be one category)
             "steps": stats.steps,
             # only hasten knows which draft positions were accepted
             "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position] or None,

@@ -81,6 +81,14 @@ def spec_bench_stream(model, tokenizer, per_task: int, max_new_tokens: int) -> l
         [t for t in tasks if t.category != "conversation"]
 
 
+def workload_tasks(workload: str, model, tokenizer, per_task: int, count: int, max_new_tokens: int) -> list:
+    """The stream a ``--workload`` names, in its order (spec-bench's second turns hold the
+    model's own first answers, ``max_new_tokens`` long)."""
+    if workload == "spec-bench":
+        return spec_bench_stream(model, tokenizer, per_task, max_new_tokens)
+    return extraction_tasks(tokenizer, count)
+
+
 def warmup_task(tokenizer):
     record = _questions()[WARMUP_QUESTION]
     return chat_task(tokenizer, "warm-up", "warm-up", ({"role": "user", "content": record["turns"][0]},), SOURCE)
@@ -178,10 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
     model = load_model(args.model, "float32", "cpu")
-    if args.workload == "spec-bench":
-        tasks = spec_bench_stream(model, tokenizer, args.per_task, args.max_new_tokens)
-    else:
-        tasks = extraction_tasks(tokenizer, args.count)
+    tasks = workload_tasks(args.workload, model, tokenizer, args.per_task, args.count, args.max_new_tokens)
     input_ids = [task_input_ids(tokenizer, t) for t in tasks]
     warmup_ids = task_input_ids(tokenizer, warmup_task(tokenizer))
     labels = [m for m in args.methods.split(",") if m]
