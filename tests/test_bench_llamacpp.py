@@ -36,42 +36,50 @@ def bench(cli, gguf, prompts, out, *more):
 def test_the_bench_times_hasten_and_llama_cpp_on_one_gguf_with_equal_tokens(cli, tiny_gguf, prompts, tmp_path):
     """Every method's tokens equal hasten's plain decoding on llama.cpp (the runner stops
     otherwise) and llama-cpp-python's greedy loop is one of them, so all equal llama.cpp's
-    greedy; the baselines run on the same file and threads."""
+    greedy; the baselines run on the same file and threads. llama.cpp's loop also runs with
+    flash attention off (llama-cpp-python's default), named so and timed, its tokens counted."""
     code, printed, err = bench(cli, tiny_gguf, prompts, tmp_path / "out", "--draft", str(tiny_gguf))
     assert code == 0, err
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     kinds = {m["name"]: m["kind"] for m in results["methods"]}
     expected = {"autoregressive": "hasten", "prompt_lookup": "hasten", "lookahead": "hasten", "draft_model": "hasten",
-                "llama_cpp": "llama.cpp"}
+                "llama_cpp": "llama.cpp", "llama_cpp_noflash": "llama.cpp"}
     if llamacpp.lookup_available():
         expected["llama_cpp_lookup"] = "llama.cpp"
     assert kinds == expected
     assert results["settings"]["backend"] == "llama.cpp"
-    baseline = next(m for m in results["methods"] if m["name"] == "llama_cpp")
-    assert baseline["settings"]["threads"] == 1 and baseline["settings"]["flash_attn"] is True
+    baselines = {m["name"]: m for m in results["methods"] if m["kind"] == "llama.cpp"}
+    assert baselines["llama_cpp"]["settings"]["threads"] == 1 == baselines["llama_cpp_noflash"]["settings"]["threads"]
+    assert baselines["llama_cpp"]["settings"]["flash_attn"] is True and baselines["llama_cpp"]["exact"] is True
+    # flash off writes llama.cpp's other rounding: not the reference, its outputs counted
+    assert baselines["llama_cpp_noflash"]["settings"]["flash_attn"] is False
+    assert baselines["llama_cpp_noflash"]["exact"] is False
     rows = {r["method"]: r for r in results["by_category"]["overall"]}
     assert all(rows[m]["tokens"] == NEW * len(PROMPTS) for m in expected)
     assert rows["draft_model"]["tau"] > 1 and rows["prompt_lookup"]["tau"] > 1  # drafts were accepted
-    assert rows["llama_cpp"]["tau"] == 1.0  # one llama.cpp eval a token, the prompt's giving the first
+    assert rows["llama_cpp"]["tau"] == rows["llama_cpp_noflash"]["tau"] == 1.0  # an eval a token, the prompt's first
     assert "llama_cpp" in printed
     # hasten is set against llama.cpp: its plain decoding and, for prompt lookup, llama.cpp's own
     for method in ("autoregressive", "prompt_lookup"):
         row = rows[method]
-        assert row["speedup_vs_llama_cpp"] == pytest.approx(rows["llama_cpp"]["seconds"] / row["seconds"], rel=1e-3)
+        for loop in ("llama_cpp", "llama_cpp_noflash"):
+            assert row[f"speedup_vs_{loop}"] == pytest.approx(rows[loop]["seconds"] / row["seconds"], rel=1e-3)
     if llamacpp.lookup_available():
         assert rows["prompt_lookup"]["hf_match"] == "llama_cpp_lookup"
     assert rows["autoregressive"]["hf_match"] == "llama_cpp"
     report = (tmp_path / "out" / "results.md").read_text()
-    assert "vs llama.cpp greedy" in report and "hasten's best vs llama.cpp's best" in report
+    assert "| vs llama.cpp greedy (flash on) | vs llama.cpp greedy (flash off) |" in report
+    assert "hasten's best vs llama.cpp's best" in report
+    assert "llama_cpp (flash attention on), llama_cpp_noflash (flash attention off)" in report
+    assert "but llama_cpp_noflash's, compared and counted" in report
 
 
-def test_a_baseline_that_differs_stops_the_bench(cli, tiny_gguf, prompts, tmp_path, monkeypatch):
-    """The llama.cpp baselines go through the same check as hasten's methods: one token off
-    fails the run."""
-    real = llamacpp.baseline_method
-
-    def off_by_one(name, model):
-        method = real(name, model)
+def with_last_token_changed(baseline_method, changed: str):
+    """``baseline_method`` whose ``changed`` baseline writes its last token one id higher."""
+    def method_for(name, model):
+        method = baseline_method(name, model)
+        if name != changed:
+            return method
         inner = method.run
 
         def run(input_ids, max_new_tokens):
@@ -80,11 +88,33 @@ def test_a_baseline_that_differs_stops_the_bench(cli, tiny_gguf, prompts, tmp_pa
 
         method.run = run
         return method
+    return method_for
 
-    monkeypatch.setattr(llamacpp, "baseline_method", off_by_one)
+
+def test_a_baseline_that_differs_stops_the_bench(cli, tiny_gguf, prompts, tmp_path, monkeypatch):
+    """The llama.cpp baselines go through the same check as hasten's methods: one token off
+    fails the run."""
+    monkeypatch.setattr(llamacpp, "baseline_method", with_last_token_changed(llamacpp.baseline_method, "llama_cpp"))
     code, _, err = bench(cli, tiny_gguf, prompts, tmp_path / "out", "--methods", "prompt_lookup",
                          "--baselines", "llama_cpp")
     assert code == 1 and "LOSSLESSNESS FAILURE" in err and "llama_cpp" in err
+
+
+def test_the_flash_off_loop_writing_other_text_is_counted_not_fatal(cli, tiny_gguf, prompts, tmp_path, monkeypatch):
+    """Without flash attention llama.cpp may write other text (docs/cpu.md): the run goes on,
+    and the tables say on how many prompts its output was the reference's."""
+    monkeypatch.setattr(llamacpp, "baseline_method",
+                        with_last_token_changed(llamacpp.baseline_method, "llama_cpp_noflash"))
+    code, printed, err = bench(cli, tiny_gguf, prompts, tmp_path / "out", "--methods", "prompt_lookup",
+                               "--baselines", "llama_cpp,llama_cpp_noflash")
+    assert code == 0, err
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    rows = {r["method"]: r for r in results["by_category"]["overall"]}
+    assert rows["llama_cpp_noflash"]["identical"] == "0/2" and rows["llama_cpp"]["identical"] == "2/2"
+    assert [task["first_difference"] for task in results["by_task"]] == [{"llama_cpp_noflash": NEW - 1}] * 2
+    assert "| llama_cpp_noflash |" in (tmp_path / "out" / "results.md").read_text()
+    assert "output identical on 0/2 prompts" in (tmp_path / "out" / "results.md").read_text()
+    assert "llama.cpp without flash attention): llama_cpp_noflash differed on some prompts" in printed
 
 
 def test_the_reference_is_llama_cpps_greedy_decoding(tiny_gguf):
@@ -99,6 +129,8 @@ def test_the_reference_is_llama_cpps_greedy_decoding(tiny_gguf):
     assert tokens == llama_cpp_greedy(tiny_gguf, prompt, NEW, 512)
     plain, _, _ = llamacpp.baseline_method("llama_cpp", model).run(torch.tensor([prompt]), NEW)
     assert plain == tokens
+    flash_off, stats, _ = llamacpp.baseline_method("llama_cpp_noflash", model).run(torch.tensor([prompt]), NEW)
+    assert len(flash_off) == stats.new_tokens == NEW  # its tokens are timed, not the reference
 
 
 def test_the_bench_times_auto_and_fixed_sizing_on_llama_cpp(cli, tiny_gguf, prompts, tmp_path, monkeypatch):
@@ -116,7 +148,7 @@ def test_the_bench_times_auto_and_fixed_sizing_on_llama_cpp(cli, tiny_gguf, prom
 
 @pytest.mark.parametrize("args, match", [
     (["--methods", "medusa"], "medusa needs hidden states, torch modules, which the llama.cpp runtime"),
-    (["--baselines", "hf_generate"], "known: llama_cpp, llama_cpp_lookup"),
+    (["--baselines", "hf_generate"], "known: llama_cpp, llama_cpp_noflash, llama_cpp_lookup"),
 ])
 def test_bench_options_that_cannot_run_on_llama_cpp_fail_in_one_line(cli, tiny_gguf, prompts, tmp_path, args, match):
     code, _, err = bench(cli, tiny_gguf, prompts, tmp_path / "out", *args)

@@ -7,11 +7,15 @@ their reference is hasten's plain decoding on that backend. The baselines are
 llama-cpp-python's ``Llama`` generation loops on the same file, context size and threads:
 
 * ``llama_cpp``: its plain greedy decoding (the prompt in one batch, then one token a step);
-* ``llama_cpp_lookup``: the same loop with its prompt-lookup draft model
+* ``llama_cpp_noflash``: the same loop with flash attention off, llama-cpp-python's own default;
+* ``llama_cpp_lookup``: the plain loop with its prompt-lookup draft model
   (``LlamaPromptLookupDecoding``), where this llama-cpp-python has it.
 
-Both run with flash attention on, as the backend does, so their greedy tokens equal hasten's
-(tests/test_llamacpp.py); the runner checks that on every prompt.
+``llama_cpp`` and ``llama_cpp_lookup`` run with flash attention on, as the backend does, so their
+greedy tokens equal hasten's (tests/test_llamacpp.py): they are the backend's reference, and the
+runner checks that on every prompt. Without flash attention llama.cpp rounds otherwise and may
+write other text (docs/cpu.md, "Exactness"), so ``llama_cpp_noflash`` is timed for its speed
+alone: its outputs are compared and counted (the ``identical`` column), not required equal.
 """
 from __future__ import annotations
 
@@ -25,11 +29,11 @@ from ..loading import gguf_source
 from ..core.stats import DecodeStats
 from ..drafters.base import REGISTRY
 from ..models.llamacpp import LlamaCppModel, llama_cpp_module
-from .runner import Method
+from .runner import LLAMA_CPP, LLAMA_CPP_NOFLASH, Method
 
-LLAMA_CPP = "llama_cpp"
 LLAMA_CPP_LOOKUP = "llama_cpp_lookup"
-BASELINES = (LLAMA_CPP, LLAMA_CPP_LOOKUP)
+BASELINES = (LLAMA_CPP, LLAMA_CPP_NOFLASH, LLAMA_CPP_LOOKUP)
+FLASH_ATTENTION_OFF = frozenset({LLAMA_CPP_NOFLASH})  # the baselines run as llama-cpp-python runs by default
 LOOKUP_TOKENS = 10  # llama-cpp-python's own default for LlamaPromptLookupDecoding
 # The methods --methods auto times on this backend: the training-free drafters (plus
 # draft_model when a GGUF draft is given). Trained drafters read the target's features,
@@ -69,7 +73,9 @@ def lookup_available() -> bool:
 
 
 def baseline_method(name: str, model: LlamaCppModel) -> Method:
-    """llama-cpp-python's own greedy loop on the model's file, context and threads."""
+    """llama-cpp-python's own greedy loop on the model's file, context and threads; with flash
+    attention on (the backend's reference, checked equal) but for :data:`FLASH_ATTENTION_OFF`
+    (timed, its outputs counted)."""
     if name not in BASELINES:
         raise ValueError(f"unknown llama.cpp baseline {name!r}; known: {', '.join(BASELINES)}")
     llama_cpp_module()  # the install hint, if it is missing
@@ -82,10 +88,12 @@ def baseline_method(name: str, model: LlamaCppModel) -> Method:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
         options["draft_model"] = LlamaPromptLookupDecoding(num_pred_tokens=LOOKUP_TOKENS)
-    # flash attention as the backend runs it (its greedy tokens then equal hasten's); n_batch
-    # as the backend feeds the prompt
+    # flash attention as the backend runs it (its greedy tokens then equal hasten's), unless this
+    # baseline is llama-cpp-python's default; n_batch as the backend feeds the prompt
+    flash_attn = name not in FLASH_ATTENTION_OFF
     llm = Llama(str(model.path), n_ctx=model.context, n_batch=model.n_batch, n_ubatch=model.n_batch,
-                n_threads=model.threads, n_threads_batch=model.threads, flash_attn=True, verbose=False, **options)
+                n_threads=model.threads, n_threads_batch=model.threads, flash_attn=flash_attn, verbose=False,
+                **options)
     counting = _count_evals(llm)
 
     def run(input_ids, max_new_tokens):
@@ -99,10 +107,10 @@ def baseline_method(name: str, model: LlamaCppModel) -> Method:
         # every eval is a step, the prompt's too (it yields the first token), as the runner counts Hugging Face's
         return new, DecodeStats(steps=len(counting), new_tokens=len(new)), seconds
 
-    settings = {"flash_attn": True, "n_ctx": model.context, "threads": model.threads}
+    settings = {"flash_attn": flash_attn, "n_ctx": model.context, "threads": model.threads}
     if name == LLAMA_CPP_LOOKUP:
         settings["num_pred_tokens"] = LOOKUP_TOKENS
-    return Method(name, "llama.cpp", run, settings)
+    return Method(name, "llama.cpp", run, settings, exact=flash_attn)
 
 
 def _count_evals(llm) -> list:

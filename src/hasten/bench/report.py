@@ -11,7 +11,7 @@ from pathlib import Path
 
 
 from ..arguments import counted
-from .runner import AUTOREGRESSIVE, OVERALL, not_identical_note
+from .runner import AUTOREGRESSIVE, LLAMA_CPP, LLAMA_CPP_NOFLASH, OVERALL, not_identical_note
 
 SPEEDUP_PNG, ACCEPTANCE_PNG = "speedup.png", "acceptance.png"
 
@@ -31,8 +31,21 @@ def _mb(value: int | None) -> str:
 def _other_side(kinds: dict[str, str]) -> tuple[str, str, str, str]:
     """What hasten is set against in a run: (kind, plain baseline's speedup key, its name, label)."""
     if "llama.cpp" in kinds.values():
-        return "llama.cpp", "speedup_vs_llama_cpp", "llama_cpp", "llama.cpp"
+        return "llama.cpp", "speedup_vs_llama_cpp", LLAMA_CPP, "llama.cpp"
     return "hf", "speedup_vs_hf_generate", "hf_generate", "HF"
+
+
+def _plain_loops(kinds: dict[str, str]) -> list[tuple[str, str, str]]:
+    """The other runtime's plain greedy loops a row is set against: (speedup key, baseline name,
+    column title). On llama.cpp, its loop with flash attention on (the backend's reference) and,
+    where it ran, off (llama-cpp-python's default), each titled with its setting."""
+    _, plain_key, plain, label = _other_side(kinds)
+    if plain != LLAMA_CPP:
+        return [(plain_key, plain, f"vs {label} greedy")]
+    loops = [(plain_key, plain, "vs llama.cpp greedy (flash on)")]
+    if LLAMA_CPP_NOFLASH in kinds:
+        loops.append(("speedup_vs_llama_cpp_noflash", LLAMA_CPP_NOFLASH, "vs llama.cpp greedy (flash off)"))
+    return loops
 
 
 def _note(row: dict, kinds: dict[str, str]) -> str:
@@ -43,9 +56,9 @@ def _note(row: dict, kinds: dict[str, str]) -> str:
         return different
     if kinds.get(row["method"]) != "hasten":
         return ""
-    _, plain_key, plain, _ = _other_side(kinds)
     slower = []
-    for key, other in ((plain_key, plain), ("speedup_vs_hf_match", row["hf_match"])):
+    against = [(key, name) for key, name, _ in _plain_loops(kinds)] + [("speedup_vs_hf_match", row["hf_match"])]
+    for key, other in against:
         if row.get(key) is not None and row[key] < 1 and other not in slower:
             slower.append(other)
     return "; ".join(f"**slower than {name}**" for name in slower)
@@ -102,8 +115,10 @@ def terminal_summary(results: dict) -> str:
                      f"{_num(row['tau']):>5}  {row['identical']}")
     differ = [row["method"] for row in rows if not_identical_note(row)]
     if differ:
+        why = ("--count-differences" if s.get("count_differences")
+               else "where kernels round otherwise: another engine, or llama.cpp without flash attention")
         lines.append(f"outputs compared token for token with hasten's {AUTOREGRESSIVE} and differences counted "
-                     f"(--count-differences): {', '.join(differ)} differed on some prompts")
+                     f"({why}): {', '.join(differ)} differed on some prompts")
     else:
         lines.append(f"every output was checked token for token against hasten's {AUTOREGRESSIVE}: all identical")
     lines += difference_lines(results)
@@ -136,7 +151,7 @@ def markdown(results: dict) -> str:
         f"- versions: python {m['python']}, torch {m['torch']}, transformers {m['transformers']}, hasten {m['hasten']}",
         f"- model: {s['model']}, draft: {s['draft'] or '-'}; {s['max_new_tokens']} new tokens a prompt, greedy, "
         f"EOS ignored; median of {s['repeats']} interleaved repeats",
-        "- every method's tokens were checked equal to hasten autoregressive's"
+        _checked_line(results)
         + (" (chat prompts formatted by the model's chat template)" if s.get("chat_template") else ""),
         "",
         "Speedups are ratios of the summed per-prompt median times, so a category's speedup is what "
@@ -148,17 +163,21 @@ def markdown(results: dict) -> str:
     ]
     if results.get("skipped"):
         lines += ["", "Methods left out: " + "; ".join(f"{k} ({v})" for k, v in results["skipped"].items())]
+    lines += _llama_cpp_loop_lines(results)
     lines += _best_lines(results)
-    _, plain_key, _, label = _other_side(kinds)
-    header = (f"| method | tok/s | vs AR | vs {label} greedy | vs {label} same path | tau | efficiency | target KV MB | "
-              "drafter KV MB | note |")
+    label = _other_side(kinds)[3]
+    loops = _plain_loops(kinds)
+    header = ("| method | tok/s | vs AR | " + "".join(f"{title} | " for _, _, title in loops)
+              + f"vs {label} same path | tau | efficiency | target KV MB | drafter KV MB | note |")
     for category, rows in results["by_category"].items():
-        lines += ["", f"## {category} ({_prompts(results, category, rows)} prompts)", "", header, "|---" * 10 + "|"]
+        lines += ["", f"## {category} ({_prompts(results, category, rows)} prompts)", "", header,
+                  "|---" * (9 + len(loops)) + "|"]
         for r in rows:
             match = f"{_x(r['speedup_vs_hf_match'])} ({r['hf_match']})" if r["hf_match"] else "-"
             lines.append(
                 f"| {r['method']} | {r['tokens_per_second']:.1f} | {_x(r['speedup_vs_ar'])} | "
-                f"{_x(r.get(plain_key))} | {match} | {_num(r['tau'])} | {_num(r['efficiency'])} | "
+                + "".join(f"{_x(r.get(key))} | " for key, _, _ in loops)
+                + f"{match} | {_num(r['tau'])} | {_num(r['efficiency'])} | "
                 f"{_mb(r.get('target_kv_bytes'))} | {_mb(r.get('drafter_kv_bytes'))} | {_note(r, kinds)} |"
             )
     lines += ["", "## Where hasten's time goes (all prompts, summed per-prompt medians)", "",
@@ -175,6 +194,32 @@ def markdown(results: dict) -> str:
     lines += [f"| {t['name']} | {t['category']} | {t['prompt_tokens']} | {_yes_no(hits.get(t['name']))} | "
               f"{t['source']} |" for t in results["tasks"]]
     return "\n".join(lines) + "\n"
+
+
+def _checked_line(results: dict) -> str:
+    """What was checked of the outputs: all equal to the reference, but the methods whose
+    outputs were compared and counted (another engine, llama.cpp without flash attention)."""
+    if results["settings"].get("count_differences"):
+        return f"- every method's tokens were compared with hasten {AUTOREGRESSIVE}'s, differences counted"
+    counted_only = [m["name"] for m in results["methods"] if not m.get("exact", True)]
+    but = f", but {', '.join(counted_only)}'s, compared and counted (note column)" if counted_only else ""
+    return f"- every method's tokens were checked equal to hasten {AUTOREGRESSIVE}'s{but}"
+
+
+def _llama_cpp_loop_lines(results: dict) -> list[str]:
+    """On the llama.cpp backend: llama.cpp's own loops, each with its flash attention setting, and
+    which of them write the backend's reference text."""
+    loops = [m for m in results["methods"] if m["kind"] == "llama.cpp"]
+    if not loops:
+        return []
+    named = ", ".join(f"{m['name']} (flash attention {'on' if m['settings'].get('flash_attn') else 'off'})"
+                      for m in loops)
+    text = (f"llama.cpp's own loops: {named}. Only the flash-on loops' greedy tokens are the backend's reference: "
+            "it runs flash attention, with which a verification block is exact (docs/cpu.md, Exactness).")
+    if any(not m["settings"].get("flash_attn") for m in loops):
+        text += (" With flash attention off, llama-cpp-python's default, llama.cpp rounds otherwise and may write "
+                 "other text: those outputs are compared and counted (note column), not required equal.")
+    return ["", text]
 
 
 def _prompts(results: dict, category: str, rows: list[dict]) -> int:

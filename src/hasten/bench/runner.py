@@ -37,6 +37,7 @@ HF_BASELINES = {
     "hf_assisted": {"assistant_model": None},
 }
 LLAMA_CPP = "llama_cpp"  # llama.cpp's own greedy decoding (bench/llamacpp.py), with --backend llama.cpp
+LLAMA_CPP_NOFLASH = "llama_cpp_noflash"  # the same with flash attention off (llama-cpp-python's default)
 # The path a user would otherwise run for the same idea, on Hugging Face or on llama.cpp.
 COUNTERPARTS = {AUTOREGRESSIVE: (HF_GENERATE, LLAMA_CPP), "prompt_lookup": ("hf_prompt_lookup", "llama_cpp_lookup"),
                 "draft_model": ("hf_assisted",)}
@@ -189,6 +190,7 @@ def compare(cells: dict[str, list[Cell]]) -> list[dict]:
             "speedup_vs_ar": speedup,
             "speedup_vs_hf_generate": _ratio(seconds.get(HF_GENERATE), seconds[method]),
             "speedup_vs_llama_cpp": _ratio(seconds.get(LLAMA_CPP), seconds[method]),
+            "speedup_vs_llama_cpp_noflash": _ratio(seconds.get(LLAMA_CPP_NOFLASH), seconds[method]),
             # the same idea on the other runtime (Hugging Face's or llama.cpp's), when it ran
             "hf_match": match,
             "speedup_vs_hf_match": _ratio(seconds.get(match), seconds[method]) if match else None,
@@ -326,7 +328,7 @@ def run_bench(
         category: compare({m: [cells[t.name][m] for t in group] for m in names}) for category, group in groups.items()
     }
     return {
-        "methods": [{"name": m.name, "kind": m.kind, "settings": m.settings,
+        "methods": [{"name": m.name, "kind": m.kind, "settings": m.settings, "exact": m.exact,
                      **({"draft_size": m.draft_size} if m.draft_size else {})} for m in methods],
         "by_task": by_task,
         "by_category": by_category,
