@@ -450,7 +450,7 @@ class CostAwareSize(SizingRule):
             hoped_tokens, _ = self.expected(state, cap, draw)
             hopes = [t / s for t, s in zip(hoped_tokens, seconds)]
             hoped = max(range(len(hopes)), key=lambda k: (hopes[k], -k))
-            best = hoped if hopes[hoped] > hopes[min(best, cap)] else best
+            best = hoped if best <= cap and hopes[hoped] > hopes[best] else best  # a deeper best stays
         if best == 0:
             state.skipped += 1
             # now and then a probe re-measures acceptance, as shallow as could show a gain
