@@ -605,3 +605,18 @@ def test_draft_positions_on_a_long_cache_cost_their_attention():
 
 def test_the_packed_plan_never_drafts_when_drafts_are_never_right():
     assert plan(packed_states([0.0] * 4)) == [0] * 4
+
+
+def test_the_packed_plan_drafts_only_where_it_beats_plain_decoding_by_more_than_the_models_error():
+    """Eight rows right 70% of the time: one draft token each would pay a little, less than
+    ``BATCH_MARGIN``, so the batch runs plain; rows right 90% of the time clear it and draft."""
+    from hasten.core import sizing
+
+    assert plan(packed_states([0.7] * 8)) == [0] * 8
+    sizing_margin = sizing.BATCH_MARGIN
+    try:
+        sizing.BATCH_MARGIN = 0.0  # without the margin the same rows would draft: the margin decided
+        assert any(plan(packed_states([0.7] * 8)))
+    finally:
+        sizing.BATCH_MARGIN = sizing_margin
+    assert all(plan(packed_states([0.9] * 8)))
