@@ -332,25 +332,29 @@ class CostAwareSize(SizingRule):
         the widest."""
         for state, grade in zip(states, evidence):
             self.grade(state, grade)
+        waits = [0] * len(states)
         if states[0].packed:
-            self._plan_packed(states, limits, others, others_keys, contexts or [0] * len(states))
+            waits = self._plan_packed(states, limits, others, others_keys, contexts or [0] * len(states))
         elif any(state.reach is None for state in states):  # someone has not drafted yet: all draft fully
             for state in states:
                 state.cap = None
             return
         else:
             self._plan_padded(states, limits, others)
-        for state, limit in zip(states, limits):
+        for state, limit, wait in zip(states, limits, waits):
             state.probing = False
             if state.cap == 0:  # now and then a probe re-measures acceptance (a failed one doubles the wait)
                 state.skipped += 1
-                if state.skipped > state.probe_gap and limit > 0:
+                if state.skipped > max(state.probe_gap, wait) and limit > 0:
                     state.cap, state.probing = 1, True
 
     def _plan_packed(self, states: list[SizingState], limits: list[int], others: int, others_keys: int,
-                     contexts: list[int]) -> None:
+                     contexts: list[int]) -> list[int]:
         """Each row's own depth (see :meth:`plan`); a row's draft positions attend over its own
-        cache (``contexts``), so on a long one they cost more."""
+        cache (``contexts``), so on a long one they cost more. Returns, per row, the plain steps
+        between its probes such that failed probes cost at most ``probe_share`` of its share of
+        the batch's time (a probe's position priced in this batch's step, as
+        :meth:`affordable_gap` prices one alone)."""
         rows = len(states) + others
         scale = sum(state.scale or 1.0 for state in states) / len(states)
         options = [self.expected(state, self.top(state, limit) if state.reach is not None else min(limit, FIRST_DEPTHS))
@@ -388,8 +392,16 @@ class CostAwareSize(SizingRule):
             chosen[r] = d
         if best_rate < plain_rate * (1 + BATCH_MARGIN):  # within the model's error of plain decoding: plain
             chosen = [0] * len(states)
+            positions, keys = float(rows), float(others_keys + sum(contexts))
         for state, depth in zip(states, chosen):
             state.cap = depth
+        step = first.batch_forward(rows, positions, keys) * scale
+        waits = []
+        for state, context in zip(states, contexts):
+            extra = first.batch_forward(rows, positions + 1, keys + context) * scale - step
+            miss = 1.0 - self.acceptances(state, 1)[0]
+            waits.append(min(int(extra * miss * rows / (self.probe_share * step)), self.max_probe_gap))
+        return waits
 
     def _plan_padded(self, states: list[SizingState], limits: list[int], others: int) -> None:
         """One depth ``W`` for all rows: the forward runs ``rows x (widest block)`` positions
