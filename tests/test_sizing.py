@@ -620,3 +620,28 @@ def test_the_packed_plan_drafts_only_where_it_beats_plain_decoding_by_more_than_
     finally:
         sizing.BATCH_MARGIN = sizing_margin
     assert all(plan(packed_states([0.9] * 8)))
+
+
+def probes_in(rows: int, steps: int = 64) -> int:
+    """Probes a packed batch of ``rows`` rows, each right a tenth of the time (they run plain),
+    runs in ``steps`` steps of the plan (each step as the loop runs it: the plan, then each row's
+    depth)."""
+    states = packed_states([0.1] * rows)
+    rule = CostAwareSize(CPU_BATCH)
+    probes = 0
+    for state in states:
+        state.rows = rows
+    for _ in range(steps):
+        rule.plan(states, [8] * rows, [None] * rows, 0, 0, [0] * rows)
+        probes += sum(state.probing for state in states)
+        for state in states:
+            rule.depth(state, 8)
+    return probes
+
+
+def test_a_packed_batch_probes_its_plain_rows_by_what_a_probe_costs_in_its_step():
+    """Rows that run plain probe now and then; a probe's position costs more of a row's share
+    of the step in a full batch than in a small one, so a full batch probes each row rarely
+    (failed probes at most ``probe_share`` of the time)."""
+    assert probes_in(2) / 2 > 2 * probes_in(32) / 32
+    assert probes_in(32) / (32 * 64) <= 1 / 16
