@@ -168,7 +168,7 @@ class LookaheadPool(Pool):
                 tree = self.trees.get(token)
                 if tree is not None:
                     self._drop_prompt(tree, tree.children, stream.key)
-                    if not tree.children:
+                    if not tree.children and not self._opened(tree):
                         del self.trees[token]
             self.finished += 1
             if len(self.updated) >= SQUEEZE_AFTER:  # the reference's squeeze_branch_counts
@@ -311,6 +311,11 @@ class LookaheadPool(Pool):
                 self.size -= removed
             else:
                 self._drop_prompt(tree, node.children, key)
+
+    def _opened(self, tree: Tree) -> bool:
+        """Whether a running generation's branch grows in ``tree`` (its newest token's, still
+        empty): deleting it would lose what that branch takes next, and the pool's count of it."""
+        return any(entry[0] is tree for other in self.active.values() for entry in other.open)
 
     def _squeeze(self, token: int) -> None:
         """The reference's ``Tree.squeeze``: halve output frequencies above 1, drop the rest
