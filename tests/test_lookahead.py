@@ -122,6 +122,40 @@ def test_squeeze_halves_output_frequencies_and_drops_rare_nodes():
     assert tree.children[2].output == 1.5 and 5 not in tree.children
 
 
+def test_a_tree_counts_as_updated_once_a_branch_grows_in_it():
+    # the reference's stream_put adds to _update_trees (1,024 of them trigger the squeeze check) the
+    # trees it puts a branch into: not the output's last token's, which nothing follows yet
+    pool = LookaheadPool(window=3)
+    stream = pool.start([0, 1, 2], fed=3)
+    pool.extend(stream, [0, 1, 2, 5, 6, 7])
+    assert pool.updated == {5, 6}
+    pool.extend(stream, [0, 1, 2, 5, 6, 7, 8])
+    assert pool.updated == {5, 6, 7}
+    pool.end(stream)
+    pool.feed([9])
+    assert pool.updated == {5, 6, 7}
+
+
+def test_a_prompt_counts_as_updates_its_branches_into_trees_already_there():
+    # the reference's put(mode="input") adds a tree to _update_trees when it held it already
+    pool = LookaheadPool(window=3)
+    pool.feed([5, 6, 7])
+    pool.updated.clear()
+    pool.start([0, 5, 8, 9, 8, 4], fed=6)  # 5's tree was there, 8's is made by its first branch
+    assert pool.updated == {5, 8}
+
+
+def test_a_tree_another_generation_grows_in_outlives_the_prompt_that_emptied_it():
+    pool = LookaheadPool(window=3)
+    a = pool.start([0, 7, 8], fed=3)  # a's prompt: a branch "8" in tree 7
+    b = pool.start([0, 1], fed=2)
+    pool.extend(b, [0, 1, 7])  # b's newest token is 7: its branch opens at tree 7's root
+    pool.end(a)  # a's prompt goes and leaves tree 7 empty ...
+    pool.extend(b, [0, 1, 7, 9])  # ... but b's branch grows in it
+    assert list(pool.trees[7].children) == [9] and pool.trees[7].children[9].output == 1.0
+    assert pool.size == sum(_count_all(tree.children) for tree in pool.trees.values())
+
+
 def test_memory_stays_under_the_bound_over_a_thousand_requests():
     drafter = Lookahead(max_nodes=3000)
     rng = random.Random(0)

@@ -94,7 +94,7 @@ class LookaheadPool(Pool):
         self.trees: dict[int, Tree] = {}
         self.size = 0  # live nodes in every tree
         self.active: dict[int, Stream] = {}
-        self.updated: set[int] = set()  # trees grown by output since the last squeeze check
+        self.updated: set[int] = set()  # trees grown since the last squeeze check (the reference's _update_trees)
         self.finished = 0  # generations ended, whose output the pool took
         self._next_key = 0
 
@@ -109,6 +109,8 @@ class LookaheadPool(Pool):
             self.active[stream.key] = stream
             prompt = list(prompt[1:])
             for i in range(len(prompt) - 1):
+                if prompt[i] in self.trees and self.trees[prompt[i]].children:  # the reference counts a prompt's
+                    self.updated.add(prompt[i])  # branch into a tree it holds as an update (into a new one, not)
                 tree = self._tree(prompt[i])
                 self._put(tree, prompt[i + 1 : i + 1 + self.window], stream.key)
                 stream.prompt_trees.add(prompt[i])
@@ -122,7 +124,10 @@ class LookaheadPool(Pool):
         with self.lock:
             if stream.fed >= len(tokens):
                 return
+            previous = tokens[stream.fed - 1] if stream.fed else None
             for token in tokens[stream.fed :]:
+                if stream.open:  # the previous token's branch (open's last entry) takes its first node: its tree
+                    self.updated.add(previous)  # is updated (the reference's stream_put counts no tree before that)
                 grown = []
                 for tree, node, depth in stream.open:
                     child = node.children.get(token)
@@ -136,8 +141,8 @@ class LookaheadPool(Pool):
                         grown.append((tree, child, depth + 1))
                 tree = self._tree(token)
                 grown.append((tree, tree, 0))
-                self.updated.add(token)
                 stream.open = grown
+                previous = token
             stream.fed = len(tokens)
             self._bound()
 
@@ -168,7 +173,7 @@ class LookaheadPool(Pool):
                 tree = self.trees.get(token)
                 if tree is not None:
                     self._drop_prompt(tree, tree.children, stream.key)
-                    if not tree.children:
+                    if not tree.children and not self._opened(tree):
                         del self.trees[token]
             self.finished += 1
             if len(self.updated) >= SQUEEZE_AFTER:  # the reference's squeeze_branch_counts
@@ -311,6 +316,11 @@ class LookaheadPool(Pool):
                 self.size -= removed
             else:
                 self._drop_prompt(tree, node.children, key)
+
+    def _opened(self, tree: Tree) -> bool:
+        """Whether a running generation's branch grows in ``tree`` (its newest token's, still
+        empty): deleting it would lose what that branch takes next, and the pool's count of it."""
+        return any(entry[0] is tree for other in self.active.values() for entry in other.open)
 
     def _squeeze(self, token: int) -> None:
         """The reference's ``Tree.squeeze``: halve output frequencies above 1, drop the rest
