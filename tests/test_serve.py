@@ -887,3 +887,23 @@ def test_a_prompt_is_tokenized_off_the_event_loop_with_a_tokenizer_of_its_own(en
     finally:
         release.set()
         stop_server(server, thread)
+
+
+def test_a_request_the_fixed_kv_cache_cannot_hold_alone_is_a_400_naming_the_flag(engine):
+    """``--kv-cache-mib``: a request whose prompt and max_tokens need more KV entries than the
+    whole store holds is refused at admission, naming the flag; one that fits is served."""
+    from hasten.serve.app import scheduler_factory
+
+    entry_bytes = Scheduler(engine.model, engine.drafter, max_batch=1, kv_cache_bytes=1).target.arena.entry_bytes
+    app = create_app(engine, scheduler_factory(engine, max_batch=2, kv_cache_bytes=120 * entry_bytes),
+                     ServeOptions(NAME))
+    server, thread, url = start_server(app)
+    try:
+        status, body = call(url, "/v1/completions", {"model": NAME, "prompt": [5] * 90, "max_tokens": 20}, key=None)
+        assert_error(status, body, 400, "max_tokens")
+        assert "--kv-cache-mib" in body["error"]["message"] and body["error"]["code"] == "over_capacity"
+        status, body = call(url, "/v1/completions", {"model": NAME, "prompt": [5] * 20, "max_tokens": 8,
+                                                     "temperature": 0}, key=None)
+        assert status == 200 and body["usage"]["completion_tokens"] >= 1
+    finally:
+        stop_server(server, thread)

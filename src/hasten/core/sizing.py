@@ -396,11 +396,12 @@ class CostAwareSize(SizingRule):
         for state, depth in zip(states, chosen):
             state.cap = depth
         step = first.batch_forward(rows, positions, keys) * scale
-        waits = []
-        for state, context in zip(states, contexts):
-            extra = first.batch_forward(rows, positions + 1, keys + context) * scale - step
-            miss = 1.0 - self.acceptances(state, 1)[0]
-            waits.append(min(int(extra * miss * rows / (self.probe_share * step)), self.max_probe_gap))
+        waits = [0] * len(states)
+        for r, (state, context) in enumerate(zip(states, contexts)):
+            if state.cap == 0:  # only a row running plain may probe
+                extra = first.batch_forward(rows, positions + 1, keys + context) * scale - step
+                miss = 1.0 - self.acceptances(state, 1)[0]
+                waits[r] = min(int(extra * miss * rows / (self.probe_share * step)), self.max_probe_gap)
         return waits
 
     def _plan_padded(self, states: list[SizingState], limits: list[int], others: int) -> None:

@@ -131,13 +131,13 @@ class PackedBatch:
         row = PackedRow(self)
         size = self.entries_for(max(room, len(tokens))) if room else len(prompt) + SLACK
         kept, reused = (None, 0) if hidden or logits else self.prefixes.find(prompt)
-        if (kept is not None and self.arena.fixed_entries is not None
-                and not (reused == len(kept.tokens) and self.arena.segment(kept).size >= size)):
+        # all the kept entries hold is this prompt's start, in a segment large enough for the row
+        takes_over = kept is not None and reused == len(kept.tokens) and self.arena.segment(kept).size >= size
+        if kept is not None and not takes_over and self.arena.fixed_entries is not None:
             rows_hold = sum(self.arena.segment(r).size for r in self.rows)
             if self.arena.capacity - rows_hold - self.arena.segment(kept).size < size:
                 kept, reused = None, 0  # no room beside the entries to copy (a fixed store would grow): prefill
-        if kept is not None and reused == len(kept.tokens) and self.arena.segment(kept).size >= size:
-            # all it holds is this prompt's start: the row takes its segment over (no copy, no second one kept)
+        if takes_over:  # the row takes the segment over (no copy, no second one kept)
             self.prefixes.forget(kept)
             self.arena.hand_over(kept, row)
         else:
