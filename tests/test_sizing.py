@@ -645,3 +645,50 @@ def test_a_packed_batch_probes_its_plain_rows_by_what_a_probe_costs_in_its_step(
     (failed probes at most ``probe_share`` of the time)."""
     assert probes_in(2) / 2 > 2 * probes_in(32) / 32
     assert probes_in(32) / (32 * 64) <= 1 / 16
+
+
+def test_the_packed_plans_ceiling_skips_only_searches_that_would_end_in_plain_decoding(monkeypatch):
+    """The packed plan skips its search where even its ceiling (every row's best gain at its
+    best gain per position, for the forward those positions cost) cannot beat plain decoding by
+    the margin: over batches of many sizes, acceptances and cache lengths, on a rising curve and
+    one that dips (llama.cpp's four-row kernels), the plans with the skip (and with rows skipped
+    in the search by their own ceiling) equal the plans searched in full; a heavy batch of rows
+    right half the time is not searched at all."""
+    import math
+    import random
+
+    from hasten.core.cost import BatchCost
+
+    dipping = CostCurve((1, 4, 5, 8, 16, 32, 64), (1.0, 1.0, 1.6, 1.3, 2.0, 3.5, 6.6))
+    draws = random.Random(7)
+    real_ceiling, real_forward = SizingState.batch_ceiling, SizingState.batch_forward
+
+    def plan_of(curve, acceptances, contexts, cost, search_all: bool) -> tuple[list[int], int]:
+        """The rows' depths, and how many forwards the plan priced."""
+        states = [known_state(curve, a, 8) for a in acceptances]
+        for state in states:
+            state.packed, state.batch_cost = True, cost
+        priced = []
+        monkeypatch.setattr(SizingState, "batch_ceiling",
+                            (lambda self, *args: math.inf) if search_all else real_ceiling)
+        monkeypatch.setattr(SizingState, "batch_forward",
+                            lambda self, *args: priced.append(args) or real_forward(self, *args))
+        CostAwareSize(curve).plan(states, [8] * len(states), [None] * len(states), 0, 0, contexts)
+        return [state.cap for state in states], len(priced)
+
+    skips = drafted = 0
+    for curve in (CPU_BATCH, dipping):
+        for cost in (None, BatchCost(CostCurve((1, 8, 32), (1.1, 1.5, 4.0)), 0.0005, 96)):
+            for rows in (1, 2, 3, 5, 8, 16, 32):
+                for _ in range(3):
+                    acceptances = [draws.choice([0.0, 0.1, 0.5, 0.7, 0.9, 0.99]) for _ in range(rows)]
+                    contexts = [draws.randrange(0, 3000) for _ in range(rows)]
+                    caps, priced = plan_of(curve, acceptances, contexts, cost, search_all=False)
+                    full_caps, full_priced = plan_of(curve, acceptances, contexts, cost, search_all=True)
+                    assert caps == full_caps, (rows, acceptances)
+                    skips += priced < full_priced
+                    drafted += any(caps)
+    assert skips >= 5 and drafted >= 10  # both kinds of batch were planned
+    caps, priced = plan_of(CPU_BATCH, [0.5] * 32, [0] * 32, None, search_all=False)
+    assert caps == [0] * 32
+    assert priced < 2 * 32  # plain's price, the ceiling's few, the step and each row's probe wait; a search prices 32 x 8

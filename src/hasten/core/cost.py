@@ -26,12 +26,18 @@ class CostCurve:
         return _interpolate(self, positions)  # memoised: the sizing rule prices the same sizes every step
 
     def interpolate(self, positions: float) -> float:
+        return max(self.line(positions), self.seconds[0])
+
+    def line(self, positions: float) -> float:
+        """The measured points joined by straight lines (flat before the first, extended past
+        the last), without :meth:`interpolate`'s floor at the first point's time: a noisy curve
+        can dip below it."""
         sizes, seconds = self.sizes, self.seconds
         if len(sizes) == 1 or positions <= sizes[0]:
             return seconds[0]
         i = min(max(bisect_left(sizes, positions), 1), len(sizes) - 1)
         x0, x1, y0, y1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
-        return max(y0 + (y1 - y0) * (positions - x0) / (x1 - x0), seconds[0])
+        return y0 + (y1 - y0) * (positions - x0) / (x1 - x0)
 
     @classmethod
     def flat(cls) -> "CostCurve":

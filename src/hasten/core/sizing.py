@@ -157,6 +157,35 @@ class SizingState:
             return self.curve(positions)
         return self.batch_cost.forward(self.curve, rows, positions, keys)
 
+    def batch_ceiling(self, rows: int, tokens: float, positions: float, keys: float, gained: float,
+                      per_node: float, added: float, context: float, scale: float) -> float:
+        """An upper bound on the tokens per second of any plan that adds up to ``added`` draft
+        positions, each attending over at least ``context`` cached keys, to a packed forward of
+        ``rows`` rows committing ``tokens`` tokens from ``positions`` positions over ``keys``
+        keys, gaining at most ``gained`` expected tokens in all and at most ``per_node`` per
+        added position, its forward's seconds times ``scale`` (drafting time left out: it only
+        lowers a rate). A plan adding n positions runs at most (tokens + min(per_node n,
+        gained)) / forward(positions + n, keys + context n); that forward is piecewise linear in
+        n, so the bound's largest value is where n is 0, ``added``, a knot of the curve, where
+        the keys' cost starts, or where the gain stops growing. The curve is taken without its
+        floor (:meth:`CostCurve.line`: lower, and straight between knots); infinite where
+        that leaves no time at all."""
+        points = {0.0, float(added), *(size - positions for size in self.curve.sizes if 0 < size - positions < added)}
+        if per_node > 0 and gained / per_node < added:
+            points.add(gained / per_node)
+        if self.batch_cost is not None and context != self.batch_cost.context:
+            start = (self.batch_cost.context * positions - keys) / (context - self.batch_cost.context)
+            if 0 < start < added:
+                points.add(start)
+        best = 0.0
+        for n in points:
+            at = positions + n
+            seconds = self.batch_forward(rows, at, keys + context * n) - self.curve(at) + self.curve.line(at)
+            if seconds <= 0:
+                return math.inf
+            best = max(best, (tokens + min(per_node * n, gained)) / (seconds * scale))
+        return best
+
 
 class CostAwareSize(SizingRule):
     """Pick each step's depth to maximise expected tokens per second (see the module doc).
@@ -370,9 +399,36 @@ class CostAwareSize(SizingRule):
             return tokens / (first.batch_forward(rows, count, attended) * scale + draft)
 
         plain_rate = best_rate = rate(tokens_total, positions, keys, draft_total)
-        while True:
+        def reach(r: int) -> tuple[float, float, float]:
+            """Row r's deeper drafts, from its chosen depth: (most tokens they gain, most
+            gained per added position, most positions they add)."""
+            (tokens, nodes), d0 = options[r], chosen[r]
+            deeper = range(d0 + 1, len(tokens))
+            gain = max((tokens[d] - tokens[d0] for d in deeper), default=0.0)
+            room = max((nodes[d] - nodes[d0] for d in deeper), default=0.0)
+            per_node = max(((tokens[d] - tokens[d0]) / (nodes[d] - nodes[d0]) if nodes[d] > nodes[d0] else math.inf
+                            for d in deeper), default=0.0)
+            return gain, per_node, room
+
+        def ceiling(gain: float, per_node: float, room: float, context: float) -> float:
+            if gain <= 0:
+                return 0.0
+            if per_node == math.inf:
+                return math.inf
+            return first.batch_ceiling(rows, tokens_total, positions, keys, gain, per_node, room, context, scale)
+
+        # the most any plan could reach (SizingState.batch_ceiling): where even that is within
+        # the margin of plain decoding (the common case under a heavy load), the search could
+        # only end in plain decoding and is skipped; in the search, a row whose own ceiling is
+        # no better than the best rate so far is not priced depth by depth
+        reaches = [reach(r) for r in range(len(states))]
+        searching = ceiling(sum(g for g, _, _ in reaches), max((e for _, e, _ in reaches), default=0.0),
+                            sum(n for _, _, n in reaches), min(contexts)) >= plain_rate * (1 + BATCH_MARGIN)
+        while searching:
             best = None  # (rate, row, depth)
             for r, ((tokens, nodes), costs) in enumerate(zip(options, drafting)):
+                if ceiling(*reaches[r], contexts[r]) <= best_rate * (1 + 1e-9):
+                    continue
                 d0, context = chosen[r], contexts[r]
                 for d in range(d0 + 1, len(tokens)):
                     added = nodes[d] - nodes[d0]
@@ -390,6 +446,7 @@ class CostAwareSize(SizingRule):
             keys += added * contexts[r]
             draft_total += costs[d] - costs[chosen[r]]
             chosen[r] = d
+            reaches[r] = reach(r)
         if best_rate < plain_rate * (1 + BATCH_MARGIN):  # within the model's error of plain decoding: plain
             chosen = [0] * len(states)
             positions, keys = float(rows), float(others_keys + sum(contexts))

@@ -3,6 +3,8 @@ target's forward cost calibrated on this machine, and what the ``draft_size`` se
 """
 from __future__ import annotations
 
+import weakref
+
 from ..core.cost import BatchCost, CostCurve
 from ..core.sizing import FIRST_DEPTHS, CostAwareSize as CurveSize, FixedSize, SizingRule, SizingState
 from .calibration import load_or_calibrate, load_or_calibrate_batch
@@ -13,13 +15,24 @@ __all__ = ["FIRST_DEPTHS", "CostAwareSize", "FixedSize", "SizingRule", "SizingSt
 
 class CostAwareSize(CurveSize):
     """:class:`hasten.core.sizing.CostAwareSize`, whose curve, when none is given, is the
-    target's forward cost measured on this machine (:func:`load_or_calibrate`, cached on disk)."""
+    target's forward cost measured on this machine (:func:`load_or_calibrate`, cached on disk,
+    and read once per model: a server begins a generation per request)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._read: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {what: cost}
+
+    def _once(self, model, what: str, measure):
+        known = self._read.setdefault(model, {})
+        if what not in known:
+            known[what] = measure(model)
+        return known[what]
 
     def curve_for(self, target) -> CostCurve:
-        return load_or_calibrate(target.model)
+        return self._once(target.model, "curve", load_or_calibrate)
 
     def batch_cost_for(self, target) -> BatchCost:
-        return load_or_calibrate_batch(target.model)
+        return self._once(target.model, "batch", load_or_calibrate_batch)
 
 
 SIZES = ("auto", "fixed")
