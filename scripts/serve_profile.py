@@ -1,6 +1,7 @@
 """Where a server's decode time goes: the scheduler ``hasten serve`` steps, driven in-process by
 C closed-loop clients (each sends its next request when its last one ends) over Spec-Bench chat
-questions, greedy, without HTTP. Prints tokens per second and the step's time split into
+questions, greedy, without HTTP; the scheduler built as the server builds it (its prefill budget
+per step and fixed KV store). Prints tokens per second and the step's time split into
 admission (prefills), drafting, the target's forward, verification and commit, and the rest.
 docs/serve.md quotes its output (before and after issue 41).
 
@@ -12,6 +13,7 @@ import argparse
 import collections
 import functools
 import json
+import statistics
 import time
 
 import torch
@@ -19,6 +21,7 @@ import torch
 import hasten
 from hasten.engine import batch as batch_module
 from hasten.engine import sequence as sequence_module
+from hasten.serve.app import scheduler_factory
 
 SPENT: collections.Counter = collections.Counter()  # seconds by phase
 CALLS: collections.Counter = collections.Counter()
@@ -59,6 +62,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-prefill-tokens", type=int, default=2048, help="as hasten serve's (its default)")
+    parser.add_argument("--kv-cache-mib", type=int, default=1024, help="as hasten serve's (its default); 0: a "
+                        "store that grows, as a library batch's")
     parser.add_argument("--warm", action="store_true", help="first run every prompt once, untimed (1 token each), so "
                         "the timed run finds the prompts in the prefix cache: decoding alone is measured")
     parser.add_argument("--out", help="append the result as a JSON line here")
@@ -66,8 +72,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     engine = hasten.load(args.model, args.method, draft_size=args.draft_size, threads=args.threads)
     prompts = [engine.encode_chat(m)[0].tolist() for m in spec_bench_messages(5)]
-    scheduler = batch_module.Scheduler(engine.runtime, engine.drafter, max_batch=args.max_batch,
-                                       draft_size=engine.draft_size)
+    scheduler = scheduler_factory(engine, args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
+                                  kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None)()
     if args.warm:
         for prompt in prompts:
             scheduler.submit(batch_module.Request(prompt, 1))
@@ -88,12 +94,16 @@ def main() -> None:
         timed(sequence_module, name, "verify + commit")
     sent = tokens = steps = rows = 0
     in_flight: set[int] = set()
+    submitted: dict[int, float] = {}  # row id -> when it was sent
+    first_token: list[float] = []  # seconds from sending to the first token, per request
     began = time.perf_counter()
     step_seconds = 0.0
     while sent < args.requests or in_flight:
         while len(in_flight) < args.clients and sent < args.requests:
             request = batch_module.Request(prompts[sent % len(prompts)], args.max_tokens)
-            in_flight.add(scheduler.submit(request))
+            row_id = scheduler.submit(request)
+            in_flight.add(row_id)
+            submitted[row_id] = time.perf_counter()
             sent += 1
         clock = time.perf_counter()
         updates = scheduler.step()
@@ -101,6 +111,8 @@ def main() -> None:
         steps += 1
         rows += scheduler.last_step.batch_size if scheduler.last_step else 0
         for update in updates:
+            if update.tokens and update.row_id in submitted:
+                first_token.append(time.perf_counter() - submitted.pop(update.row_id))
             tokens += len(update.tokens)
             if update.finished:
                 in_flight.discard(update.row_id)
@@ -109,7 +121,7 @@ def main() -> None:
           f"tokens, {args.threads} thread(s), batch path {target.__name__}")
     print(f"{tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s; {steps} steps, {rows / max(steps, 1):.1f} rows "
           f"and {tokens / max(steps, 1):.2f} tokens per step, {sum(POSITIONS) / max(len(POSITIONS), 1):.2f} positions "
-          f"per forward")
+          f"per forward; time to first token p50 {1000 * statistics.median(first_token):.0f} ms")
     accounted = sum(SPENT.values())
     for phase, seconds in SPENT.most_common():
         print(f"  {phase:24s} {seconds:7.2f} s  {100 * seconds / step_seconds:5.1f} %  ({CALLS[phase]} calls)")
@@ -120,6 +132,7 @@ def main() -> None:
             f.write(json.dumps({"method": args.method, "clients": args.clients, "requests": args.requests,
                                 "max_tokens": args.max_tokens, "warm": args.warm, "tokens": tokens,
                                 "seconds": round(wall, 3), "tokens_per_second": round(tokens / wall, 2), "steps": steps,
+                                "ttft_p50_ms": round(1000 * statistics.median(first_token), 1),
                                 "phases": {k: round(v, 3) for k, v in SPENT.items()},
                                 "load": open("/proc/loadavg").read().split()[:3]}) + "\n")
 
