@@ -692,3 +692,29 @@ def test_the_packed_plans_ceiling_skips_only_searches_that_would_end_in_plain_de
     caps, priced = plan_of(CPU_BATCH, [0.5] * 32, [0] * 32, None, search_all=False)
     assert caps == [0] * 32
     assert priced < 2 * 32  # plain's price, the ceiling's few, the step and each row's probe wait; a search prices 32 x 8
+
+
+def test_the_calibrated_curves_are_read_once_per_model_by_a_rule(monkeypatch):
+    """A server begins a sizing state per request: the rule reads the model's calibrated curves
+    once (each read computes the calibration key and reads a file), and a model object that
+    cannot be weakly referenced is still served, read each time."""
+    from hasten.engine import sizing as engine_sizing
+
+    reads = []
+    monkeypatch.setattr(engine_sizing, "load_or_calibrate", lambda model: reads.append(("curve", model)) or STEEP)
+    monkeypatch.setattr(engine_sizing, "load_or_calibrate_batch", lambda model: reads.append(("batch", model)) or None)
+    rule = engine_sizing.CostAwareSize()
+
+    class Model:  # as a module or a runtime object: hashable by identity, weakly referable
+        pass
+
+    model, other = Model(), Model()
+    for _ in range(3):
+        assert rule.curve_for(SimpleNamespace(model=model)) is STEEP
+        rule.batch_cost_for(SimpleNamespace(model=model))
+    rule.curve_for(SimpleNamespace(model=other))
+    assert reads == [("curve", model), ("batch", model), ("curve", other)]
+    plain = SimpleNamespace()  # compared by value, so not hashable
+    rule.curve_for(SimpleNamespace(model=plain))
+    rule.curve_for(SimpleNamespace(model=plain))
+    assert reads[3:] == [("curve", plain), ("curve", plain)]

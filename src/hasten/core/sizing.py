@@ -399,6 +399,7 @@ class CostAwareSize(SizingRule):
             return tokens / (first.batch_forward(rows, count, attended) * scale + draft)
 
         plain_rate = best_rate = rate(tokens_total, positions, keys, draft_total)
+
         def reach(r: int) -> tuple[float, float, float]:
             """Row r's deeper drafts, from its chosen depth: (most tokens they gain, most
             gained per added position, most positions they add)."""

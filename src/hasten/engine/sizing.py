@@ -23,7 +23,10 @@ class CostAwareSize(CurveSize):
         self._read: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {what: cost}
 
     def _once(self, model, what: str, measure):
-        known = self._read.setdefault(model, {})
+        try:
+            known = self._read.setdefault(model, {})
+        except TypeError:  # a model object that cannot be weakly referenced or hashed: read each time
+            return measure(model)
         if what not in known:
             known[what] = measure(model)
         return known[what]
