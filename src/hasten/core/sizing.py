@@ -388,8 +388,6 @@ class CostAwareSize(SizingRule):
         scale = sum(state.scale or 1.0 for state in states) / len(states)
         options = [self.expected(state, self.top(state, limit) if state.reach is not None else min(limit, FIRST_DEPTHS))
                    for state, limit in zip(states, limits)]  # a row that has not drafted: its prior's (the pool's)
-        drafting = [[self.drafting_seconds(state, d) for d in range(len(tokens))]
-                    for state, (tokens, _) in zip(states, options)]
         chosen = [0] * len(states)
         tokens_total, positions, draft_total = float(rows), float(rows), 0.0
         keys = float(others_keys + sum(contexts))
@@ -425,6 +423,8 @@ class CostAwareSize(SizingRule):
         reaches = [reach(r) for r in range(len(states))]
         searching = ceiling(sum(g for g, _, _ in reaches), max((e for _, e, _ in reaches), default=0.0),
                             sum(n for _, _, n in reaches), min(contexts)) >= plain_rate * (1 + BATCH_MARGIN)
+        drafting = [[self.drafting_seconds(state, d) for d in range(len(tokens))]  # seconds by depth, per row
+                    for state, (tokens, _) in zip(states, options)] if searching else []
         while searching:
             best = None  # (rate, row, depth)
             for r, ((tokens, nodes), costs) in enumerate(zip(options, drafting)):
