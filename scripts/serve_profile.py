@@ -88,6 +88,9 @@ def main() -> None:
         return counted(self, rows, blocks, *args, **kwargs)
 
     target.forward_rows = forward_rows
+    from hasten.core.sizing import CostAwareSize
+
+    timed(CostAwareSize, "plan", "sizing the batch's drafts")
     timed(sequence_module.Sequence, "propose", "drafting")
     timed(sequence_module.Sequence, "settle", "verify + commit")
     for name in ("verify_rows", "settle_all"):  # the batched verifier, where there is one

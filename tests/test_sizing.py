@@ -661,7 +661,7 @@ def test_the_packed_plans_ceiling_skips_only_searches_that_would_end_in_plain_de
 
     dipping = CostCurve((1, 4, 5, 8, 16, 32, 64), (1.0, 1.0, 1.6, 1.3, 2.0, 3.5, 6.6))
     draws = random.Random(7)
-    real_ceiling, real_forward = SizingState.batch_ceiling, SizingState.batch_forward
+    real_ceiling, real_pricer = SizingState.batch_ceiling, SizingState.batch_pricer
 
     def plan_of(curve, acceptances, contexts, cost, search_all: bool) -> tuple[list[int], int]:
         """The rows' depths, and how many forwards the plan priced."""
@@ -671,8 +671,12 @@ def test_the_packed_plans_ceiling_skips_only_searches_that_would_end_in_plain_de
         priced = []
         monkeypatch.setattr(SizingState, "batch_ceiling",
                             (lambda self, *args: math.inf) if search_all else real_ceiling)
-        monkeypatch.setattr(SizingState, "batch_forward",
-                            lambda self, *args: priced.append(args) or real_forward(self, *args))
+
+        def counted_pricer(self, rows):
+            price = real_pricer(self, rows)
+            return lambda *args: priced.append(args) or price(*args)
+
+        monkeypatch.setattr(SizingState, "batch_pricer", counted_pricer)
         CostAwareSize(curve).plan(states, [8] * len(states), [None] * len(states), 0, 0, contexts)
         return [state.cap for state in states], len(priced)
 

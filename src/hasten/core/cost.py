@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 from bisect import bisect_left
 from dataclasses import dataclass
+from typing import Callable
 
 
 @dataclass(frozen=True)
@@ -61,8 +62,18 @@ class BatchCost:
     def forward(self, curve: CostCurve, rows: int, positions: float, keys: float) -> float:
         """Seconds of a forward of ``rows`` rows running ``positions`` tokens in all, which
         attend over ``keys`` cached keys in all (each position over its row's cache)."""
+        return self.pricer(curve, rows)(positions, keys)
+
+    def pricer(self, curve: CostCurve, rows: int) -> Callable[[float, float], float]:
+        """:meth:`forward` for ``rows`` rows as a function of (positions, keys), with what
+        depends on the rows alone computed once (a batch's plan prices hundreds of candidates)."""
         extra_rows = max(self.rows(rows) - curve(rows), 0.0)
-        return curve(positions) + extra_rows + self.per_key * max(keys - self.context * positions, 0.0)
+        per_key, context = self.per_key, self.context
+
+        def seconds(positions: float, keys: float) -> float:
+            return curve(positions) + extra_rows + per_key * max(keys - context * positions, 0.0)
+
+        return seconds
 
 
 @functools.lru_cache(maxsize=8192)

@@ -44,7 +44,7 @@ import math
 import random
 from dataclasses import dataclass, field
 from itertools import zip_longest
-from typing import Any
+from typing import Any, Callable
 
 from .cost import BatchCost, CostCurve
 from .tree import TokenTree
@@ -153,12 +153,18 @@ class SizingState:
     def batch_forward(self, rows: int, positions: float, keys: float) -> float:
         """Calibrated seconds of a packed batch forward of ``rows`` rows running ``positions``
         tokens in all over ``keys`` cached keys in all (:class:`~hasten.core.cost.BatchCost`)."""
+        return self.batch_pricer(rows)(positions, keys)
+
+    def batch_pricer(self, rows: int) -> Callable[[float, float], float]:
+        """:meth:`batch_forward` for ``rows`` rows, as a function of (positions, keys)."""
         if self.batch_cost is None:
-            return self.curve(positions)
-        return self.batch_cost.forward(self.curve, rows, positions, keys)
+            curve = self.curve
+            return lambda positions, keys: curve(positions)
+        return self.batch_cost.pricer(self.curve, rows)
 
     def batch_ceiling(self, rows: int, tokens: float, positions: float, keys: float, gained: float,
-                      per_node: float, added: float, context: float, scale: float) -> float:
+                      per_node: float, added: float, context: float, scale: float,
+                      price: Callable[[float, float], float] | None = None) -> float:
         """An upper bound on the tokens per second of any plan that adds up to ``added`` draft
         positions, each attending over at least ``context`` cached keys, to a packed forward of
         ``rows`` rows committing ``tokens`` tokens from ``positions`` positions over ``keys``
@@ -169,7 +175,8 @@ class SizingState:
         n, so the bound's largest value is where n is 0, ``added``, a knot of the curve, where
         the keys' cost starts, or where the gain stops growing. The curve is taken without its
         floor (:meth:`CostCurve.line`: lower, and straight between knots); infinite where
-        that leaves no time at all."""
+        that leaves no time at all. ``price``: :meth:`batch_pricer`'s for ``rows``, where the
+        caller has it."""
         points = {0.0, float(added), *(size - positions for size in self.curve.sizes if 0 < size - positions < added)}
         if per_node > 0 and gained / per_node < added:
             points.add(gained / per_node)
@@ -177,10 +184,10 @@ class SizingState:
             start = (self.batch_cost.context * positions - keys) / (context - self.batch_cost.context)
             if 0 < start < added:
                 points.add(start)
-        best = 0.0
+        best, price = 0.0, price or self.batch_pricer(rows)
         for n in points:
             at = positions + n
-            seconds = self.batch_forward(rows, at, keys + context * n) - self.curve(at) + self.curve.line(at)
+            seconds = price(at, keys + context * n) - self.curve(at) + self.curve.line(at)
             if seconds <= 0:
                 return math.inf
             best = max(best, (tokens + min(per_node * n, gained)) / (seconds * scale))
@@ -393,8 +400,10 @@ class CostAwareSize(SizingRule):
         keys = float(others_keys + sum(contexts))
         first = states[0]
 
+        price = first.batch_pricer(rows)
+
         def rate(tokens: float, count: float, attended: float, draft: float) -> float:
-            return tokens / (first.batch_forward(rows, count, attended) * scale + draft)
+            return tokens / (price(count, attended) * scale + draft)
 
         plain_rate = best_rate = rate(tokens_total, positions, keys, draft_total)
 
@@ -414,7 +423,7 @@ class CostAwareSize(SizingRule):
                 return 0.0
             if per_node == math.inf:
                 return math.inf
-            return first.batch_ceiling(rows, tokens_total, positions, keys, gain, per_node, room, context, scale)
+            return first.batch_ceiling(rows, tokens_total, positions, keys, gain, per_node, room, context, scale, price)
 
         # the most any plan could reach (SizingState.batch_ceiling): where even that is within
         # the margin of plain decoding (the common case under a heavy load), the search could
@@ -453,11 +462,11 @@ class CostAwareSize(SizingRule):
             positions, keys = float(rows), float(others_keys + sum(contexts))
         for state, depth in zip(states, chosen):
             state.cap = depth
-        step = first.batch_forward(rows, positions, keys) * scale
+        step = price(positions, keys) * scale
         waits = [0] * len(states)
         for r, (state, context) in enumerate(zip(states, contexts)):
             if state.cap == 0:  # only a row running plain may probe
-                extra = first.batch_forward(rows, positions + 1, keys + context) * scale - step
+                extra = price(positions + 1, keys + context) * scale - step
                 miss = 1.0 - self.acceptances(state, 1)[0]
                 waits[r] = min(int(extra * miss * rows / (self.probe_share * step)), self.max_probe_gap)
         return waits
