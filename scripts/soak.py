@@ -10,6 +10,7 @@ when it passes, 1 when not; ``--out`` writes the numbers as JSON.
 
     python scripts/soak.py --model zoo:smollm2-135m --requests 2000 --clients 16
     python scripts/soak.py --model PATH --requests 60 --clients 8 --short   # what make test runs
+    python scripts/soak.py --method suffix --method-arg max_cached_tokens=16384   # a pool that fills early
 """
 from __future__ import annotations
 
@@ -83,6 +84,8 @@ def start_server(args, port: int) -> subprocess.Popen:
                "--dtype", args.dtype, "--kv-cache-mib", str(args.kv_cache_mib)]
     if args.draft_size:
         command += ["--draft-size", args.draft_size]
+    for setting in args.method_arg:
+        command += ["--method-arg", setting]
     from hasten.serve.load import wait_until_healthy
 
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -179,6 +182,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="zoo:smollm2-135m")
     parser.add_argument("--method", default="prompt_lookup")
+    parser.add_argument("--method-arg", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the server's method (repeatable), e.g. max_cached_tokens=16384 for suffix")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--max-batch", type=int, default=16)
@@ -213,7 +218,7 @@ def main() -> int:
     rss_flat, rss_first, rss_second = flat(samples.rss, args.memory_slack)
     kv_flat, kv_first, kv_second = flat(samples.kv, args.memory_slack)
     report = {
-        "model": args.model, "method": args.method, "requests": len(outcomes), "clients": args.clients,
+        "model": args.model, "method": args.method, "method_args": args.method_arg, "requests": len(outcomes), "clients": args.clients,
         "seconds": round(seconds, 1), "errors": len(errors), "first_error": errors[0].error if errors else None,
         "completed": len(outcomes) - len(errors) - len(cancelled), "cancelled": len(cancelled),
         "streamed": sum(o.job.stream for o in outcomes), "plain_requests": sum(not o.job.speculate for o in outcomes),
