@@ -493,3 +493,23 @@ def test_every_drafter_generates_or_is_refused_by_capability(tiny, tiny_gguf, na
             else create(name)
     got, _ = hasten_decode(tiny, prompt, drafter, 16)
     assert got == llama_cpp_greedy(tiny_gguf, prompt, 16, 512)
+
+
+@pytest.mark.real
+@pytest.mark.filterwarnings("ignore::hasten.HastenWarning")
+def test_the_stream_bench_runs_pooled_drafters_on_llama_cpp_against_its_own_loop(tmp_path):
+    """Issue 45, item 3: ``python -m hasten.bench.stream --backend llama.cpp`` keeps one drafter
+    per method for the whole workload on the GGUF file and times it against llama.cpp's own loop,
+    whose tokens must equal hasten's plain decoding (the run stops otherwise)."""
+    import json
+
+    from hasten.bench import stream
+
+    assert stream.main(["--model", "zoo:smollm2-135m", "--backend", "llama.cpp", "--workload", "extraction",
+                        "--count", "2", "--max-new-tokens", "8", "--threads", "1",
+                        "--methods", "autoregressive,suffix", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["settings"]["backend"] == "llama.cpp"
+    rows = {row["method"]: row for row in results["by_category"]["overall"]}
+    assert set(rows) == {"autoregressive", "suffix", "llama_cpp"}
+    assert all(row["identical"] == "2/2" for row in rows.values())

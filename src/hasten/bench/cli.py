@@ -31,7 +31,6 @@ LLAMA_CPP = "llama.cpp"
 # --tasks presets: "auto" is chat for a model whose tokenizer has a chat template, else code.
 TASK_PRESETS = {"code": CATEGORIES, "chat": CHAT_CATEGORIES}
 SPEC_BENCH = "spec-bench"  # Spec-Bench's 480 questions, six categories (spec_bench.py)
-SECOND_TURN_ROOM = 512  # positions a llama.cpp context keeps for an MT-bench second question and its template
 
 
 def _csv(text: str) -> list[str]:
@@ -275,7 +274,7 @@ def load_tasks_and_models(args: argparse.Namespace) -> tuple[list, list[torch.Te
     follow_up = not args.prompts and SPEC_BENCH in _csv(args.tasks)  # MT-bench's second turns, once answered
     if args.backend == LLAMA_CPP:  # llama.cpp's contexts sized to these prompts, the same for every method
         # a second turn holds its first turn, an answer of at most --max-new-tokens and a question
-        room = 2 * args.max_new_tokens + SECOND_TURN_ROOM if follow_up else 0
+        room = 2 * args.max_new_tokens + llamacpp.SECOND_TURN_ROOM if follow_up else 0
         context = llamacpp.context_for(input_ids, args.max_new_tokens + room)
         try:
             model = llamacpp.load(args.model, torch.get_num_threads(), context)

@@ -40,6 +40,7 @@ LOOKUP_TOKENS = 10  # llama-cpp-python's own default for LlamaPromptLookupDecodi
 # which llama.cpp does not expose.
 AUTO_METHODS = (AUTOREGRESSIVE, "prompt_lookup", "lookahead", "draft_model")
 CONTEXT_STEP = 256  # contexts are sized to the longest prompt and budget, rounded up to this
+SECOND_TURN_ROOM = 512  # positions a context keeps for an MT-bench second question and its template
 
 
 def context_for(input_ids: list[torch.Tensor], max_new_tokens: int) -> int:

@@ -152,6 +152,25 @@ def run_stream(methods: list[Method], tasks: list, input_ids: list[torch.Tensor]
 
 
 # ---- the command -------------------------------------------------------------------------------
+LLAMA_CPP_BACKEND = "llama.cpp"
+VLLM_BASELINES = ("vllm", "vllm_ngram", "vllm_suffix", "vllm_hasten_suffix", "vllm_lookahead")
+LLAMA_CPP_BASELINE = "llama_cpp"  # llama.cpp's own greedy loop, flash attention on: the backend's reference
+
+
+def llama_cpp_model(args, tokenizer):
+    """The GGUF model on llama.cpp, its context sized to the workload's prompts, answers and warm-up
+    (a spec-bench second turn holds its first turn and an answer of at most --max-new-tokens)."""
+    from . import llamacpp
+
+    if args.workload == "spec-bench":
+        first_turns = spec_bench_tasks(tokenizer, args.per_task)
+        room = 2 * args.max_new_tokens + llamacpp.SECOND_TURN_ROOM  # as hasten bench sizes it
+    else:
+        first_turns, room = extraction_tasks(tokenizer, args.count), 0
+    ids = [task_input_ids(tokenizer, t) for t in [*first_turns, warmup_task(tokenizer)]]
+    return llamacpp.load(args.model, torch.get_num_threads(), llamacpp.context_for(ids, args.max_new_tokens + room))
+
+
 HASTEN_METHODS = {  # label -> (registered method, settings)
     "autoregressive": (AUTOREGRESSIVE, {}),
     "prompt_lookup": ("prompt_lookup", {}),
@@ -164,9 +183,9 @@ HASTEN_METHODS = {  # label -> (registered method, settings)
 
 def main(argv: list[str] | None = None) -> int:
     from ..arguments import UserError
-    from ..loading import load_model, resolve_path
+    from ..loading import gguf_tokenizer, load_model, resolve_path
     from ..machine import machine_info
-    from . import vllm_cpu
+    from . import llamacpp, vllm_cpu
     from .report import write_report
 
     parser = argparse.ArgumentParser(prog="python -m hasten.bench.stream", description=__doc__.split("\n\n")[0])
@@ -177,15 +196,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="0: all cores")
     parser.add_argument("--methods", default=",".join(HASTEN_METHODS))
-    parser.add_argument("--baselines", default="vllm,vllm_ngram,vllm_suffix,vllm_hasten_suffix,vllm_lookahead",
-                        help="vLLM baselines (hasten.bench.vllm_cpu), comma-separated; none: no vLLM")
+    parser.add_argument("--backend", choices=("torch", LLAMA_CPP_BACKEND), default="torch",
+                        help="llama.cpp: --model is a GGUF file (or a zoo name with one) that hasten's methods run "
+                             "through llama.cpp, against llama.cpp's own loops")
+    parser.add_argument("--baselines", help="comma-separated; none: no baseline. torch backend: vLLM's "
+                        f"(hasten.bench.vllm_cpu; default {','.join(VLLM_BASELINES)}); llama.cpp backend: "
+                        f"llama.cpp's loops (hasten.bench.llamacpp; default {LLAMA_CPP_BASELINE})")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    from transformers import AutoTokenizer
+    on_llama_cpp = args.backend == LLAMA_CPP_BACKEND
+    if args.baselines is None:
+        args.baselines = LLAMA_CPP_BASELINE if on_llama_cpp else ",".join(VLLM_BASELINES)
+    if on_llama_cpp:
+        tokenizer = gguf_tokenizer(args.model)
+        model = llama_cpp_model(args, tokenizer)
+    else:
+        from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
-    model = load_model(args.model, "float32", "cpu")
+        tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
+        model = load_model(args.model, "float32", "cpu")
     tasks = workload_tasks(args.workload, model, tokenizer, args.per_task, args.count, args.max_new_tokens)
     input_ids = [task_input_ids(tokenizer, t) for t in tasks]
     warmup_ids = task_input_ids(tokenizer, warmup_task(tokenizer))
@@ -197,8 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     context = max(ids.shape[1] for ids in [*input_ids, warmup_ids]) + args.max_new_tokens + 8
     try:
         for name in [b for b in args.baselines.split(",") if b and b != "none"]:
-            methods.append(vllm_cpu.baseline_method(name, model, context, args.threads))
-    except UserError as err:
+            methods.append(llamacpp.baseline_method(name, model) if on_llama_cpp
+                           else vllm_cpu.baseline_method(name, model, context, args.threads))
+    except (UserError, ValueError) as err:
         print(f"stream: {err}", file=sys.stderr)
         return 2
     machine = machine_info()
@@ -223,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "machine_after": machine_info()["load_average"],
         "settings": {"model": args.model, "workload": args.workload, "per_task": args.per_task, "count": args.count,
-                     "max_new_tokens": args.max_new_tokens, "dtype": "float32", "repeats": 1, "draft": None,
+                     "max_new_tokens": args.max_new_tokens, "backend": args.backend,
+                     "dtype": "the GGUF file's" if on_llama_cpp else "float32", "repeats": 1, "draft": None,
                      "chat_template": True},
         "tasks": [dataclasses.asdict(t) for t in tasks],
         **measured,
