@@ -218,7 +218,8 @@ def main() -> int:
     rss_flat, rss_first, rss_second = flat(samples.rss, args.memory_slack)
     kv_flat, kv_first, kv_second = flat(samples.kv, args.memory_slack)
     report = {
-        "model": args.model, "method": args.method, "method_args": args.method_arg, "requests": len(outcomes), "clients": args.clients,
+        "model": args.model, "method": args.method, "method_args": args.method_arg, "requests": len(outcomes),
+        "clients": args.clients,
         "seconds": round(seconds, 1), "errors": len(errors), "first_error": errors[0].error if errors else None,
         "completed": len(outcomes) - len(errors) - len(cancelled), "cancelled": len(cancelled),
         "streamed": sum(o.job.stream for o in outcomes), "plain_requests": sum(not o.job.speculate for o in outcomes),
