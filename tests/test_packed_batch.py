@@ -60,7 +60,10 @@ def alone(model, prompt: list[int], blocks) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_every_row_gets_its_own_logits_bit_for_bit(arch, dtype):
+@pytest.mark.parametrize("defer", [False, True], ids=["prefilled", "deferred"])
+def test_every_row_gets_its_own_logits_bit_for_bit(arch, dtype, defer):
+    """``deferred``: a joining row's prompt runs in its first step's packed forward, before its
+    block and beside the other rows' blocks, as the server's scheduler adds rows."""
     model = prepared(arch, dtype)
     # (prompt length, step it joins at, steps it runs): rows join and leave mid-stream
     rows = [(9, 0, 6), (23, 0, 3), (2, 1, 5), (40, 2, 4), (1, 3, 3), (15, 5, 2)]
@@ -74,7 +77,9 @@ def test_every_row_gets_its_own_logits_bit_for_bit(arch, dtype):
     for step in range(8):
         for i, (_, joins, _) in enumerate(rows):
             if joins == step:
-                live[i] = (batch.add(prompts[i])[0], 0)
+                live[i] = (batch.add(prompts[i], defer=defer)[0], 0)
+                assert live[i][0].cache_length == len(prompts[i]) - 1
+                assert len(live[i][0].deferred) == (len(prompts[i]) - 1 if defer else 0)
         order = sorted(live, reverse=bool(step % 2))  # any order of rows
         starts = {i: live[i][0].cache_length for i in order}
         outs = batch.forward_rows([live[i][0] for i in order], [scripts[i][live[i][1]][0] for i in order],
@@ -236,7 +241,7 @@ def test_a_hooked_model_takes_its_own_forward_with_the_same_numbers():
     handle = model.register_forward_hook(lambda *_: calls.append(1))
     try:
         hooked = PackedBatch(model)
-        rows = [hooked.add(p)[0] for p in prompts]
+        rows = [hooked.add(p, defer=True)[0] for p in prompts]  # the prompts run first, through the same forward
         got = hooked.forward_rows(rows, blocks, trees, False)
         for row in rows:
             row.commit(row.cache_length - len(blocks[rows.index(row)]), trees[rows.index(row)] or TokenTree.chain(2), ())
@@ -272,7 +277,21 @@ def test_a_prompt_that_starts_as_a_finished_row_reuses_its_entries_with_the_same
     assert batch.reused_tokens == len(history) // 16 * 16 > len(first)
     got = batch.forward_rows([again], [[follow_up[-1], 3, 4]], [None], False)[0].logits
     assert torch.equal(got, alone(model, follow_up, [([follow_up[-1], 3, 4], None, ())])[0])
+    history_segment = batch.arena.segment(batch.prefixes.find(history)[0])
     batch.remove(again)
+    # the follow-up's entries serve every prefix the history's did: only they stay, and the
+    # history's segment is free again
+    assert len(batch.prefixes) == 1
+    kept, covered = batch.prefixes.find(follow_up)
+    assert covered == len(follow_up[:-1]) // 16 * 16 and kept.tokens == tuple(follow_up[:covered])
+    assert batch.arena.segment(kept) is not history_segment
+    assert all(segment is not history_segment for segment in batch.arena.owned.values())
+
+    # a finished row that shares only the first blocks supersedes nothing: both stay findable
+    branch = batch.add(history[:32] + [11] * 40)[0]
+    batch.remove(branch)
+    assert len(batch.prefixes) == 2
+    assert batch.prefixes.find(follow_up)[0] is kept
 
     # kept entries give way to running rows before the store grows
     tight = PackedBatch(model)

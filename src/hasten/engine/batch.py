@@ -254,8 +254,8 @@ class Scheduler:
         drafter = self.drafter if request.speculate else None
         want_features = drafter is not None and drafter.reads_features()
         prompt_scored = None
-        if request.prompt_logprobs is None:
-            row, prefilled = self.target.add(request.input_ids, hidden=want_features, room=reserved)
+        if request.prompt_logprobs is None:  # a packed batch prefills the prompt in the row's first step
+            row, prefilled = self.target.add(request.input_ids, hidden=want_features, room=reserved, defer=True)
         else:  # the prefill keeps its logits, scored here and dropped
             row, prefilled = self.target.add(request.input_ids, hidden=want_features, logits=True, room=reserved)
             prompt_scored = token_logprobs(row.prompt_logits, request.input_ids[1:], request.prompt_logprobs)

@@ -121,12 +121,13 @@ class BatchAdapter:
     # ---- rows joining and leaving ------------------------------------------------------
     @torch.no_grad()
     def add(self, tokens: list[int], hidden: bool = False, logits: bool = False,
-            room: int | None = None) -> tuple[BatchRow, torch.Tensor | None]:
+            room: int | None = None, defer: bool = False) -> tuple[BatchRow, torch.Tensor | None]:
         """Prefill a new sequence (alone, exactly as a single generation does) and give it a
         row. Returns the row and, if asked, the prefilled tokens' features [T - 1, hidden].
         ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab]
         (row i scores token i + 1) until its reader drops them. ``room``: the tokens the row may
-        come to hold (the padded cache widens as it must: nothing to reserve)."""
+        come to hold (the padded cache widens as it must: nothing to reserve). ``defer``: the
+        prompt is prefilled now all the same (a padded batch's rows start from a cache of their own)."""
         self.flush()
         single = ModelAdapter(self.model)
         _, prefilled = single.start(torch.tensor([tokens], dtype=torch.long), hidden=hidden, logits=logits)

@@ -452,9 +452,11 @@ class LlamaCppBatch:
         self._free = list(range(rows))  # sequence ids no row holds
         self.rows: list[LlamaCppRow] = []
 
-    def add(self, tokens: list[int], hidden: bool = False, room: int | None = None) -> tuple[LlamaCppRow, None]:
+    def add(self, tokens: list[int], hidden: bool = False, room: int | None = None,
+            defer: bool = False) -> tuple[LlamaCppRow, None]:
         """Prefill a new generation (alone in its batches, as a lone generation's prompt) on a free
-        sequence id (``room``: llama.cpp's context holds every sequence's cells: nothing to reserve)."""
+        sequence id (``room``: llama.cpp's context holds every sequence's cells: nothing to reserve;
+        ``defer``: the prompt is prefilled now all the same, as llama.cpp's own loop does)."""
         if hidden:
             raise ValueError(no_features())
         if not self._free:

@@ -49,6 +49,12 @@ class PackedRow(RowOfBatch):
         self.batch = batch
         self.length = 0  # committed tokens cached (all but the root)
         self.tokens: list[int] = []  # the tokens whose entries the row's segment holds, in order
+        self.deferred: list[int] = []  # prompt tokens not cached yet: the row's next forward runs them first
+
+    @property
+    def cache_length(self) -> int:
+        """Committed tokens, the deferred prompt tokens counted as cached (the next forward caches them)."""
+        return self.length + len(self.deferred)
 
     def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None:
         """After the block ``[root] + nodes`` cached from ``start``: keep the root and the
@@ -63,9 +69,10 @@ class PackedRow(RowOfBatch):
         self.length = start + 1 + len(accepted)
 
     def crop(self, new_length: int) -> None:
-        if new_length > self.length:
-            raise ValueError(f"cannot crop a row of {self.length} cached tokens to {new_length}")
-        self.length = new_length
+        if new_length > self.cache_length:
+            raise ValueError(f"cannot crop a row of {self.cache_length} cached tokens to {new_length}")
+        del self.deferred[max(new_length - self.length, 0):]
+        self.length = min(new_length, self.length)
         del self.tokens[new_length:]
 
 
@@ -118,14 +125,17 @@ class PackedBatch:
     # ---- rows joining and leaving ------------------------------------------------------------------
     @torch.no_grad()
     def add(self, tokens: list[int], hidden: bool = False, logits: bool = False,
-            room: int | None = None) -> tuple[PackedRow, torch.Tensor | None]:
+            room: int | None = None, defer: bool = False) -> tuple[PackedRow, torch.Tensor | None]:
         """Prefill a new sequence (every prompt token but the last, the root) and give it a row.
         Entries a finished row left for the same first tokens are copied, not computed
         (:mod:`~hasten.models.prefix_cache`; not when features or logits of every prompt
         position are asked for). Returns the row and, if asked, the prefilled tokens' features
         [T - 1, hidden]; ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab].
         ``room``: the tokens the row may come to hold (its prompt and token budget), its segment's
-        size (past it, the segment moves)."""
+        size (past it, the segment moves). ``defer``: prefill nothing now: the prompt's tokens past
+        the reused entries run at the front of the row's next packed forward, beside the other rows'
+        blocks (a server's step: one forward instead of a prefill's and the step's; the same numbers,
+        as the kernels compute each row alone); not with ``hidden`` or ``logits``."""
         self._flush()
         prompt = tokens[:-1]
         row = PackedRow(self)
@@ -155,6 +165,9 @@ class PackedBatch:
             row.prompt_logits = torch.zeros(0, self.vocab_size, device=self.device)  # [0, vocab] a one-token prompt
         if reused == len(prompt):
             return row, None
+        if defer and not (hidden or logits):
+            row.deferred = list(prompt[reused:])
+            return row, None
         try:
             out = self._forward([row], [prompt[reused:]], [None], hidden, scored=logits)[0]
         except BaseException:
@@ -174,7 +187,9 @@ class PackedBatch:
             raise ValueError("this row is not in this batch")
         self.rows.remove(row)
         self.pending.pop(id(row), None)
-        kept = self.prefixes.keep(row.tokens[:row.length])
+        kept, superseded = self.prefixes.keep(row.tokens[:row.length])
+        for old in superseded:
+            self.arena.release(old)
         if kept is None:
             self.arena.release(row)
         else:  # the whole segment: a row that takes it over later has room to go on
@@ -213,31 +228,46 @@ class PackedBatch:
         length is moved on by the caller). ``scored``: logits at every block position (else none)."""
         for row, block in zip(rows, blocks):  # first every move (finding room may move other rows' segments)
             segment = self.arena.segment(row)
-            if row.length + len(block) > segment.size:  # it outgrew its segment: a larger one, its entries along
-                self.arena.allocate(row, max(2 * segment.size, row.length + len(block) + SLACK), keep=row.length)
+            if row.cache_length + len(block) > segment.size:  # it outgrew its segment: a larger one, its entries along
+                self.arena.allocate(row, max(2 * segment.size, row.cache_length + len(block) + SLACK),
+                                    keep=row.length)
         if not lean.usable(self.model, self._modules):  # hooks (a user's, a profiler's), training mode
-            return [self._own_forward(row, block, tree, hidden, scored) for row, block, tree in zip(rows, blocks, trees)]
+            outs = []
+            for row, block, tree in zip(rows, blocks, trees):
+                if row.deferred:
+                    self._own_forward(row, row.deferred, None, False, False)
+                    self._cached_deferred(row)
+                outs.append(self._own_forward(row, block, tree, hidden, scored))
+            return outs
         ids, positions, slots, start, prefix = [], [], [], [], []
         offsets, extra, any_tree = [0], [], False
-        for row, block, tree in zip(rows, blocks, trees):
-            size, past = len(block), row.length
+        spans = []  # each block's [begin, end) in the packed tokens (a row's deferred prompt tokens run before it)
+
+        def place(row: PackedRow, block: list[int], tree: TokenTree | None, past: int) -> None:
+            nonlocal any_tree
+            size = len(block)
             segment = self.arena.segment(row)
             first = segment.start + past  # the store entry of the block's first token
-            ids += block
-            slots += range(first, first + size)
-            start += [segment.start] * size
+            ids.extend(block)
+            slots.extend(range(first, first + size))
+            start.extend([segment.start] * size)
             if tree is None or tree.is_chain:  # causal: each token sees the cache and the block up to itself
-                positions += range(past, past + size)
-                prefix += range(first + 1, first + size + 1)
-                offsets += [offsets[-1]] * size
+                positions.extend(range(past, past + size))
+                prefix.extend(range(first + 1, first + size + 1))
+                offsets.extend([offsets[-1]] * size)
             else:  # a tree token sees the cache, then its ancestors in the block (and itself), in order
                 any_tree = True
-                positions += (tree.block_positions + past).tolist()
-                prefix += [first] * size
+                positions.extend((tree.block_positions + past).tolist())
+                prefix.extend([first] * size)
                 for seen in tree.block_mask.tolist():
-                    extra += [first + j for j, visible in enumerate(seen) if visible]
+                    extra.extend(first + j for j, visible in enumerate(seen) if visible)
                     offsets.append(len(extra))
-            self.pending[id(row)] = size
+
+        for row, block, tree in zip(rows, blocks, trees):
+            place(row, row.deferred, None, row.length)  # a deferred prefill: a chain before the block
+            place(row, block, tree, row.cache_length)
+            spans.append((len(ids) - len(block), len(ids)))
+            self.pending[id(row)] = len(block)
         index = dict(dtype=torch.long, device=self.device)
         lists = ops.KeyLists(torch.tensor(start, **index), torch.tensor(prefix, **index),
                              torch.tensor(offsets, **index) if any_tree else None,
@@ -252,13 +282,25 @@ class PackedBatch:
         with forwards.active():
             states = lean.run(self.model, torch.tensor(ids, **index),
                               torch.tensor(positions, **index), attend)  # [N, hidden] the final norm's output
-            logits = self.model.lm_head(states).float() if scored else None  # [N, vocab]
+            scored_states = states  # [M, hidden] the blocks' positions (all N unless a deferred prefill ran too)
+            if sum(end - begin for begin, end in spans) < len(ids):
+                scored_states = states[torch.cat([torch.arange(begin, end) for begin, end in spans])]
+            logits = self.model.lm_head(scored_states).float() if scored else None  # [M, vocab]
+        for row in rows:
+            self._cached_deferred(row)
         outs, at = [], 0
-        for block in blocks:
-            end = at + len(block)
-            outs.append(ForwardOutput(None if logits is None else logits[at:end], states[at:end] if hidden else None))
-            at = end
+        for (begin, end), block in zip(spans, blocks):
+            outs.append(ForwardOutput(None if logits is None else logits[at:at + len(block)],
+                                      states[begin:end] if hidden else None))
+            at += len(block)
         return outs
+
+    @staticmethod
+    def _cached_deferred(row: PackedRow) -> None:
+        """A forward cached the row's deferred prompt tokens."""
+        row.tokens += row.deferred
+        row.length += len(row.deferred)
+        row.deferred = []
 
     def _own_forward(self, row: PackedRow, block: list[int], tree: TokenTree | None, hidden: bool,
                      scored: bool) -> ForwardOutput:

@@ -44,18 +44,29 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self.kept)
 
-    def keep(self, tokens: list[int]) -> Kept | None:
+    def keep(self, tokens: list[int]) -> tuple[Kept | None, list[Kept]]:
         """Index a finished sequence's ``tokens`` (its cached entries, in order): the object that
-        is to own their segment, or None when they hold no whole block."""
+        is to own their segment (None when they hold no whole block), and the kept entries it
+        supersedes, dropped from the index here: every prefix they served is now served by it (a
+        prompt's entries once its answer's are kept), so their segments are only dead weight that
+        would push out entries still in use."""
         blocks = len(tokens) // BLOCK
         if not blocks:
-            return None
+            return None, []
         kept = Kept(tuple(tokens[:blocks * BLOCK]))
         hashes = chain(kept.tokens, blocks)
+        displaced: dict[Kept, None] = {}  # earlier holders of these prefixes, in order, once each
         for b, value in enumerate(hashes):
+            earlier = self.index.get(value)
+            if earlier is not None:
+                displaced[earlier[0]] = None
             self.index[value] = (kept, (b + 1) * BLOCK)  # the newest holder of a prefix serves it
         self.kept[kept] = hashes
-        return kept
+        superseded = [old for old in displaced
+                      if not any(self.index[value][0] is old for value in self.kept[old] if value in self.index)]
+        for old in superseded:
+            self.forget(old)
+        return kept, superseded
 
     def find(self, tokens: list[int]) -> tuple[Kept | None, int]:
         """The kept entries covering the longest whole-block prefix of ``tokens``, and how many
