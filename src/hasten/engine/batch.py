@@ -264,6 +264,7 @@ class Scheduler:
         sequence = Sequence(row, list(request.input_ids), prefilled, drafter, request,
                             acceptance_rule(request.sampling, self.lossy_acceptance), stats, sizing,
                             model_source=self.runtime.source)
+        # a deferred prompt (a packed batch's) is computed in the row's first step: its time counts there
         stats.prefill_seconds += time.perf_counter() - clock
         return _Running(sequence, row, queued_seconds, reserved, prompt_scored)
 
