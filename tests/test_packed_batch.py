@@ -334,3 +334,19 @@ def test_rows_of_a_packed_batch_feed_the_shared_pool_once_each(method):
     assert not pool.active and pool.finished == 5
     if method == "suffix":  # every token a pooled row generated is cached once, no prompt token
         assert pool.cached_tokens == sum(len(generated[row]) for row in generated if row != private)
+
+
+def test_a_row_cropped_before_its_deferred_prompt_runs_keeps_the_rest_of_it():
+    """Cropping a row whose prompt has not run yet drops the deferred tokens past the crop;
+    its next forward runs what is left, with the logits of the shorter prompt decoded alone."""
+    model = prepared("llama", torch.float32)
+    prompt = repetitive_prompt(30, seed=6)[0].tolist()
+    batch = PackedBatch(model)
+    row = batch.add(prompt, defer=True)[0]
+    assert row.cache_length == 29 and len(row.deferred) == 29
+    row.crop(20)
+    assert row.cache_length == 20 and len(row.deferred) == 20
+    shorter = prompt[:21]  # 20 cached, then its root
+    got = batch.forward_rows([row], [[shorter[-1], 3, 4]], [None], False)[0].logits
+    assert torch.equal(got, alone(model, shorter, [([shorter[-1], 3, 4], None, ())])[0])
+    assert not row.deferred and row.length == 23
