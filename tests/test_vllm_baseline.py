@@ -162,6 +162,18 @@ def test_bench_without_vllms_environment_says_how_to_get_it(tmp_path, checkpoint
     assert code != 0 and "make vllm" in capsys.readouterr().err
 
 
+def test_vllms_own_suffix_without_arctic_inference_says_how_to_build_it(stand_in, tmp_path, monkeypatch):
+    """vLLM's hint names an arctic-inference release that does not fit vLLM 0.32; the baseline
+    names the target that builds the one that does, before any engine starts."""
+    with pytest.raises(UserError, match="make vllm-suffix"):
+        vllm_cpu.baseline_method(vllm_cpu.VLLM_SUFFIX, tiny_model("llama"), 256, 1)
+    suffix_decoding = tmp_path / "site" / "arctic_inference" / "suffix_decoding"
+    suffix_decoding.mkdir(parents=True)
+    (suffix_decoding.parent / "__init__.py").write_text("")
+    (suffix_decoding / "__init__.py").write_text("")
+    assert vllm_cpu.arctic_inference_in(vllm_cpu.vllm_python())
+
+
 def test_bench_cli_times_the_vllm_baselines_beside_hasten(stand_in, checkpoint, tmp_path):
     code = main(["bench", "--model", checkpoint, "--methods", AUTOREGRESSIVE, "--baselines", "vllm,vllm_ngram",
                  "--tasks", "complete", "--per-task", "1", "--max-new-tokens", "4", "--repeats", "1",

@@ -233,7 +233,7 @@ class Engine:
             if on_piece is not None:
                 on_piece(step[0])
 
-        reason = consume(self.steps(prompt, stats, **kwargs), take)
+        reason = consume(self.steps(prompt, stats, stream_text=on_piece is not None, **kwargs), take)
         return EngineOutput("".join(pieces), ids, stats, reason)
 
     def _pieces(self, input_ids: torch.Tensor, kwargs: dict) -> Iterator[str]:
@@ -278,6 +278,7 @@ class Engine:
         stop: str | list[str] | None = None,
         images: list | None = None,
         constraint=None,
+        stream_text: bool = True,
         **rules,
     ) -> Generator[tuple[str, list[int]], None, str | None]:
         """Yield (text piece, token ids) per decode step; ``stats`` fills in as it runs.
@@ -293,8 +294,9 @@ class Engine:
         text follows it (structured output): ``hasten.JsonSchema(schema)`` (``JsonSchema()``: any
         JSON object), ``hasten.Regex(pattern)``, ``hasten.Choice([...])`` or ``hasten.Grammar(text)``
         (Lark or GBNF); greedy text is plain constrained decoding's, token for token, with any
-        method (see :mod:`hasten.engine.constraint`). Returns (as a
-        generator returns) why it ended: "stop" (EOS or a stop string) or "length"."""
+        method (see :mod:`hasten.engine.constraint`). ``stream_text=False``: the text pieces are
+        empty until the last item, which holds the whole text (decoded once, not at every step).
+        Returns (as a generator returns) why it ended: "stop" (EOS or a stop string) or "length"."""
         model_inputs: dict = {}
         if images is not None:
             if not isinstance(prompt, str):
@@ -308,7 +310,7 @@ class Engine:
         request = self.request(input_ids, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                                top_p=top_p, seed=seed, stop=stop, model_inputs=model_inputs,
                                constraint=constraint, **rules)
-        text = TextStream(self.tokenizer, request.stop)
+        text = TextStream(self.tokenizer, request.stop, streaming=stream_text)
         sizing = self.sizing.for_request(not request.sampling.greedy, seed is not None)
         decoding = stepped_in_threads(decode(self.runtime, request, self.drafter, stats,
                                              acceptance_rule(request.sampling), sizing), self.threads)

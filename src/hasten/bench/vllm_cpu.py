@@ -19,7 +19,8 @@ at a time, interleaved with every other method as usual. The worker times
 * ``vllm_lookahead``: hasten's lookahead trie's likeliest chain (:class:`hasten.vllm.Lookahead`),
   sized as ``vllm_prompt_lookup``, up to 10 tokens.
 * ``vllm_suffix``: vLLM's own suffix decoding (``method="suffix"``, arctic-inference's trees;
-  it needs ``arctic_inference`` importable in vLLM's environment), 24 tokens at most;
+  it needs ``arctic_inference`` importable in vLLM's environment: ``make vllm-suffix``), 24 tokens
+  at most;
   ``vllm_hasten_suffix`` and ``vllm_hasten_suffix_fixed``: hasten's port of the same algorithm
   through :class:`hasten.vllm.Suffix` (sized) and :class:`hasten.vllm.FixedSuffix` (as deep as
   the match allows, as vLLM's).
@@ -161,6 +162,13 @@ def exported_medusa(model) -> tuple[dict, Callable[[], None]]:
     return config, folder.cleanup
 
 
+def arctic_inference_in(python: Path) -> bool:
+    """Whether vLLM's environment imports arctic-inference's suffix decoding (vLLM's ``suffix``)."""
+    found = subprocess.run([str(python), "-P", "-c", "import arctic_inference.suffix_decoding"],
+                           capture_output=True, timeout=60)
+    return found.returncode == 0
+
+
 def baseline_method(name: str, model, max_model_len: int, threads: int) -> Method:
     """A vLLM baseline on the directory ``model`` was loaded from, in its dtype."""
     if name not in BASELINES:
@@ -168,6 +176,9 @@ def baseline_method(name: str, model, max_model_len: int, threads: int) -> Metho
     python = vllm_python()
     if python is None:
         raise UserError(f"the {name} baseline needs vLLM: {INSTALL}")
+    if name == VLLM_SUFFIX and not arctic_inference_in(python):  # vLLM's own hint names a version that is not 0.3.0
+        raise UserError(f"the {name} baseline (vLLM's own suffix decoding) imports arctic-inference, which is not "
+                        f"in vLLM's environment ({python}): run `make vllm-suffix`, which builds it there")
     if is_quantized(model):  # its outputs would be another model's than the one hasten runs
         raise ValueError(f"the {name} baseline runs the checkpoint's own weights, not hasten's int8 layers: "
                          "time it without --dtype int8")

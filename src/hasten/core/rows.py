@@ -62,7 +62,9 @@ class RowCache(Protocol):
 
 class Target(Protocol):
     """Runs one block per sequence, all in one forward. ``riders`` (per row) is passed only
-    when a draft carries riders, which only a target with ``Capability.RIDERS`` is given."""
+    when a draft carries riders, which only a target with ``Capability.RIDERS`` is given.
+    The outputs are read before the next ``forward_rows`` (the decode step does): a target may
+    hand out views of its own buffers that the next forward overwrites (llama.cpp's logits)."""
 
     def forward_rows(self, rows: list[RowCache], blocks: list[list[int]], trees: list[TokenTree],
                      hidden: bool, **riders: list[Riders | None]) -> list[ForwardOutput]: ...

@@ -318,6 +318,8 @@ def stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``tensors`` ([n_i, vocab] each) as one [sum n_i, vocab] tensor: a view when they lie end
     to end in one storage already (the packed batch's logits), else a copy."""
     first = tensors[0]
+    if len(tensors) == 1:
+        return first
     width = first.shape[-1]
     if all(t.is_contiguous() and t.dtype == first.dtype and t.device == first.device for t in tensors):
         at = first.data_ptr()
