@@ -419,8 +419,7 @@ class LlamaCppTarget(LlamaCppRow):
             chunk = rest[begin : begin + capacity]
             logits = self._decode(chunk, [True] * len(chunk))
             pieces.append(logits if begin + capacity >= len(rest) else logits.clone())  # the next chunk overwrites it
-        logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0, self.vocab_size)
-        return ForwardOutput(logits, None)
+        return ForwardOutput(joined(pieces, self.vocab_size), None)
 
     def forward_rows(self, rows: list["LlamaCppTarget"], blocks: list[list[int]], trees: list[TokenTree | None],
                      hidden: bool) -> list[ForwardOutput]:
@@ -506,12 +505,19 @@ class LlamaCppBatch:
         outs = []
         for root_logits, pieces in zip(reused, decoded):
             pieces = ([] if root_logits is None else [root_logits]) + pieces
-            logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces) if pieces else torch.empty(0, self.vocab_size)
-            outs.append(ForwardOutput(logits, None))
+            outs.append(ForwardOutput(joined(pieces, self.vocab_size), None))
         return outs
 
     def close(self) -> None:
         self.context.close()
+
+
+def joined(pieces: list[torch.Tensor], vocab: int) -> torch.Tensor:
+    """A block's logits [n, vocab] from its pieces (the reused root, decoded chunks): the one
+    piece itself (no copy), or the pieces concatenated."""
+    if len(pieces) == 1:
+        return pieces[0]
+    return torch.cat(pieces) if pieces else torch.empty(0, vocab)
 
 
 def runs(owners: list[int], logits: torch.Tensor):
