@@ -113,7 +113,9 @@ def replay_table(recording: Recording, variants: list[tuple[str, str, str]], set
             cell[1] += seconds
             cell[2] += steps
 
-    rules = {"auto": lambda: CostAwareSize(recording.curve), "fixed": FixedSize}
+    # one rule per variant for every prompt, as the bench and a loaded model keep one (auto's
+    # measured acceptance is the next prompt's prior)
+    rules = {label: CostAwareSize(recording.curve) if size == "auto" else FixedSize() for _, size, label in variants}
     work = [(entry, variant) for entry in recording.entries for variant in [None, *variants]]
     for entry, variant in tqdm(work, desc="replaying", unit="run", disable=not progress):
         if variant is None:
@@ -123,7 +125,7 @@ def replay_table(recording: Recording, variants: list[tuple[str, str, str]], set
                 add(entry.category, "copy bound", len(entry.output), copy_bound(recording, entry), 0)
             continue
         name, size, label = variant
-        done = replay(recording, entry, make_drafter(name, **settings[name]), rules[size]())
+        done = replay(recording, entry, make_drafter(name, **settings[name]), rules[label])
         add(entry.category, label, len(entry.output), done.seconds, done.stats.steps)
     table = {}
     order = [*(key for key in sums if key != OVERALL), OVERALL]

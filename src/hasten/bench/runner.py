@@ -70,13 +70,15 @@ def hasten_method(name: str, model, draft=None, draft_size: str | None = None, l
     """A registered drafter (or "autoregressive"), a fresh drafter per run, greedy, EOS ignored.
     ``draft`` goes only to methods that declare they need a draft model. ``draft_size``:
     "fixed" or "auto" (see hasten.engine.sizing), unset meaning what it means everywhere
-    (auto, for greedy decoding); ``label`` names the method in the results (default
-    ``name``), so one drafter can be timed with both sizings side by side."""
+    (auto, for greedy decoding), one rule for all the method's runs, as a loaded model
+    (``hasten.load``) and the server keep one: what auto sizing measured of the drafter's
+    acceptance in earlier prompts is a later one's prior; ``label`` names the method in the
+    results (default ``name``), so one drafter can be timed with both sizings side by side."""
     if name not in REGISTRY or not REGISTRY[name].needs_draft_model:
         draft = None
     make_drafter(name, draft, **settings)  # fail now, not in the middle of the benchmark
     draft_size = default_size(draft_size, sampled=False, seeded=False)
-    sizing_rule(draft_size)
+    rule = sizing_rule(draft_size)
     if draft_size == "auto" and name != AUTOREGRESSIVE:
         load_or_calibrate(model)  # the machine's cost curve, measured (or read) before anything is timed
 
@@ -86,7 +88,7 @@ def hasten_method(name: str, model, draft=None, draft_size: str | None = None, l
         drafter = make_drafter(name, draft, **settings)  # built outside the timed call
         clock = time.perf_counter()
         out = generate(model, input_ids, drafter=drafter, max_new_tokens=max_new_tokens,
-                       eos_token_id=None if stop_at_eos else [], draft_size=draft_size,
+                       eos_token_id=None if stop_at_eos else [], draft_size=rule,
                        threads=None)  # torch's threads: the bench's --threads, set for its process
         seconds = time.perf_counter() - clock
         return out.sequences[0, start(input_ids) :].tolist(), out.stats, seconds

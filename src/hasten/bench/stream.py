@@ -34,7 +34,7 @@ import torch
 
 from ..api import AUTOREGRESSIVE, make_drafter
 from ..engine.loop import generate
-from ..engine.sizing import default_size
+from ..engine.sizing import default_size, sizing_rule
 from ..engine.calibration import load_or_calibrate
 from .chat_tasks import chat_task, task_input_ids
 from .runner import OVERALL, Cell, LosslessnessError, Method, _check, compare
@@ -95,17 +95,19 @@ def warmup_task(tokenizer):
 
 
 def kept_method(name: str, model, label: str | None = None, draft_size: str | None = None, **settings) -> Method:
-    """A hasten method whose drafter is built once and kept for the whole stream (its pool, if
-    it has one, learns from every prompt before)."""
+    """A hasten method whose drafter and sizing rule are built once and kept for the whole
+    stream (the drafter's pool, if it has one, and the rule's measured acceptance learn from
+    every prompt before), as the server keeps them."""
     drafter = make_drafter(name, **settings)
     draft_size = default_size(draft_size, sampled=False, seeded=False)
+    rule = sizing_rule(draft_size)
     if draft_size == "auto" and drafter is not None:
         load_or_calibrate(model)
 
     def run(input_ids, max_new_tokens):
         clock = time.perf_counter()
         out = generate(model, input_ids, drafter=drafter, max_new_tokens=max_new_tokens, eos_token_id=[],
-                       draft_size=draft_size)
+                       draft_size=rule)
         seconds = time.perf_counter() - clock
         return out.sequences[0, input_ids.shape[1]:].tolist(), out.stats, seconds
 

@@ -32,6 +32,15 @@ from 0.98x to 1.00x of plain decoding (conversation 0.98x to 1.00x, QA 0.97x to 
 0.96x to 1.06x of its fixed size on PyTorch and from 1.06x to 1.08x of plain decoding on llama.cpp
 (replays of November 2026; ``hasten replay`` measures it again).
 
+Hindsight: a drafter whose proposal is cheap and changes nothing (``Drafter.hindsight_ok``:
+prompt lookup) is asked for a draft on the steps the rule keeps plain too; the draft is not
+verified but compared with the tokens committed next (:meth:`SizingRule.watch`), which is what
+verification would have accepted. One such draft at a time, the next where it ends, as a drafter
+that always drafted would have been verified. The rule then measures acceptance on every step
+without paying for a probe, and makes none: on a steep curve every failed probe cost more than a
+plain step (the first one, on the step after a chat prompt, was rejected on all 15 QA, math and
+summarisation answers replayed on SmolLM2 Q4_1).
+
 A rule is chosen once per generation (like the acceptance rule); its per-generation
 state comes from ``begin`` and lives with the loop.
 The rule itself touches no model (it lives on the ground floor, so :mod:`hasten.vllm` sizes
@@ -65,7 +74,9 @@ class SizingRule:
     name: str = "fixed"
     uses_evidence: bool = False  # asks the drafter's evidence (Drafter.evidence) before each step
 
-    def begin(self, target: Any) -> Any:
+    def begin(self, target: Any, hindsight: bool = False) -> Any:
+        """``hindsight``: the loop checks the drafter's unverified drafts against what gets
+        committed (:meth:`watch`), so the rule can learn without verifying drafts."""
         return None
 
     def depth(self, state: Any, limit: int, evidence: int | None = None) -> int:
@@ -75,6 +86,20 @@ class SizingRule:
 
     def observe(self, state: Any, tree: TokenTree, accepted: int, draft_seconds: float, verify_seconds: float) -> None:
         """The step's verified (already cut) draft tree, its accepted path length and timings."""
+
+    def watch(self, state: Any, limit: int) -> int:
+        """After :meth:`depth` chose a plain step, in a generation begun with ``hindsight``: how
+        deep a draft to ask for anyway, not verified but checked against the tokens this step
+        and the next ones commit (:meth:`observe_hindsight`); 0: none."""
+        return 0
+
+    def observe_hindsight(self, state: Any, evidence: int | None, drafted: int, accepted: int,
+                          draft_seconds: float) -> None:
+        """A watched chain ``drafted`` deep, graded ``evidence`` when asked for, whose first
+        ``accepted`` tokens are what was committed (the next one was not, unless ``accepted``
+        is ``drafted``): what verifying it would have accepted, for greedy decoding exactly,
+        and for sampling with the same chance (a deterministic draft token is accepted with
+        the target's probability of it, the chance that sampling draws it)."""
 
     def share(self, state: Any, rows: int, positions: int | None = None, keys: int | None = None) -> None:
         """The next step's forward is shared by ``rows`` sequences (a batch); once their drafts
@@ -133,6 +158,9 @@ class SizingState:
     # per evidence class, per depth: the acceptance the generations before this one measured
     # (the rule's pool when it began), its prior in place of the rule's fixed guess
     prior_by: dict[int | None, list[float]] = field(default_factory=dict)
+    # the loop checks unverified drafts against the committed tokens (SizingRule.watch): acceptance
+    # is measured on plain steps too, so the rule never pays for a probe
+    hindsight: bool = False
 
     @property
     def trials(self) -> list[float]:
@@ -223,13 +251,13 @@ class CostAwareSize(SizingRule):
         self.pool_trials: dict[int | None, list[float]] = {}
         self.pool_hits: dict[int | None, list[float]] = {}
 
-    def begin(self, target: Any) -> SizingState:
+    def begin(self, target: Any, hindsight: bool = False) -> SizingState:
         curve = self.curve if self.curve is not None else self.curve_for(target)
         packed = bool(getattr(target, "packed_rows", False))
         batch_cost = self.batch_cost_for(target) if packed else None
         prior_by = {evidence: self.pooled(evidence) for evidence in self.pool_trials}
         return SizingState(curve, probe_gap=self.first_probe_gap, packed=packed, batch_cost=batch_cost,
-                           prior_by=prior_by)
+                           prior_by=prior_by, hindsight=hindsight)
 
     def curve_for(self, target: Any) -> CostCurve:
         """The target's cost curve when none was given (:mod:`hasten.engine.sizing` calibrates
@@ -381,7 +409,7 @@ class CostAwareSize(SizingRule):
             state.probing = False
             if state.cap == 0:  # now and then a probe re-measures acceptance (a failed one doubles the wait)
                 state.skipped += 1
-                if state.skipped > max(state.probe_gap, wait) and limit > 0:
+                if state.skipped > max(state.probe_gap, wait) and limit > 0 and not state.hindsight:
                     state.cap, state.probing = 1, True
 
     def _plan_packed(self, states: list[SizingState], limits: list[int], others: int, others_keys: int,
@@ -525,7 +553,7 @@ class CostAwareSize(SizingRule):
             first = min(limit, FIRST_DEPTHS)
             rates = self.rates(state, first)
             best = max(range(len(rates)), key=lambda k: (rates[k], -k))
-            state.chosen = max(best, self.probe_depth(state, first))
+            state.chosen = best if state.hindsight else max(best, self.probe_depth(state, first))
             return state.chosen
         top = self.top(state, limit)
         tokens, nodes = self.expected(state, top)
@@ -541,7 +569,7 @@ class CostAwareSize(SizingRule):
         if best == 0:
             state.skipped += 1
             # now and then a probe re-measures acceptance, as shallow as could show a gain
-            probe = self.probe_depth(state, top) if top else 0
+            probe = self.probe_depth(state, top) if top and not state.hindsight else 0
             if probe and state.skipped > max(state.probe_gap, self.affordable_gap(state, probe)):
                 best, state.probing = probe, True
         state.chosen = best
@@ -605,11 +633,37 @@ class CostAwareSize(SizingRule):
         counts = [0] * drafted
         for depth in depths:
             counts[depth - 1] += 1
-        trials, hits = state.trials, state.hits
+        self.count(state, state.evidence, counts, accepted)
+
+    def watch(self, state: SizingState, limit: int) -> int:
+        if not state.hindsight or state.chosen:
+            return 0
+        return min(limit, FIRST_DEPTHS)
+
+    def observe_hindsight(self, state: SizingState, evidence: int | None, drafted: int, accepted: int,
+                          draft_seconds: float) -> None:
+        if drafted == 0:
+            return
+        first, state.reach = state.reach is None, max(state.reach or 0, drafted)
+        if evidence is not None:
+            state.top_grade = evidence if state.top_grade is None else max(state.top_grade, evidence)
+        state.most_nodes = max(state.most_nodes, drafted)
+        if not first:  # as observe: a first proposal's time is no step's drafting cost
+            sums = state.draft_sums
+            for i, value in enumerate((1.0, drafted, drafted * drafted, draft_seconds, drafted * draft_seconds)):
+                sums[i] = sums[i] * self.decay + value
+        self.count(state, evidence, [1] * drafted, accepted)
+
+    def count(self, state: SizingState, evidence: int | None, counts: list[int], accepted: int) -> None:
+        """Add a draft with ``counts[d - 1]`` nodes at depth d, of which ``accepted`` levels
+        were accepted, to ``evidence``'s trials and hits, the rule's pool and the widths."""
+        drafted = len(counts)
+        trials = state.trials_by.setdefault(evidence, [])
+        hits = state.hits_by.setdefault(evidence, [])
         trials.extend([0.0] * (drafted - len(trials)))
         hits.extend([0.0] * (drafted - len(hits)))
-        pool_trials = self.pool_trials.setdefault(state.evidence, [])
-        pool_hits = self.pool_hits.setdefault(state.evidence, [])
+        pool_trials = self.pool_trials.setdefault(evidence, [])
+        pool_hits = self.pool_hits.setdefault(evidence, [])
         pool_trials.extend([0.0] * (drafted - len(pool_trials)))
         pool_hits.extend([0.0] * (drafted - len(pool_hits)))
         for d in range(1, drafted + 1):

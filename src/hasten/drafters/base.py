@@ -208,7 +208,11 @@ class Drafter:
     * ``needs_draft_model``: built with a second model, ``Drafter(model, ...)``;
     * ``encoder_decoder_ok``: can serve encoder-decoder targets (which verify chains only:
       a tree draft is cut to its :meth:`Draft.main_chain` there);
-    * ``Training``: a :class:`~hasten.drafters.trainable.Trainable`, for ``hasten train NAME``.
+    * ``Training``: a :class:`~hasten.drafters.trainable.Trainable`, for ``hasten train NAME``;
+    * ``hindsight_ok``: ``propose`` is cheap and changes nothing but what it looked up for
+      these very tokens, so cost-aware sizing may ask for a draft on a step it keeps plain and
+      learn from what gets committed instead of verifying it (no probes: see
+      :meth:`~hasten.core.sizing.SizingRule.watch`).
     """
 
     name: ClassVar[str]
@@ -217,6 +221,7 @@ class Drafter:
     needs_draft_model: ClassVar[bool] = False
     encoder_decoder_ok: ClassVar[bool] = True
     Training: ClassVar[type | None] = None
+    hindsight_ok: ClassVar[bool] = False
     settings: Any
 
     def __init__(self, settings=None, **kwargs):

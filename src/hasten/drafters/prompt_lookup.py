@@ -52,6 +52,7 @@ class LookupState:
 class PromptLookup(Drafter):
     name = "prompt_lookup"
     Settings = PromptLookupSettings
+    hindsight_ok = True  # a proposal is a lookup, remembered for these tokens, and a copy
 
     def __init__(self, settings: PromptLookupSettings | None = None, **kwargs):
         super().__init__(settings, **kwargs)

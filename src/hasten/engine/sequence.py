@@ -84,9 +84,12 @@ class Sequence:
         self._ended = drafter is None
         self.fit = Draft.limit_depth if cache.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
         self.sizing = sizing or FixedSize()
+        # a chain drafted on a plain step and not verified, still being compared with what gets
+        # committed: (evidence, tokens, where they would start in self.tokens, drafting seconds)
+        self.watched: tuple[int | None, tuple[int, ...], int, float] | None = None
         if drafter is not None:
             self.ctx.state = drafter.begin(self.ctx)
-            self.size_state = self.sizing.begin(cache)
+            self.size_state = self.sizing.begin(cache, hindsight=drafter.hindsight_ok)
         # the constraint's one hook: it fits each draft to the grammar, masks the verified logits, follows commits
         self.constraint = None if request.constraint is None else RowConstraint(
             request.constraint, self.eos_token_ids, tokens[len(tokens) - resumed:])
@@ -125,12 +128,46 @@ class Sequence:
             self.ctx.max_depth = self.sizing.depth(self.size_state, budget - 1, self.evidence)
             if self.ctx.max_depth > 0:
                 draft = self.fit(self.drafter.propose(self.ctx), self.ctx.max_depth)
+            else:
+                self.watch(budget - 1)
         if self.constraint is not None:  # forced text only where a method drafts: plain decoding stays plain
             draft = self.constraint.fit(draft, self.depth_limit if self.drafter is not None else 0, self.tokens,
                                         self.cache.trees_ok)
         self.draft_ended = self.clock()
         self._start = self.cache.cache_length  # == len(tokens) - 1, before the forward caches the block
         return draft
+
+    def watch(self, limit: int) -> None:
+        """On a plain step, draft anyway as deep as the sizing rule asks, without verifying:
+        the tokens committed from now on say what verification would have accepted
+        (:meth:`SizingRule.observe_hindsight`), so the rule learns without paying for probes.
+        One chain at a time, the next where it ends: the drafts a drafter that always drafts
+        would have verified, each one trial (overlapping chains along one copied stretch would
+        count it many times over)."""
+        if self.watched is not None:
+            return
+        self.ctx.max_depth = self.sizing.watch(self.size_state, limit)
+        if self.ctx.max_depth > 0:
+            began = self.clock()
+            chain = self.drafter.propose(self.ctx).main_chain(self.ctx.max_depth).tokens
+            if chain:
+                self.watched = (self.evidence, tuple(chain), len(self.tokens), self.clock() - began)
+            self.ctx.max_depth = 0
+
+    def check_watched(self) -> None:
+        """Settle the watched chain once the committed tokens decide it: at its first
+        difference from them, once as many tokens are committed, or when the sequence ends
+        (then only as deep as is known)."""
+        evidence, chain, at, seconds = self.watched
+        known = self.tokens[at : at + len(chain)]
+        accepted = next((i for i, (a, b) in enumerate(zip(chain, known)) if a != b), len(known))
+        if accepted < len(known) or len(known) == len(chain):
+            self.sizing.observe_hindsight(self.size_state, evidence, len(chain), accepted, seconds)
+        elif self.finished:
+            self.sizing.observe_hindsight(self.size_state, evidence, len(known), accepted, seconds)
+        else:
+            return
+        self.watched = None
 
     def _scoring_rows(self, raw: torch.Tensor, ruled: torch.Tensor, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), vocab] what a committed token's log-probability is read from: the raw
@@ -198,6 +235,8 @@ class Sequence:
                                 verified_at - self.draft_ended)
             riders = None if out.riders is None else out.riders[kept_blocks[-1]]
             self.drafter.observe(ctx, StepResult(len(draft), len(verdict.accepted), max_depth, riders))
+        if self.watched is not None:
+            self.check_watched()
         return new
 
     def _apply_stop_rules(self, new: list[int]) -> list[int]:

@@ -1,0 +1,120 @@
+"""Hindsight: cost-aware sizing learns a drafter's acceptance on the steps it keeps plain, from a
+draft it asks for but does not verify, checked against the tokens committed afterwards
+(``Drafter.hindsight_ok``, ``SizingRule.watch``). So where a failed draft costs more than a plain
+step (llama.cpp on a CPU) no probe is ever verified to learn that drafting does not pay, and
+drafting starts as soon as the watched drafts show it would. Replayed on recorded outputs, the
+forwards priced by a given curve; no test times anything."""
+import functools
+
+import pytest
+
+import hasten
+from hasten.bench.replay import Recorded, Recording, replay
+from hasten.core.sampling import Sampling
+from hasten.drafters import PromptLookup
+from hasten.engine.calibration import CostCurve
+from hasten.engine.sizing import CostAwareSize
+from helpers import ScriptedDrafter, tiny_model
+from test_sampling_distribution import TARGET, bound, exact_law, sampled_law_tv
+
+# llama.cpp's chunked kernels on one CPU thread: a block of 2 costs 2 steps, of 4 only 3
+CHUNKED = CostCurve(tuple(range(1, 17)), tuple(3.0 * (n // 4) + (n % 4) for n in range(1, 17)))
+VOCAB = 32
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+OUTPUT = [(7 * i + 3) % VOCAB for i in range(60)]
+
+
+class Watchable(ScriptedDrafter):
+    hindsight_ok = True
+
+
+class Logged(CostAwareSize):
+    """Records what every watched draft showed: (evidence, drafted, accepted)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen = []
+
+    def observe_hindsight(self, state, evidence, drafted, accepted, draft_seconds):
+        self.seen.append((evidence, drafted, accepted))
+        super().observe_hindsight(state, evidence, drafted, accepted, draft_seconds)
+
+
+def replayed(drafter, rule, curve=CHUNKED):
+    recording = Recording("m", "llama.cpp", VOCAB, False, curve, [Recorded("x", PROMPT, OUTPUT)])
+    return replay(recording, recording.entries[0], drafter, rule)  # raises unless it writes OUTPUT
+
+
+def test_a_drafter_never_right_gets_no_verified_draft_at_all():
+    reference = PROMPT + OUTPUT
+    watched = Watchable(reference, 8, mode="adversarial")
+    done = replayed(watched, CostAwareSize(CHUNKED))
+    assert done.stats.drafted_tokens == 0 and done.stats.steps == len(OUTPUT)
+    assert watched.calls > 0  # it was asked: its drafts were checked against the commits instead
+    probed = replayed(ScriptedDrafter(reference, 8, mode="adversarial"), CostAwareSize(CHUNKED))
+    assert probed.stats.drafted_tokens > 0  # without hindsight the rule verifies probes to learn the same
+
+
+def test_watched_drafts_do_not_overlap_and_count_the_tokens_committed():
+    rule = Logged(CHUNKED)
+    watched = Watchable(PROMPT + OUTPUT, 5, mode=2)  # right for two tokens, then wrong
+    done = replayed(watched, rule)
+    # two right tokens accepted then a third that is not: drafting never pays on this curve
+    assert done.stats.drafted_tokens == 0
+    # the next watched draft starts where the last one left the text: every third token
+    assert rule.seen[:-1] == [(None, 5, 2)] * (len(rule.seen) - 1)
+    assert len(rule.seen) == len(OUTPUT) // 3
+    assert watched.calls == len(rule.seen)
+
+
+def test_watched_drafts_that_are_right_start_deep_drafts_without_a_failed_probe():
+    done = replayed(Watchable(PROMPT + OUTPUT, 8), Logged(CHUNKED))
+    stats = done.stats
+    assert stats.drafted_tokens > 0 and stats.accepted_tokens == stats.drafted_tokens  # every draft verified was right
+    assert stats.steps <= len(OUTPUT) // 3  # deep ones: blocks of 4 and more, where a token costs under a step
+
+
+def test_prompt_lookup_watches_and_greedy_output_is_unchanged():
+    assert PromptLookup.hindsight_ok
+    rule = Logged(CHUNKED)
+    repeated = PROMPT + PROMPT  # copies to find: a lookup after every token
+    recording = Recording("m", "llama.cpp", VOCAB, False, CHUNKED,
+                          [Recorded("x", repeated, (PROMPT * 4)[:24])])
+    done = replay(recording, recording.entries[0], PromptLookup(), rule)  # raises if the tokens differ
+    assert rule.seen and done.stats.accepted_tokens == done.stats.drafted_tokens > 0
+
+
+def test_the_sampled_law_is_unchanged_by_sizing_with_hindsight(monkeypatch):
+    sampling = Sampling(1.0, top_k=3)
+    rule = CostAwareSize(CHUNKED)
+    monkeypatch.setattr(hasten, "generate", functools.partial(hasten.generate, draft_size=rule))
+    samples = 600
+    tv = sampled_law_tv(TARGET, PromptLookup(num_tokens=4, min_ngram=1), sampling, 2, 4, samples)
+    assert tv < bound(exact_law(TARGET, sampling, 2), samples)
+    assert rule.pool_trials  # the rule did measure the drafter (by hindsight or by drafting)
+
+
+class Captured(Exception):
+    pass
+
+
+@pytest.mark.parametrize("module", ["runner", "stream"])
+def test_the_bench_keeps_one_sizing_rule_for_all_of_a_methods_runs(module, monkeypatch):
+    import torch
+
+    from hasten.bench import runner, stream
+
+    rules = []
+
+    def generate(model, input_ids, **settings):
+        rules.append(settings["draft_size"])
+        raise Captured
+
+    where = runner if module == "runner" else stream
+    monkeypatch.setattr(where, "generate", generate)
+    monkeypatch.setattr(where, "load_or_calibrate", lambda model: None)
+    method = (runner.hasten_method if module == "runner" else stream.kept_method)("prompt_lookup", tiny_model("llama"))
+    for _ in range(2):
+        with pytest.raises(Captured):
+            method.run(torch.tensor([[1, 2, 3]]), 4)
+    assert len(rules) == 2 and rules[0] is rules[1] and isinstance(rules[0], CostAwareSize)
