@@ -29,15 +29,20 @@ class Watchable(ScriptedDrafter):
 
 
 class Logged(CostAwareSize):
-    """Records what every watched draft showed: (evidence, drafted, accepted)."""
+    """Records every watched draft (evidence, drafted) and the depths it showed, in order."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.seen = []
+        self.seen = []  # [(evidence, drafted, [accepted at depth 1, 2, ...])]
 
-    def observe_hindsight(self, state, evidence, drafted, accepted, draft_seconds):
-        self.seen.append((evidence, drafted, accepted))
-        super().observe_hindsight(state, evidence, drafted, accepted, draft_seconds)
+    def watched(self, state, evidence, drafted, draft_seconds):
+        self.seen.append((evidence, drafted, []))
+        super().watched(state, evidence, drafted, draft_seconds)
+
+    def observe_hindsight(self, state, evidence, depth, accepted):
+        assert self.seen[-1][0] == evidence and len(self.seen[-1][2]) == depth - 1, "depths in order, once each"
+        self.seen[-1][2].append(accepted)
+        super().observe_hindsight(state, evidence, depth, accepted)
 
 
 def replayed(drafter, rule, curve=CHUNKED):
@@ -62,16 +67,21 @@ def test_watched_drafts_do_not_overlap_and_count_the_tokens_committed():
     # two right tokens accepted then a third that is not: drafting never pays on this curve
     assert done.stats.drafted_tokens == 0
     # the next watched draft starts where the last one left the text: every third token
-    assert rule.seen[:-1] == [(None, 5, 2)] * (len(rule.seen) - 1)
     assert len(rule.seen) == len(OUTPUT) // 3
+    assert rule.seen[:-1] == [(None, 5, [True, True, False])] * (len(rule.seen) - 1)
+    assert rule.seen[-1] == (None, 2, [True, True])  # the last, cut to the budget
     assert watched.calls == len(rule.seen)
 
 
 def test_watched_drafts_that_are_right_start_deep_drafts_without_a_failed_probe():
-    done = replayed(Watchable(PROMPT + OUTPUT, 8), Logged(CHUNKED))
+    rule = Logged(CHUNKED)
+    done = replayed(Watchable(PROMPT + OUTPUT, 8), rule)
     stats = done.stats
     assert stats.drafted_tokens > 0 and stats.accepted_tokens == stats.drafted_tokens  # every draft verified was right
-    assert stats.steps <= len(OUTPUT) // 3  # deep ones: blocks of 4 and more, where a token costs under a step
+    # one watched draft, right all the way, then drafts verified: no failed probe on the way
+    assert rule.seen == [(None, 8, [True] * 8)]
+    # blocks of 4 and more, where a token costs 3/4 of a step at most: near that, all told
+    assert done.seconds < 0.8 * len(OUTPUT) * CHUNKED(1)
 
 
 def test_prompt_lookup_watches_and_greedy_output_is_unchanged():

@@ -90,16 +90,19 @@ class SizingRule:
     def watch(self, state: Any, limit: int) -> int:
         """After :meth:`depth` chose a plain step, in a generation begun with ``hindsight``: how
         deep a draft to ask for anyway, not verified but checked against the tokens this step
-        and the next ones commit (:meth:`observe_hindsight`); 0: none."""
+        and the next ones commit (:meth:`watched`, then :meth:`observe_hindsight`); 0: none."""
         return 0
 
-    def observe_hindsight(self, state: Any, evidence: int | None, drafted: int, accepted: int,
-                          draft_seconds: float) -> None:
-        """A watched chain ``drafted`` deep, graded ``evidence`` when asked for, whose first
-        ``accepted`` tokens are what was committed (the next one was not, unless ``accepted``
-        is ``drafted``): what verifying it would have accepted, for greedy decoding exactly,
-        and for sampling with the same chance (a deterministic draft token is accepted with
-        the target's probability of it, the chance that sampling draws it)."""
+    def watched(self, state: Any, evidence: int | None, drafted: int, draft_seconds: float) -> None:
+        """The draft :meth:`watch` asked for: a chain ``drafted`` deep, graded ``evidence``,
+        proposed in ``draft_seconds``."""
+
+    def observe_hindsight(self, state: Any, evidence: int | None, depth: int, accepted: bool) -> None:
+        """Depth ``depth`` of the watched chain, whose shallower tokens were all committed,
+        now is known: ``accepted`` when its token was committed next. That is what verifying it
+        would have decided, for greedy decoding exactly, and for sampling with the same chance
+        (a deterministic draft token is accepted with the target's probability of it, the
+        chance that sampling draws it)."""
 
     def share(self, state: Any, rows: int, positions: int | None = None, keys: int | None = None) -> None:
         """The next step's forward is shared by ``rows`` sequences (a batch); once their drafts
@@ -161,6 +164,9 @@ class SizingState:
     # the loop checks unverified drafts against the committed tokens (SizingRule.watch): acceptance
     # is measured on plain steps too, so the rule never pays for a probe
     hindsight: bool = False
+    # the deepest watched draft, each asked FIRST_DEPTHS deep: how deep the drafter goes when let
+    ceiling: int = 0
+    watch_asked: int = 0  # how deep the watched draft under way was asked for
 
     @property
     def trials(self) -> list[float]:
@@ -523,6 +529,8 @@ class CostAwareSize(SizingRule):
         reach can grow past a depth that costs more than the next (llama.cpp's kernels take
         rows four at a time: a block of 5 can cost more than one of 4, which drafting one
         level deeper at a time would never cross)."""
+        if state.ceiling >= state.reach:  # watched drafts, asked deeper than it goes, showed the drafter's depth
+            return min(limit, state.ceiling)
         return min(limit, 2 * state.reach + 1)
 
     def probe_depth(self, state: SizingState, limit: int) -> int:
@@ -540,8 +548,12 @@ class CostAwareSize(SizingRule):
             if state.chosen:
                 state.skipped = 0
             return state.chosen
-        self.grade(state, evidence)
         state.probing = False
+        if evidence == 0:  # the drafter has nothing to propose (Drafter.evidence): a plain step, nothing to price
+            state.evidence, state.chosen = evidence, 0
+            state.skipped += 1
+            return 0
+        self.grade(state, evidence)
         if state.reach is None and state.rows > 1:  # a batch plans once every row has drafted: see how deep
             state.chosen = limit
             return limit
@@ -622,59 +634,60 @@ class CostAwareSize(SizingRule):
         state.skipped = 0
         if state.probing:  # a failed probe doubles the wait for the next one
             state.probe_gap = self.first_probe_gap if accepted else min(2 * state.probe_gap, self.max_probe_gap)
-        first, state.reach = state.reach is None, max(state.reach or 0, drafted)
-        if state.evidence is not None:
-            state.top_grade = max(state.top_grade if state.top_grade is not None else state.evidence, state.evidence)
-        state.most_nodes = max(state.most_nodes, len(tree))
-        if not first:  # a drafter's first proposal may catch up with the whole prompt: not a
-            sums = state.draft_sums  # step's drafting cost (lookahead's long-prompt loss came from it)
-            for i, value in enumerate((1.0, drafted, drafted * drafted, draft_seconds, drafted * draft_seconds)):
-                sums[i] = sums[i] * self.decay + value
         counts = [0] * drafted
         for depth in depths:
             counts[depth - 1] += 1
-        self.count(state, state.evidence, counts, accepted)
+        self.drafted(state, state.evidence, counts, draft_seconds)
+        for depth in range(1, min(accepted + 1, drafted) + 1):  # depth d was tried where its parent was accepted
+            self.tally(state, state.evidence, depth, accepted >= depth)
 
     def watch(self, state: SizingState, limit: int) -> int:
-        if not state.hindsight or state.chosen:
+        if not state.hindsight or state.chosen or state.evidence == 0:
             return 0
-        return min(limit, FIRST_DEPTHS)
+        state.watch_asked = min(limit, FIRST_DEPTHS)
+        return state.watch_asked
 
-    def observe_hindsight(self, state: SizingState, evidence: int | None, drafted: int, accepted: int,
-                          draft_seconds: float) -> None:
-        if drafted == 0:
+    def watched(self, state: SizingState, evidence: int | None, drafted: int, draft_seconds: float) -> None:
+        if drafted and state.watch_asked == FIRST_DEPTHS:  # asked deeper than it goes: how deep it goes
+            state.ceiling = max(state.ceiling, drafted)
+        self.drafted(state, evidence, [1] * drafted, draft_seconds)
+
+    def observe_hindsight(self, state: SizingState, evidence: int | None, depth: int, accepted: bool) -> None:
+        self.tally(state, evidence, depth, accepted)
+
+    def drafted(self, state: SizingState, evidence: int | None, counts: list[int], draft_seconds: float) -> None:
+        """A draft of ``counts[d - 1]`` nodes at depth d, graded ``evidence``, proposed in
+        ``draft_seconds`` (verified or watched): how deep and wide the drafter goes, and what
+        drafting costs."""
+        drafted = len(counts)
+        if not drafted:
             return
         first, state.reach = state.reach is None, max(state.reach or 0, drafted)
         if evidence is not None:
             state.top_grade = evidence if state.top_grade is None else max(state.top_grade, evidence)
-        state.most_nodes = max(state.most_nodes, drafted)
-        if not first:  # as observe: a first proposal's time is no step's drafting cost
-            sums = state.draft_sums
+        state.most_nodes = max(state.most_nodes, sum(counts))
+        if not first:  # a drafter's first proposal may catch up with the whole prompt: not a
+            sums = state.draft_sums  # step's drafting cost (lookahead's long-prompt loss came from it)
             for i, value in enumerate((1.0, drafted, drafted * drafted, draft_seconds, drafted * draft_seconds)):
                 sums[i] = sums[i] * self.decay + value
-        self.count(state, evidence, [1] * drafted, accepted)
-
-    def count(self, state: SizingState, evidence: int | None, counts: list[int], accepted: int) -> None:
-        """Add a draft with ``counts[d - 1]`` nodes at depth d, of which ``accepted`` levels
-        were accepted, to ``evidence``'s trials and hits, the rule's pool and the widths."""
-        drafted = len(counts)
-        trials = state.trials_by.setdefault(evidence, [])
-        hits = state.hits_by.setdefault(evidence, [])
-        trials.extend([0.0] * (drafted - len(trials)))
-        hits.extend([0.0] * (drafted - len(hits)))
-        pool_trials = self.pool_trials.setdefault(evidence, [])
-        pool_hits = self.pool_hits.setdefault(evidence, [])
-        pool_trials.extend([0.0] * (drafted - len(pool_trials)))
-        pool_hits.extend([0.0] * (drafted - len(pool_hits)))
-        for d in range(1, drafted + 1):
+        for counted in (state.trials_by, state.hits_by, self.pool_trials, self.pool_hits):  # every depth drafted, tried or not
+            found = counted.setdefault(evidence, [])
+            found.extend([0.0] * (drafted - len(found)))
+        for d, count in enumerate(counts, start=1):
             if len(state.width) < d:
-                state.width.append(float(counts[d - 1]))
-            state.width[d - 1] = 0.8 * state.width[d - 1] + 0.2 * counts[d - 1]
-            if accepted >= d - 1:  # depth d was tried: its parent was accepted
-                hit = 1.0 if accepted >= d else 0.0
-                trials[d - 1] = trials[d - 1] * self.decay + 1.0
-                hits[d - 1] = hits[d - 1] * self.decay + hit
-                pool_trials[d - 1] = pool_trials[d - 1] * self.pool_decay + 1.0
-                pool_hits[d - 1] = pool_hits[d - 1] * self.pool_decay + hit
+                state.width.append(float(count))
+            state.width[d - 1] = 0.8 * state.width[d - 1] + 0.2 * count
 
-
+    def tally(self, state: SizingState, evidence: int | None, depth: int, accepted: bool) -> None:
+        """Depth ``depth`` of a draft graded ``evidence`` was tried (its parent accepted) and
+        ``accepted`` or not: into the class's trials and hits, and the rule's pool."""
+        hit = 1.0 if accepted else 0.0
+        for trials, hits, decay in ((state.trials_by.setdefault(evidence, []), state.hits_by.setdefault(evidence, []),
+                                     self.decay),
+                                    (self.pool_trials.setdefault(evidence, []), self.pool_hits.setdefault(evidence, []),
+                                     self.pool_decay)):
+            if len(trials) < depth:
+                trials.extend([0.0] * (depth - len(trials)))
+                hits.extend([0.0] * (depth - len(hits)))
+            trials[depth - 1] = trials[depth - 1] * decay + 1.0
+            hits[depth - 1] = hits[depth - 1] * decay + hit

@@ -262,7 +262,8 @@ class Drafter:
         """How much this step's draft deserves trust, as a small class number, before
         proposing it (asked by cost-aware sizing, which keeps each class's acceptance apart:
         prompt lookup's copies after a long match are accepted far more often than after a
-        short one). None: this drafter does not grade its drafts. Must be cheap; a drafter may
+        short one). 0: it has nothing to propose this step (the sizing rule then prices
+        nothing). None: this drafter does not grade its drafts. Must be cheap; a drafter may
         keep what it looked up in ``ctx.state`` for the ``propose`` that follows."""
         return None
 

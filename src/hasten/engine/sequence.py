@@ -85,8 +85,8 @@ class Sequence:
         self.fit = Draft.limit_depth if cache.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
         self.sizing = sizing or FixedSize()
         # a chain drafted on a plain step and not verified, still being compared with what gets
-        # committed: (evidence, tokens, where they would start in self.tokens, drafting seconds)
-        self.watched: tuple[int | None, tuple[int, ...], int, float] | None = None
+        # committed: (evidence, tokens, where they would start in self.tokens, depths known so far)
+        self.watched: tuple[int | None, tuple[int, ...], int, int] | None = None
         if drafter is not None:
             self.ctx.state = drafter.begin(self.ctx)
             self.size_state = self.sizing.begin(cache, hindsight=drafter.hindsight_ok)
@@ -139,35 +139,36 @@ class Sequence:
 
     def watch(self, limit: int) -> None:
         """On a plain step, draft anyway as deep as the sizing rule asks, without verifying:
-        the tokens committed from now on say what verification would have accepted
-        (:meth:`SizingRule.observe_hindsight`), so the rule learns without paying for probes.
-        One chain at a time, the next where it ends: the drafts a drafter that always drafts
-        would have verified, each one trial (overlapping chains along one copied stretch would
-        count it many times over)."""
+        the tokens committed from now on say, depth by depth, what verification would have
+        accepted (:meth:`SizingRule.observe_hindsight`), so the rule learns without paying for
+        probes. One chain at a time, the next where it ends: the drafts a drafter that always
+        drafts would have had verified, each one trial (overlapping chains along one copied
+        stretch would count it many times over)."""
         if self.watched is not None:
             return
         self.ctx.max_depth = self.sizing.watch(self.size_state, limit)
         if self.ctx.max_depth > 0:
             began = self.clock()
-            chain = self.drafter.propose(self.ctx).main_chain(self.ctx.max_depth).tokens
+            draft = self.drafter.propose(self.ctx)
+            chain = draft.tokens if draft.tree.is_chain else draft.main_chain(self.ctx.max_depth).tokens
+            chain = tuple(chain[: self.ctx.max_depth])
             if chain:
-                self.watched = (self.evidence, tuple(chain), len(self.tokens), self.clock() - began)
+                self.sizing.watched(self.size_state, self.evidence, len(chain), self.clock() - began)
+                self.watched = (self.evidence, chain, len(self.tokens), 0)
             self.ctx.max_depth = 0
 
     def check_watched(self) -> None:
-        """Settle the watched chain once the committed tokens decide it: at its first
-        difference from them, once as many tokens are committed, or when the sequence ends
-        (then only as deep as is known)."""
-        evidence, chain, at, seconds = self.watched
-        known = self.tokens[at : at + len(chain)]
-        accepted = next((i for i, (a, b) in enumerate(zip(chain, known)) if a != b), len(known))
-        if accepted < len(known) or len(known) == len(chain):
-            self.sizing.observe_hindsight(self.size_state, evidence, len(chain), accepted, seconds)
-        elif self.finished:
-            self.sizing.observe_hindsight(self.size_state, evidence, len(known), accepted, seconds)
-        else:
-            return
-        self.watched = None
+        """Tell the sizing rule each depth of the watched chain the committed tokens now
+        decide; the chain ends at its first token that was not committed, or its last."""
+        evidence, chain, at, known = self.watched
+        committed = self.tokens[at + known : at + len(chain)]
+        for depth, token in enumerate(committed, start=known + 1):
+            accepted = token == chain[depth - 1]
+            self.sizing.observe_hindsight(self.size_state, evidence, depth, accepted)
+            if not accepted or depth == len(chain):
+                self.watched = None
+                return
+        self.watched = (evidence, chain, at, known + len(committed))
 
     def _scoring_rows(self, raw: torch.Tensor, ruled: torch.Tensor, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), vocab] what a committed token's log-probability is read from: the raw
