@@ -233,6 +233,7 @@ class LlamaCppContext:
         self._memory = lib.llama_get_memory(self._ctx)
         self.capacity = model.n_batch  # tokens per llama_decode
         self._batch = lib.llama_batch_init(self.capacity, 0, 1)
+        self._view: tuple[tuple[int, int], torch.Tensor] | None = None  # ((address, rows), the logits' view)
 
     def decode(self, sequences: list[int], positions: list[int], tokens: list[int],
                outputs: list[bool]) -> torch.Tensor | None:
@@ -262,9 +263,13 @@ class LlamaCppContext:
         # No copy: a step reads its logits before its next decode. A fresh tensor and a memmove
         # into it took 0.11 ms a step (0.08 of it the allocation), 0.8 % of a one-token step
         # (SmolLM2 Q4_1, one thread; 2026-11-29, the 2-core development VM).
+        # The buffer stays where it is from one decode to the next (llama.cpp moves it only to
+        # grow it), so the view of the last decode with as many rows is that of this one.
         address = ctypes.cast(lib.llama_get_logits(self._ctx), ctypes.c_void_p).value
-        return torch.frombuffer((ctypes.c_float * (rows * vocab)).from_address(address),
-                                dtype=torch.float32).view(rows, vocab)  # [rows, vocab]
+        if self._view is None or self._view[0] != (address, rows):
+            self._view = (address, rows), torch.frombuffer((ctypes.c_float * (rows * vocab)).from_address(address),
+                                                           dtype=torch.float32).view(rows, vocab)  # [rows, vocab]
+        return self._view[1]
 
     def sequence_bytes(self, sequence: int) -> int:
         """Bytes of ``sequence``'s state in llama.cpp: its KV cells, as llama.cpp would save them."""
