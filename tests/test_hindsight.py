@@ -84,6 +84,26 @@ def test_watched_drafts_that_are_right_start_deep_drafts_without_a_failed_probe(
     assert done.seconds < 0.8 * len(OUTPUT) * CHUNKED(1)
 
 
+def test_a_step_with_nothing_to_propose_is_plain_and_priced_at_no_depth(monkeypatch):
+    rule = CostAwareSize(CHUNKED)
+    state = rule.begin(None, hindsight=True)
+    monkeypatch.setattr(rule, "expected", lambda *args: pytest.fail("priced a step with nothing to propose"))
+    assert rule.depth(state, 10, evidence=0) == 0 and rule.watch(state, 10) == 0
+
+
+def test_a_drafter_watched_deeper_than_it_goes_is_priced_only_as_deep_as_it_goes():
+    rule = CostAwareSize(CHUNKED)
+    state = rule.begin(None, hindsight=True)
+    assert rule.depth(state, 40, evidence=1) == 0 and rule.watch(state, 40) == 32  # asked 32 deep
+    rule.watched(state, 1, 10, 0.0)  # it gave 10: that is how deep it goes
+    assert rule.top(state, 40) == 10
+    near_the_end = rule.begin(None, hindsight=True)
+    rule.depth(near_the_end, 12, evidence=1)
+    assert rule.watch(near_the_end, 12) == 12
+    rule.watched(near_the_end, 1, 10, 0.0)  # asked only 12 deep: it may go deeper, as a verified draft may
+    assert rule.top(near_the_end, 40) == 21
+
+
 def test_prompt_lookup_watches_and_greedy_output_is_unchanged():
     assert PromptLookup.hindsight_ok
     rule = Logged(CHUNKED)

@@ -146,12 +146,11 @@ class Sequence:
         stretch would count it many times over)."""
         if self.watched is not None:
             return
-        self.ctx.max_depth = self.sizing.watch(self.size_state, limit)
-        if self.ctx.max_depth > 0:
+        depth = self.ctx.max_depth = self.sizing.watch(self.size_state, limit)
+        if depth > 0:
             began = self.clock()
             draft = self.drafter.propose(self.ctx)
-            chain = draft.tokens if draft.tree.is_chain else draft.main_chain(self.ctx.max_depth).tokens
-            chain = tuple(chain[: self.ctx.max_depth])
+            chain = tuple((draft if draft.tree.is_chain else draft.main_chain(depth)).tokens[:depth])
             if chain:
                 self.sizing.watched(self.size_state, self.evidence, len(chain), self.clock() - began)
                 self.watched = (self.evidence, chain, len(self.tokens), 0)
