@@ -38,7 +38,9 @@ class PoolStats:
 
 class Pool:
     """Base of the shared pools: a lock, hit counters, and the file round trip. Subclasses
-    name their ``kind`` and implement :meth:`to_json`, :meth:`from_json` and :meth:`stats`."""
+    name their ``kind`` and implement the generations' lifecycle (:meth:`start`, :meth:`extend`,
+    :meth:`end`, :meth:`feed`, :meth:`learn`: what :class:`~hasten.drafters.pooled.PooledDrafter`
+    calls), :meth:`to_json`, :meth:`from_json` and :meth:`stats`."""
 
     kind: str
 
@@ -51,6 +53,27 @@ class Pool:
         """One draft step asked the pool; ``hit``: its draft came from learned text."""
         self.lookups += 1
         self.hits += hit
+
+    def start(self, prompt: list[int], fed: int):
+        """A generation begins with ``prompt``; ``fed``: tokens of its sequence already accounted
+        for. Returns its place in the pool, which the calls below take."""
+        raise NotImplementedError
+
+    def extend(self, place, tokens: list[int]) -> None:
+        """The generation's sequence is now ``tokens``."""
+        raise NotImplementedError
+
+    def end(self, place) -> None:
+        """The generation ended: its prompt is forgotten, its output kept."""
+        raise NotImplementedError
+
+    def feed(self, tokens: list[int]) -> None:
+        """A document to learn as if it were generated (a corpus)."""
+        raise NotImplementedError
+
+    def learn(self, output: list[int]) -> None:
+        """A finished generation's output, from a generation that drafted from a pool of its own."""
+        raise NotImplementedError
 
     def stats(self) -> PoolStats:
         raise NotImplementedError

@@ -3,11 +3,9 @@ followed each token, shared by every generation of the drafter (:mod:`hasten.cor
 has the pool as the reference builds it: prompt and output frequencies kept apart and mixed
 for ranking, pruning by ``squeeze``, hierarchical multi-branch drafts, save and load).
 
-``shared=True`` (the default) keeps one pool on the drafter object: an :class:`~hasten.api.Engine`'s
-generations and every row of ``hasten serve`` learn from each other's output (never from each
-other's prompts). ``shared=False`` starts every generation on an empty pool of its own, as a
-drafter that forgets between requests would. A generation with ``ctx.use_pool`` False drafts
-from a private pool too, so it neither reads the shared one nor writes to it.
+``shared=True`` (the default) keeps one pool on the drafter object for every generation;
+``shared=False`` starts every generation on an empty pool of its own (the lifecycle:
+:mod:`hasten.drafters.pooled`).
 
 Graded drafts (``Drafter.evidence``, for cost-aware sizing): 2 per query token matched, minus
 1 when the likeliest first token followed the query only once. A draft found after a longer
@@ -15,14 +13,13 @@ query, or whose first token followed it more than once, is accepted far more oft
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
-from ..core.lookahead_pool import LookaheadPool, Stream
+from ..core.lookahead_pool import LookaheadPool
 from ..core.settings import Settings
 from ..core.tree import TokenTree
-from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
-from .corpus import corpus_ids
+from .base import Draft, DraftContext, EMPTY_DRAFT, register
+from .pooled import PooledDrafter, PooledState
 
 
 @dataclass(frozen=True)
@@ -50,53 +47,15 @@ class LookaheadSettings(Settings):
             raise ValueError(f"output_weight must be in [0, 1], got {self.output_weight}")
 
 
-@dataclass
-class LookaheadState:
-    pool: LookaheadPool  # what the generation drafts from
-    stream: Stream
-    learn_into: LookaheadPool | None = None  # the shared pool its output goes to at the end, when it drafts from its own
-    prompt_length: int = 0
-
-
 @register
-class Lookahead(Drafter):
+class Lookahead(PooledDrafter):
     name = "lookahead"
     Settings = LookaheadSettings
-
-    def __init__(self, settings: LookaheadSettings | None = None, **kwargs):
-        super().__init__(settings, **kwargs)
-        self._shared = self.new_pool() if self.settings.shared else None
-        self._corpus_lock = threading.Lock()
-        self._corpus_fed = False
 
     def new_pool(self) -> LookaheadPool:
         s = self.settings
         return LookaheadPool(s.max_prefix - 1 + s.branch_length, s.max_prefix, s.min_prefix, s.output_weight,
                              s.max_tree_nodes, s.max_output_nodes, s.max_nodes)
-
-    @property
-    def pool(self) -> LookaheadPool | None:
-        return self._shared
-
-    def begin(self, ctx: DraftContext) -> LookaheadState:
-        reads = self._shared is not None and ctx.reads_pool
-        pool = self._shared if reads else self.new_pool()
-        if self.settings.corpus:
-            self._feed_corpus(pool, ctx, once=reads)
-        # an encoder-decoder's prompt is its source; its decoder tokens are all output
-        prompt = ctx.source if ctx.source else ctx.tokens
-        learn_into = self._shared if self._shared is not None and ctx.use_pool and not reads else None
-        return LookaheadState(pool, pool.start(prompt, fed=len(ctx.tokens)), learn_into, len(ctx.tokens))
-
-    def _feed_corpus(self, pool: LookaheadPool, ctx: DraftContext, once: bool) -> None:
-        corpus = corpus_ids(self.settings.corpus, ctx.target.source)
-        if not once:
-            pool.feed(corpus)
-            return
-        with self._corpus_lock:
-            if not self._corpus_fed:
-                pool.feed(corpus)
-                self._corpus_fed = True
 
     def evidence(self, ctx: DraftContext) -> int:
         """0: no draft; else 2 per query token, minus 1 when the likeliest first token followed
@@ -115,12 +74,5 @@ class Lookahead(Drafter):
         return Draft(tuple(found.tokens), TokenTree(tuple(found.parents))).within_vocab(ctx.target.vocab_size)
 
     def _draft(self, ctx: DraftContext, depth: int):
-        state: LookaheadState = ctx.state
-        return state.pool.draft(state.stream, ctx.tokens, self.settings.draft_tokens, depth)
-
-    def end(self, ctx: DraftContext) -> None:
-        state: LookaheadState = ctx.state
-        state.pool.extend(state.stream, ctx.tokens)  # the last step's tokens, which no draft has read yet
-        state.pool.end(state.stream)
-        if state.learn_into is not None:
-            state.learn_into.learn(ctx.tokens[state.prompt_length :])
+        state: PooledState = ctx.state
+        return state.pool.draft(state.place, ctx.tokens, self.settings.draft_tokens, depth)

@@ -14,19 +14,19 @@ The trees and the cache are a step-for-step port of the reference, ``arctic-infe
 ``speculative_config={"method": "suffix"}``, with these defaults.
 
 ``shared=True`` (the default) keeps one pool on the drafter object for every generation;
-``shared=False``, or a generation with ``ctx.use_pool`` False, drafts from its local tree alone.
+``shared=False``, or a generation that does not read the shared pool, drafts from its local tree
+alone (and a corpus, where one is given; the lifecycle: :mod:`hasten.drafters.pooled`).
 """
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 from ..core.settings import Settings
-from ..core.suffix_pool import Request, SuffixPool
+from ..core.suffix_pool import SuffixPool
 from ..core.suffix_tree import SuffixDraft
 from ..core.tree import TokenTree
-from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
-from .corpus import corpus_ids
+from .base import Draft, DraftContext, EMPTY_DRAFT, register
+from .pooled import PooledDrafter, PooledState
 
 # evidence classes (Drafter.evidence): the newest tokens matched; a draft found after a longer
 # match is accepted more often (SuffixDecoding's reason for sizing drafts by the match length)
@@ -63,48 +63,24 @@ class SuffixSettings(Settings):
 
 
 @dataclass
-class SuffixState:
-    pool: SuffixPool  # what the generation drafts from
-    request: Request
-    learn_into: SuffixPool | None = None  # the shared pool its response goes to at the end, when it drafts from its own
-    prompt_length: int = 0
+class SuffixState(PooledState):
     found: tuple[int, SuffixDraft, bool] | None = None  # (len(tokens), draft, from the global tree) last drafted
 
 
 @register
-class Suffix(Drafter):
+class Suffix(PooledDrafter):
     name = "suffix"
     Settings = SuffixSettings
+    State = SuffixState
 
-    def __init__(self, settings: SuffixSettings | None = None, **kwargs):
-        super().__init__(settings, **kwargs)
+    def new_pool(self) -> SuffixPool:
         s = self.settings
-        self._shared = SuffixPool(s.max_tree_depth, s.max_cached_requests, s.max_cached_tokens) if s.shared else None
-        self._corpus_lock = threading.Lock()
-        self._corpus_fed = False
+        return SuffixPool(s.max_tree_depth, s.max_cached_requests, s.max_cached_tokens)
 
-    @property
-    def pool(self) -> SuffixPool | None:
-        return self._shared
-
-    def begin(self, ctx: DraftContext) -> SuffixState:
+    def private_pool(self) -> SuffixPool:
+        """The local tree alone (no global tree), or the corpus and this response where a corpus is given."""
         s = self.settings
-        reads = self._shared is not None and ctx.reads_pool
-        if reads:
-            pool = self._shared
-            if s.corpus:
-                with self._corpus_lock:
-                    if not self._corpus_fed:
-                        pool.feed(corpus_ids(s.corpus, ctx.target.source))
-                        self._corpus_fed = True
-        else:  # private: the local tree alone, or the corpus and this response where a corpus is given
-            pool = SuffixPool(s.max_tree_depth, 2 if s.corpus else 0, s.max_cached_tokens)
-            if s.corpus:
-                pool.feed(corpus_ids(s.corpus, ctx.target.source))
-        prompt = ctx.source if ctx.source else ctx.tokens  # an encoder-decoder's prompt is its source
-        learn_into = self._shared if self._shared is not None and ctx.use_pool and not reads else None
-        return SuffixState(pool, pool.start(list(prompt), fed=len(ctx.tokens)), learn_into=learn_into,
-                           prompt_length=len(ctx.tokens))
+        return SuffixPool(s.max_tree_depth, 2 if s.corpus else 0, s.max_cached_tokens)
 
     def evidence(self, ctx: DraftContext) -> int:
         """0: no draft; else 1 + how many of MATCH_CLASSES the match length reaches beyond the first."""
@@ -127,14 +103,7 @@ class Suffix(Drafter):
         state: SuffixState = ctx.state
         if state.found is None or state.found[0] != len(ctx.tokens):
             s = self.settings
-            draft, learned = state.pool.speculate(state.request, ctx.tokens, s.max_spec_tokens, s.max_spec_factor,
+            draft, learned = state.pool.speculate(state.place, ctx.tokens, s.max_spec_tokens, s.max_spec_factor,
                                                   s.max_spec_offset, s.min_token_prob, s.tree_spec)
             state.found = (len(ctx.tokens), draft, learned)
         return state.found[1], state.found[2]
-
-    def end(self, ctx: DraftContext) -> None:
-        state: SuffixState = ctx.state
-        state.pool.extend(state.request, ctx.tokens)  # the last step's tokens, which no draft has read yet
-        state.pool.end(state.request)
-        if state.learn_into is not None:
-            state.learn_into.learn(ctx.tokens[state.prompt_length :])
