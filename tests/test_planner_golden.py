@@ -1,0 +1,32 @@
+"""The draft planner decides as the code did before it was split out of the step: every
+scenario of ``planner_trace`` (one row and batches, packed and padded, a flat and a steep cost
+curve, auto and fixed sizing, three drafters) takes the same drafts, accepts the same tokens and
+spends the same simulated seconds as the traces recorded at commit afc13c7."""
+import json
+
+import pytest
+
+from planner_trace import GOLDEN, SCENARIOS, trace
+
+RECORDED = json.loads(GOLDEN.read_text())
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[scenario[0] for scenario in SCENARIOS])
+def test_the_planner_decides_as_recorded(scenario):
+    recorded, now = RECORDED[scenario[0]], trace(*scenario)
+    for number, (then, today) in enumerate(zip(recorded["steps"], now["steps"])):
+        assert today == then, f"step {number} differs (rows: [index, depth asked, draft, parents, committed])"
+    assert len(now["steps"]) == len(recorded["steps"])
+    assert now["seconds"] == pytest.approx(recorded["seconds"], rel=1e-9, abs=1e-12)
+
+
+def test_the_scenarios_exercise_every_decision():
+    """The traces are worth holding: the cost-aware rule drafts on some steps and not on others,
+    alone and in batches, and rows of one batch get different depths."""
+    for name, recorded in RECORDED.items():
+        asked = [row[1] for step in recorded["steps"] for row in step]
+        assert any(asked), name
+        if "auto" in name or name.startswith("batch"):
+            assert not all(asked), name
+    packed = RECORDED["batch-prompt_lookup-packed"]["steps"]
+    assert any(len({row[1] for row in step}) > 1 for step in packed)
