@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hasten.core.lookahead_pool import LookaheadPool
+from hasten.drafters.lookahead_pool import LookaheadPool
 
 DATA = Path(__file__).resolve().parents[1] / "src/hasten/bench/data/spec_bench/question.jsonl"
 QUERY = 2  # the reference's max_query_length (hasten's max_prefix)

@@ -8,7 +8,7 @@ docs/fidelity.md, "suffix", says how) and hasten's source on the path:
 It drives the reference's ``SuffixDecodingCache`` through generations that start, grow a token at
 a time (or a few, as accepted drafts do), speculate at every step with path and tree drafts, and
 stop, some interleaved, with a global cache small enough to evict; every call and every draft is
-written down. hasten's port (``hasten.core.suffix_pool``) must give the same drafts for the same
+written down. hasten's port (``hasten.drafters.suffix_pool``) must give the same drafts for the same
 calls; the script checks that too and prints how many drafts it compared.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 import random
 import sys
 
-from hasten.core.suffix_pool import SuffixPool
+from hasten.drafters.suffix_pool import SuffixPool
 
 DEPTHS = (6, 12, 24)
 SETTINGS = [  # (max_spec_tokens, max_spec_factor, max_spec_offset, min_token_prob, use_tree_spec)

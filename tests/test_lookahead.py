@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from hasten.core.lookahead_pool import LookaheadPool, _count_all
+from hasten.drafters.lookahead_pool import LookaheadPool, _count_all
 from hasten.core.sampling import Sampling
 from hasten.drafters import Lookahead, create
 from hasten.drafters.base import DraftContext, TargetView

@@ -508,7 +508,7 @@ def test_an_unseen_evidence_class_is_explored_at_once_where_a_probe_is_cheap(cur
 
 def test_prompt_lookup_grades_its_copy_by_how_long_the_match_is():
     from hasten.drafters.base import DraftContext
-    from hasten.core import ngram as pl
+    from hasten.drafters import ngram as pl
 
     def graded(tokens, source=None):
         drafter = PromptLookup(num_tokens=4)

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hasten.core.suffix_pool import SuffixPool
-from hasten.core.suffix_tree import SuffixTree, f32
+from hasten.drafters.suffix_pool import SuffixPool
+from hasten.drafters.suffix_tree import SuffixTree, f32
 from hasten.drafters import Suffix, create
 from test_lookahead import Row, context, generation
 

@@ -1,5 +1,5 @@
 """Lookahead (Zhao et al. 2023, Alipay): multi-branch drafts retrieved from a pool of what
-followed each token, shared by every generation of the drafter (:mod:`hasten.core.lookahead_pool`
+followed each token, shared by every generation of the drafter (:mod:`hasten.drafters.lookahead_pool`
 has the pool as the reference builds it: prompt and output frequencies kept apart and mixed
 for ranking, pruning by ``squeeze``, hierarchical multi-branch drafts, save and load).
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..core.lookahead_pool import LookaheadPool
+from .lookahead_pool import LookaheadPool
 from ..core.settings import Settings
 from ..core.tree import TokenTree
 from .base import Draft, DraftContext, EMPTY_DRAFT, register

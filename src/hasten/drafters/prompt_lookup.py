@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.settings import Settings
-from ..core.ngram import MAX_NGRAM, MIN_NGRAM, NO_MATCH, Match, NgramIndex, find
+from .ngram import MAX_NGRAM, MIN_NGRAM, NO_MATCH, Match, NgramIndex, find
 from .base import Draft, DraftContext, Drafter, EMPTY_DRAFT, register
 
 

@@ -10,7 +10,7 @@ tokens per matched token (the draft grows with the match), no token below ``min_
 With ``tree_spec=True`` the draft is a token tree grown best-first, verified in one forward.
 
 The trees and the cache are a step-for-step port of the reference, ``arctic-inference``
-(:mod:`hasten.core.suffix_tree`, :mod:`hasten.core.suffix_pool`); vLLM runs the same reference as
+(:mod:`hasten.drafters.suffix_tree`, :mod:`hasten.drafters.suffix_pool`); vLLM runs the same reference as
 ``speculative_config={"method": "suffix"}``, with these defaults.
 
 ``shared=True`` (the default) keeps one pool on the drafter object for every generation;
@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..core.settings import Settings
-from ..core.suffix_pool import SuffixPool
-from ..core.suffix_tree import SuffixDraft
+from .suffix_pool import SuffixPool
+from .suffix_tree import SuffixDraft
 from ..core.tree import TokenTree
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
 from .pooled import PooledDrafter, PooledState

@@ -32,7 +32,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from .pool import Pool, PoolStats, check_saved
+from ..core.pool import Pool, PoolStats, check_saved
 
 SQUEEZE_AFTER = 1024  # updated trees that trigger the reference's per-tree squeeze check (squeeze_branch_counts)
 

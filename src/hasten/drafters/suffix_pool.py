@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .pool import Pool, PoolStats, check_saved
+from ..core.pool import Pool, PoolStats, check_saved
 from .suffix_tree import SuffixDraft, SuffixTree
 
 
