@@ -99,8 +99,9 @@ class VllmTarget:
 
 
 @dataclass
-class Request:
-    """One running request: its drafting context (tokens, the drafter's state) and sizing."""
+class FollowedRequest:
+    """A running vLLM request, followed from row to row (:meth:`Proposer.follow`): its drafting
+    context (tokens, the drafter's state) and sizing."""
 
     ctx: DraftContext
     sizing: Any  # the sizing rule's state (SizingState for cost-aware sizing)
@@ -138,7 +139,7 @@ class Proposer:
         self.view = TargetView(VllmTarget(vocab_size), frozenset(), source)
         self.rule = rule or self.default_rule()
         self.cost = StepCost()
-        self.rows: dict[int, Request] = {}  # batch row -> its request
+        self.rows: dict[int, FollowedRequest] = {}  # batch row -> its request
         self.last_end: float | None = None  # when the last propose returned
         self.clock = time.perf_counter  # seconds (tests give their own)
 
@@ -191,14 +192,14 @@ class Proposer:
         return drafts
 
     # ---- requests in rows -----------------------------------------------------------------------
-    def follow(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[Request | None]:
+    def follow(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[FollowedRequest | None]:
         """Each row's request (None while it prefills), told what its last draft earned. A row's
         request is the one whose tokens these extend by exactly what it sampled (vLLM may move
         a request to another row); a row with none starts a new request, and a request no row
         holds any more has ended."""
         before, self.rows = self.rows, {}
         unclaimed = {id(request): request for request in before.values()}
-        requests: list[Request | None] = []
+        requests: list[FollowedRequest | None] = []
         for row, sampled in enumerate(sampled_token_ids):
             if not sampled:  # prefilling (or not scheduled): it keeps its request, if it had one
                 held = before.get(row)
@@ -216,8 +217,8 @@ class Proposer:
             self.drafter.end(request.ctx)
         return requests
 
-    def claim(self, tokens: list[int], sampled: int, held: Request | None,
-              unclaimed: dict[int, Request]) -> Request | None:
+    def claim(self, tokens: list[int], sampled: int, held: FollowedRequest | None,
+              unclaimed: dict[int, FollowedRequest]) -> FollowedRequest | None:
         """The running request ``tokens`` continue (the row's own first, then any other), told
         what its last draft earned; None for a new request."""
         candidates = ([held] if held is not None else []) + list(unclaimed.values())
@@ -234,14 +235,14 @@ class Proposer:
                 return request
         return None
 
-    def start(self, tokens: list[int], sampled: int) -> Request:
+    def start(self, tokens: list[int], sampled: int) -> FollowedRequest:
         """A new request: its prompt is what it had before its first sampled tokens."""
         ctx = DraftContext(tokens[: len(tokens) - sampled], 0, Sampling(), None, self.view)
         ctx.state = self.drafter.begin(ctx)
         ctx.tokens = tokens
-        return Request(ctx, self.rule.begin(None))
+        return FollowedRequest(ctx, self.rule.begin(None))
 
-    def time_step(self, began: float, requests: list[Request | None]) -> None:
+    def time_step(self, began: float, requests: list[FollowedRequest | None]) -> None:
         """The step that just ran, into the cost fit: only when every row was decoding (a
         prefill, a row's first step after its prompt, or time between ``generate`` calls
         would be counted as verification)."""

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from .adapters import GRANULARITIES, Unit
-from .policies import Features, Runtime
+from .policies import Features, TrajectoryDecisions
 
 
 FORMAT = "hasten.bac.calibration/2"
@@ -72,7 +72,7 @@ class Calibration:
                    np.asarray(record["similarity"], dtype=np.float64), np.asarray(record["change"], dtype=np.float64))
 
 
-class _Recorder(Runtime):
+class _Recorder(TrajectoryDecisions):
     """Computes everything and keeps each unit's features, one [rows, dim] tensor per step."""
 
     def __init__(self):
@@ -200,7 +200,7 @@ def ffn_downstream_union(schedules: list[list[int]], kinds: list[str], errors: l
 UNIONS = ("reference", "ffn_downstream")
 
 
-class _Scheduled(Runtime):
+class _Scheduled(TrajectoryDecisions):
     def __init__(self, schedules: dict[str, frozenset], num_steps: int):
         self.schedules, self.num_steps = schedules, num_steps
 
@@ -253,7 +253,7 @@ class BlockAdaptive:
             final = ffn_downstream_union(acs, cal.unit_kinds, errors, self.union_top_k)
         return dict(zip(cal.unit_names, final))
 
-    def runtime(self, units: list[Unit], num_steps: int | None) -> Runtime:
+    def runtime(self, units: list[Unit], num_steps: int | None) -> TrajectoryDecisions:
         names = [u.name for u in units]
         if names != self.calibration.unit_names:
             raise ValueError("BlockAdaptive: the calibration was made on other units "

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 
 from .adapters import Unit, find_units
-from .policies import Runtime, TaylorStore
+from .policies import TaylorStore, TrajectoryDecisions
 
 _SESSIONS: "weakref.WeakKeyDictionary[nn.Module, CacheSession]" = weakref.WeakKeyDictionary()
 
@@ -120,7 +120,7 @@ class CacheSession:
     # ---- step counter
     def reset(self) -> None:
         """Start a new trajectory: forget cached features and restart the step count at 0."""
-        self.runtime: Runtime = self.policy.runtime(self.units, self.num_steps)
+        self.runtime: TrajectoryDecisions = self.policy.runtime(self.units, self.num_steps)
         self._states: dict[tuple[int, int], _UnitState] = {}
         self._calls = 0
         self._manual = False

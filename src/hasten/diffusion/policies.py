@@ -64,7 +64,7 @@ class TaylorStore:
         return out
 
 
-class Runtime:
+class TrajectoryDecisions:
     """Decisions for one trajectory. Subclasses override ``should_compute`` (and ``observe``)."""
 
     order = 0
@@ -76,7 +76,7 @@ class Runtime:
         pass
 
 
-class _EveryNth(Runtime):
+class _EveryNth(TrajectoryDecisions):
     def __init__(self, interval: int, warmup: int, order: int):
         self.interval, self.warmup, self.order = interval, warmup, order
 
@@ -105,7 +105,7 @@ class TaylorSeer:
             raise ValueError(f"TaylorSeer: warmup must be >= 0, got {self.warmup}")
         _check_granularity(self.granularity)
 
-    def runtime(self, units: list[Unit], num_steps: int | None) -> Runtime:
+    def runtime(self, units: list[Unit], num_steps: int | None) -> TrajectoryDecisions:
         return _EveryNth(self.interval, self.warmup, self.order)
 
 
@@ -122,11 +122,11 @@ class FixedInterval:
             raise ValueError(f"FixedInterval: interval must be >= 1, got {self.interval}")
         _check_granularity(self.granularity)
 
-    def runtime(self, units: list[Unit], num_steps: int | None) -> Runtime:
+    def runtime(self, units: list[Unit], num_steps: int | None) -> TrajectoryDecisions:
         return _EveryNth(self.interval, 0, 0)
 
 
-class _FirstBlock(Runtime):
+class _FirstBlock(TrajectoryDecisions):
     """The first unit always runs; the others run unless its residual barely moved this step."""
 
     def __init__(self, threshold: float, first: Unit):
@@ -169,7 +169,7 @@ class FirstBlockCache:
         if self.granularity != "block":
             raise ValueError("FirstBlockCache works on whole blocks: granularity must be 'block'")
 
-    def runtime(self, units: list[Unit], num_steps: int | None) -> Runtime:
+    def runtime(self, units: list[Unit], num_steps: int | None) -> TrajectoryDecisions:
         return _FirstBlock(self.threshold, units[0])
 
 
@@ -182,8 +182,8 @@ class NoCache:
     def __post_init__(self):
         _check_granularity(self.granularity)
 
-    def runtime(self, units: list[Unit], num_steps: int | None) -> Runtime:
-        return Runtime()
+    def runtime(self, units: list[Unit], num_steps: int | None) -> TrajectoryDecisions:
+        return TrajectoryDecisions()
 
 
 def describe(policy) -> str:

@@ -81,7 +81,7 @@ class DenseAttention:
         """Undo anything done to the model (called in a ``finally``)."""
 
 
-class Runtime:
+class GenerationForwards:
     """One generation's forwards under a policy; this base runs every position every step."""
 
     def __init__(self, model, layout: Layout, attention=None):
@@ -100,7 +100,7 @@ class Runtime:
         self.attention.close()
 
 
-class _CachedRuntime(Runtime):
+class _CachedForwards(GenerationForwards):
     """Full forward (refilling the store) when ``refresh_now``; otherwise runs ``positions`` plus the rows."""
 
     def __init__(self, model, layout: Layout, attention, refresh_now, positions):
@@ -133,27 +133,27 @@ class CachePolicy(Settings):
 class NoCache(CachePolicy):
     """Runs every position at every step: the reference every other policy is measured against."""
 
-    def start(self, model, layout: Layout, attention=None) -> Runtime:
-        return Runtime(model, layout, attention)
+    def start(self, model, layout: Layout, attention=None) -> GenerationForwards:
+        return GenerationForwards(model, layout, attention)
 
 
 # ---------------------------------------------------------------- dKV-Cache
 
 
-def _decode_positions(runtime: _CachedRuntime, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
+def _decode_positions(runtime: _CachedForwards, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
     # A position whose token changed since its K/V were stored was decoded at the last step: run it
     # once more with its real token (the delay), after which its K/V stay cached.
     return view.masked | (tokens != runtime.store.computed_from)
 
 
-def _prefill_positions(runtime: _CachedRuntime, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
+def _prefill_positions(runtime: _CachedForwards, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
     return runtime.index >= runtime.layout.prompt_length
 
 
 def _fresh_near_block(positions, before: int):
     """``positions`` plus every unmasked position in [block_start - before, block_end): the neighbourhood
     where decoding happens, whose K/V move most at each step."""
-    def with_neighbourhood(runtime: _CachedRuntime, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
+    def with_neighbourhood(runtime: _CachedForwards, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
         near = (runtime.index >= view.block_start - before) & (runtime.index < view.block_end)
         return positions(runtime, tokens, view) | (near & ~view.masked)
     return with_neighbourhood
@@ -180,7 +180,7 @@ def add_window(chosen: list[bool], centres: list[int], masked: list[bool], size:
 def _greedy_positions(window: int):
     """dKV-Cache-Greedy: the positions this step decodes, those decoded at the previous step (their token
     changed since their K/V were stored) and ``window`` masked neighbours of each position decoded now."""
-    def positions(runtime: _CachedRuntime, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
+    def positions(runtime: _CachedForwards, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
         if view.decoding is None:
             raise ValueError("DKVCache(variant='greedy') runs only the positions a step decodes, so it needs them "
                              "before the forward: generate(..., remasking='random_order'), the reference's order "
@@ -236,13 +236,13 @@ class DKVCache(CachePolicy):
         if self.fresh_before_block is not None and self.fresh_before_block < 0:
             raise ValueError(f"DKVCache: fresh_before_block must be >= 0 or None, got {self.fresh_before_block}")
 
-    def start(self, model, layout: Layout, attention=None) -> Runtime:
+    def start(self, model, layout: Layout, attention=None) -> GenerationForwards:
         positions = {"decode": _decode_positions, "prefill": _prefill_positions,
                      "greedy": _greedy_positions(self.window)}[self.variant]
         if self.fresh_before_block is not None:
             positions = _fresh_near_block(positions, self.fresh_before_block)
         reload = _reloads(self.variant, self.schedule, self.cache_reloading_step)
-        return _CachedRuntime(model, layout, attention, reload, positions)
+        return _CachedForwards(model, layout, attention, reload, positions)
 
 
 # ---------------------------------------------------------------- Fast-dLLM (the peers)
@@ -257,10 +257,10 @@ class FastDLLMPrefix(CachePolicy):
     """Fast-dLLM prefix cache: a full forward at each block's first step; then the prefix before the block
     stays cached and the block and everything after it are recomputed."""
 
-    def start(self, model, layout: Layout, attention=None) -> Runtime:
-        def positions(runtime: _CachedRuntime, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
+    def start(self, model, layout: Layout, attention=None) -> GenerationForwards:
+        def positions(runtime: _CachedForwards, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
             return runtime.index >= view.block_start
-        return _CachedRuntime(model, layout, attention, _at_block_start, positions)
+        return _CachedForwards(model, layout, attention, _at_block_start, positions)
 
 
 @dataclass(frozen=True)
@@ -268,10 +268,10 @@ class FastDLLMDual(CachePolicy):
     """Fast-dLLM dual cache: a full forward at each block's first step; then prefix and suffix stay cached
     and only the current block is recomputed."""
 
-    def start(self, model, layout: Layout, attention=None) -> Runtime:
-        def positions(runtime: _CachedRuntime, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
+    def start(self, model, layout: Layout, attention=None) -> GenerationForwards:
+        def positions(runtime: _CachedForwards, tokens: torch.Tensor, view: StepView) -> torch.Tensor:
             return (runtime.index >= view.block_start) & (runtime.index < view.block_end)
-        return _CachedRuntime(model, layout, attention, _at_block_start, positions)
+        return _CachedForwards(model, layout, attention, _at_block_start, positions)
 
 
 def describe(policy) -> str:

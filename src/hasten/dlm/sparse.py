@@ -46,7 +46,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..core.settings import Settings
 from .forward import context_positions
-from .policies import CachePolicy, Layout, NoCache, Runtime
+from .policies import CachePolicy, GenerationForwards, Layout, NoCache
 
 ATTENTION_NAME = "hasten_sparsed"
 
@@ -344,6 +344,6 @@ class SparseD(Settings):
         block = (128 if long else 32) if self.block is None else self.block
         return self.skip, select, block
 
-    def start(self, model, layout: Layout) -> Runtime:
+    def start(self, model, layout: Layout) -> GenerationForwards:
         cache = NoCache() if self.cache is None else self.cache
         return cache.start(model, layout, SparseAttention(model, layout, self))

@@ -18,7 +18,7 @@ from .suffix_tree import SuffixDraft, SuffixTree
 
 
 @dataclass
-class Request:
+class SuffixGeneration:
     """One generation's place in the pool."""
 
     key: int
@@ -38,12 +38,12 @@ class SuffixPool(Pool):
         self.global_tree = SuffixTree(max_tree_depth)
         self.responses: OrderedDict[int, int] = OrderedDict()  # seq id -> tokens, oldest first
         self.cached_tokens = 0
-        self.active: dict[int, Request] = {}
+        self.active: dict[int, SuffixGeneration] = {}
         self.finished = 0
         self._next_key = 0
 
     # ---- generations (the reference's start_request, add_active_response, stop_request) -------
-    def start(self, prompt: list[int], fed: int) -> Request:
+    def start(self, prompt: list[int], fed: int) -> SuffixGeneration:
         """A generation begins: its prompt into a local tree of its own, and a new response slot
         in the global tree (evicting the oldest past the bounds). ``fed``: tokens of its
         sequence already accounted for (the prompt, for a causal LM)."""
@@ -52,13 +52,13 @@ class SuffixPool(Pool):
             self._next_key += 1
             local = SuffixTree(self.max_tree_depth)
             local.extend(0, prompt)
-            request = self.active[key] = Request(key, local, fed, self.max_cached_requests != 0)
+            request = self.active[key] = SuffixGeneration(key, local, fed, self.max_cached_requests != 0)
             if request.cached:
                 self.responses[key] = 0
                 self._evict(keep=key)
             return request
 
-    def extend(self, request: Request, tokens: list[int]) -> None:
+    def extend(self, request: SuffixGeneration, tokens: list[int]) -> None:
         """The generation's sequence is now ``tokens``: the new ones go to its local tree and,
         while its response is cached, to the global tree."""
         with self.lock:
@@ -73,7 +73,7 @@ class SuffixPool(Pool):
                 self.cached_tokens += len(new)
                 self._evict(keep=request.key)
 
-    def end(self, request: Request) -> None:
+    def end(self, request: SuffixGeneration) -> None:
         """The generation ended: its local tree goes, its response stays cached."""
         with self.lock:
             if self.active.pop(request.key, None) is not None:
@@ -108,7 +108,7 @@ class SuffixPool(Pool):
             request.cached = False
 
     # ---- drafting -------------------------------------------------------------------------------
-    def speculate(self, request: Request, tokens: list[int], max_spec_tokens: int, max_spec_factor: float,
+    def speculate(self, request: SuffixGeneration, tokens: list[int], max_spec_tokens: int, max_spec_factor: float,
                   max_spec_offset: float, min_token_prob: float, use_tree_spec: bool) -> tuple[SuffixDraft, bool]:
         """The draft after ``tokens`` (the generation's sequence, learned first), and whether it
         came from the global tree. As the reference: the newest ``max_tree_depth`` tokens are
