@@ -149,10 +149,8 @@ class Proposer:
 
     def default_rule(self) -> SizingRule:
         """hasten's cost-aware rule without exploration draws: on vLLM's nearly flat step cost
-        every depth is cheap enough to explore, and the draws cost more than they found
-        (replayed on SmolLM2's Spec-Bench outputs at 1 to 5% of a step per position, drafting up
-        to 10: 1.49x plain decoding with no draws against 1.46x with them and 1.47x for a fixed
-        5; docs/scale-out.md). ``begin`` needs a curve: StepCost's fit replaces it every step."""
+        every depth is cheap enough to explore, and the draws cost more than they found (the
+        replays: docs/scale-out.md). ``begin`` needs a curve: StepCost's fit replaces it every step."""
         return CostAwareSize(curve=CostCurve.flat(), explore_scale=0.0)
 
     # ---- vLLM's protocol ----------------------------------------------------------------------

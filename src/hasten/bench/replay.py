@@ -2,7 +2,7 @@
 forward from the recorded cost curve instead of running the model.
 
 Why: on a small shared machine a wall-clock comparison of two drafters or two sizing rules
-swung by 10 % from run to run on the 2-core development VM (2026), so a change worth 3 % could not be seen. Greedy decoding is
+swings from run to run by more than the changes it should tell apart (docs/benchmarks.md). Greedy decoding is
 deterministic: once the target's greedy continuation of each prompt is known (:func:`record`),
 a lossless method's steps depend on its drafts alone. A :class:`RecordedTarget` answers each
 verification forward with logits whose argmax is the recorded continuation, and a

@@ -1,10 +1,9 @@
 """How many CPU threads torch computes with: the one rule for the library and the CLI.
 
-One thread is the default everywhere. On this project's shared 2-core CPU, torch's default of a
-thread per core made generation 4-10x slower than one thread whenever anything else ran (issue
-10, 2026); ``hasten.generate`` on SmolLM2 took 13.4-16.7 s with torch's default and 1.1-1.6 s
-on one thread (issue 44). One thread is never the slow case on a busy machine; ``0`` takes every
-core (worth it on a large model and an idle machine).
+One thread is the default everywhere: on a shared CPU, torch's default of a thread per core is
+many times slower whenever anything else runs, and one thread is never the slow case on a busy
+machine (the measurements: docs/cpu.md, "The measurements behind the code's choices"); ``0``
+takes every core (worth it on a large model and an idle machine).
 
 torch's thread count is the process's, so the library sets it only while it computes
 (:func:`using_threads`) and gives the caller's back between steps; the CLI owns its process and

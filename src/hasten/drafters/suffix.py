@@ -38,8 +38,7 @@ class SuffixSettings(Settings):
     max_tree_depth: int = 24  # suffixes kept this long; the newest this many tokens are matched (vLLM's default)
     max_spec_tokens: int = 24  # draft tokens at most (vLLM's num_speculative_tokens default for suffix)
     # draft tokens per matched token: 4, not vLLM's 1, since hasten's cost-aware sizing chooses
-    # how much of a draft to verify (replayed on recorded SmolLM2 streams, tau 2.36 -> 2.78 on a
-    # repeating extraction workload and 1.68 -> 1.82 on a Spec-Bench stream; docs/methods.md)
+    # how much of a draft to verify (the replays that chose it: docs/methods.md, suffix)
     max_spec_factor: float = 4.0
     max_spec_offset: float = 0.0  # ... plus this many
     min_token_prob: float = 0.1  # no draft token whose estimated probability is lower

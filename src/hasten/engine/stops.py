@@ -97,7 +97,7 @@ class TextStream:
     back until the next tokens settle it. Every :meth:`push` and the :meth:`finish` joined
     are the final text. With ``streaming=False`` nobody reads the pieces as they come: every
     push shows nothing and :meth:`finish` decodes the text once (a step's push would decode the
-    whole sequence again: 0.1 ms a step at 80 tokens, growing with the text)."""
+    whole sequence again, a cost that grows with the text)."""
 
     def __init__(self, tokenizer, stop: StopStrings | Iterable[str] = (), min_tokens: int = 0,
                  include_stop: bool = False, streaming: bool = True):

@@ -112,9 +112,8 @@ def draft_tensor(tokens, device: torch.device) -> torch.Tensor:
 # ---- greedy ----------------------------------------------------------------------------------
 def greedy_ids(logits: torch.Tensor) -> list[int]:
     """[n + 1] argmax of each row of ``logits`` [n + 1, vocab] (the first maximum, as torch's), as
-    host ints: one transfer from a GPU; on the CPU through numpy, whose argmax over a 49k
-    vocabulary took 4 µs where torch's took 43 (0.4 % of a llama.cpp step on SmolLM2; measured in
-    November 2026 on the 2-core development VM)."""
+    host ints: one transfer from a GPU; on the CPU through numpy, whose argmax is a tenth of
+    torch's there (docs/cpu.md, "The measurements behind the code's choices")."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32:
         return logits.detach().numpy().argmax(-1).tolist()
     return logits.argmax(-1).tolist()

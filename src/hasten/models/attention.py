@@ -33,10 +33,8 @@ from transformers import PreTrainedModel
 HYBRID = "hasten_hybrid_tree"
 GROUPED = "hasten_sdpa_grouped"
 # Cached entries from which reading grouped KV heads in place repays switching the model's
-# attention function for one forward (the switch took about 0.1 ms on the 2-core development VM in
-# 2026; the copy it saves grows with the cache). Measured there on SmolLM2-135M float32, a 7-token
-# block, median of 5: one thread 96 ms copied against 84 ms in place at 700 cached tokens, 139
-# against 104 ms at 1,500, level at 100 to 300; two threads level (within 2 ms) from 60 to 700.
+# attention function for one forward: the switch costs a fixed time, the copy it saves grows with
+# the cache (docs/cpu.md, "The measurements behind the code's choices").
 IN_PLACE_FROM = 512
 
 

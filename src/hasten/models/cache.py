@@ -2,10 +2,8 @@
 
 The caches hasten builds grow in place (:class:`GrowingLayer`): transformers' ``DynamicLayer``
 concatenates every new block onto the whole cache, a copy of every cached key and value at
-every step (measured November 2026 on the 2-core development VM, SmolLM2-135M float32, one
-thread: a one-token step took 71.0 ms with it and 67.8 ms without at 1,500 cached tokens, 66.2
-and 64.3 ms at 730). A growing layer writes the
-block into spare capacity (:data:`SLACK` entries) and hands attention a view of the filled
+every step (what it costs: docs/cpu.md, "The measurements behind the code's choices"). A growing
+layer writes the block into spare capacity (:data:`SLACK` entries) and hands attention a view of the filled
 part; crop and keep only move its end. Attention reads the same numbers either way.
 
 Speculation writes KV entries for draft tokens that may be rejected, so every cache

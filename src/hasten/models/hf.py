@@ -92,8 +92,8 @@ class HuggingFaceRuntime(Runtime):
 
     def warm_up(self, tokens: int = 8) -> None:
         """A short prefill. A model's first forward packs its weights for hasten's kernels
-        (models/invariant.py), fuses the lean forward's and builds the kernels: on SmolLM2 a first chat's prefill took 0.53 s where
-        later ones took 0.12 s (one thread, idle machine), and 2.45 s on a busy one (issue 44)."""
+        (models/invariant.py), fuses the lean forward's and builds the kernels, so a first prefill
+        costs several later ones (docs/cpu.md, "The measurements behind the code's choices")."""
         tokens = min(tokens, self.context_length or tokens)
         ids = [3 + (7 * i) % max(self.vocab_size - 3, 1) for i in range(tokens)]  # any ids will do
         with torch.no_grad():

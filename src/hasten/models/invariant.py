@@ -4,10 +4,9 @@ model in float32, bfloat16 or float16.
 Verifying a block of k draft tokens runs one forward over k positions where plain decoding runs
 k forwards of one. Library kernels choose their blocking, their vector path and their split of
 a reduction by the number of rows, so the k rows come out rounded otherwise than k lone rows
-(on this project's 2-core AMD EPYC, oneDNN's bfloat16 and float32 products of a 1,536-input
-layer already differ from 2 rows on); where the top two logits are that close, the argmax flips
-and speculative decoding writes other text than plain decoding (in bfloat16 on 11 of 18
-Spec-Bench questions). Here the two reductions whose order a library picks, the linear layers
+(oneDNN's products do, from 2 rows on); where the top two logits are that close, the argmax flips
+and speculative decoding writes other text than plain decoding (how often: docs/cpu.md, "The
+measurements behind the code's choices"). Here the two reductions whose order a library picks, the linear layers
 and attention, run hasten's own kernels (``hasten/kernels/invariant.c``), which fix each output
 element's sequence of operations whatever the rows, threads or instruction set:
 

@@ -1,10 +1,9 @@
 """A Llama-family forward with fewer operations, for CPU models on hasten's kernels.
 
-A decode step of SmolLM2-135M on one CPU thread spends about 41 ms in its linear layers and,
-under Hugging Face's modules, about 18 ms in everything else (norms, rotary embedding, cache,
-attention, and the module calls, keyword plumbing, mask building and output objects around
-them); the same operations called directly cost about 13 ms (measured November 2026 on the
-2-core development VM, linear layers stubbed out). vLLM's CPU step is fused kernels throughout;
+Under Hugging Face's modules, a small model's decode step spends a large share outside its
+linear layers (norms, rotary embedding, cache, attention, and the module calls, keyword plumbing,
+mask building and output objects around them), and the same operations called directly cost
+much less (docs/cpu.md, "The measurements behind the code's choices"). vLLM's CPU step is fused kernels throughout;
 this is the part of that which keeps Hugging Face's numbers: :func:`forward` runs **the same
 tensor operations, in the same order, on the same weights** as transformers' Llama and Qwen2
 decoder (its RMSNorm formula, ``rotate_half`` rotary embedding, the attention the model is

@@ -53,7 +53,7 @@ DEFAULT_CONTEXT = 4096  # positions per generation: prompt, new tokens and one d
 IDLE_CONTEXTS = 4  # finished generations' contexts a model keeps for the next ones
 # Block sizes that cost-aware draft sizing times (hasten.engine.sizing): every size up to 16,
 # since llama.cpp's repacked Q4_0 kernels take rows four at a time and a block of 3 can cost
-# more than one of 4 (SmolLM2 Q4_0, 1 thread, llama.cpp 0.3.36 in 2026: 3.2x and 3.0x a single token); then coarser,
+# more than one of 4 (docs/cpu.md, "The measurements behind the code's choices"); then coarser,
 # for the wider blocks of a server's batches (past 64 the sizing extrapolates linearly).
 CALIBRATION_SIZES = (*range(1, 17), 24, 32, 64)
 
@@ -116,15 +116,13 @@ class LlamaCppModel(Runtime):
         self.context_length = min(self.max_positions, context)
         self.label, self.source = path.name, str(path)
         self._end_of_generation: frozenset[int] | None = None  # eos_token_ids, read on first use
-        # Creating a context took about 0.1 s for SmolLM2 at 4096 positions (5% of a 96-token
-        # generation, llama.cpp 0.3.36 on the 2-core development VM), so finished generations hand
-        # theirs back for the next to reuse.
+        # Creating a context costs a noticeable share of a short generation (docs/cpu.md), so
+        # finished generations hand theirs back for the next to reuse.
         self._idle: list[LlamaCppContext] = []
 
     def eos_token_ids(self) -> frozenset[int]:
         """The tokens that end a generation (llama.cpp's end-of-generation set), read once:
-        every generation asks, and asking llama.cpp token by token took 27 ms for SmolLM2's
-        49,152 tokens (2026-11-26, the 2-core development VM), 3% of a 96-token generation."""
+        every generation asks, and asking llama.cpp is one call per vocabulary token."""
         if self._end_of_generation is None:
             self._end_of_generation = frozenset(
                 t for t in range(self.vocab_size) if self.lib.llama_vocab_is_eog(self._vocab, t))
@@ -222,9 +220,8 @@ class LlamaCppContext:
         self.threads = threads or model.threads
         params.n_threads = params.n_threads_batch = self.threads
         # Flash attention handles each query row on its own, which makes a verification block's
-        # logits equal, bit for bit, those of its tokens fed one at a time (measured on SmolLM2
-        # for blocks of up to 40 tokens; without it llama.cpp's attention rounds otherwise from
-        # a block's 4th row on). Compare with llama.cpp run so: Llama(..., flash_attn=True).
+        # logits equal, bit for bit, those of its tokens fed one at a time (without it llama.cpp's
+        # attention rounds otherwise from a block's 4th row on; docs/cpu.md). Compare with llama.cpp run so: Llama(..., flash_attn=True).
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED
         params.no_perf = True
         self._ctx = lib.llama_init_from_model(model._model, params)
@@ -260,9 +257,8 @@ class LlamaCppContext:
         rows = sum(outputs)
         if rows == 0:
             return None
-        # No copy: a step reads its logits before its next decode. A fresh tensor and a memmove
-        # into it took 0.11 ms a step (0.08 of it the allocation), 0.8 % of a one-token step
-        # (SmolLM2 Q4_1, one thread; 2026-11-29, the 2-core development VM).
+        # No copy: a step reads its logits before its next decode (a fresh tensor and a memmove
+        # into it, mostly the allocation, would cost every step; docs/cpu.md).
         # The buffer stays where it is from one decode to the next (llama.cpp moves it only to
         # grow it), so the view of the last decode with as many rows is that of this one.
         address = ctypes.cast(lib.llama_get_logits(self._ctx), ctypes.c_void_p).value
@@ -285,8 +281,8 @@ class LlamaCppContext:
         """Empty ``sequence``'s cells; a one-sequence context is cleared whole, which puts
         the next prompt where a new context would (reused contexts stay exact). The cells'
         old K and V values stay in the buffers, as llama-cpp-python's own reset leaves them:
-        an empty cell is masked out of attention, and zeroing the buffers took 2-3 ms a
-        generation (SmolLM2 at 4096 positions; 2026-11-26, the 2-core development VM)."""
+        an empty cell is masked out of attention, and zeroing the buffers would cost every
+        generation a pass over them (docs/cpu.md)."""
         if self.sequences == 1:
             self.lib.llama_memory_clear(self._memory, False)
         else:
