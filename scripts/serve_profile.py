@@ -47,7 +47,7 @@ def timed(owner, name: str, phase: str) -> None:
 
 
 def spec_bench_messages(per_category: int) -> list[list[dict]]:
-    from hasten.serve.load import spec_bench_questions
+    from hasten.bench.serve_load import spec_bench_questions
 
     return [[{"role": "user", "content": q}] for q in spec_bench_questions(per_category)]
 

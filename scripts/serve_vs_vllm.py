@@ -49,7 +49,7 @@ def vllm_command(python: str, directory: str, name: str, port: int, max_seqs: in
 
 
 def start(command: list[str], env: dict, log: Path, port: int, timeout: float) -> subprocess.Popen:
-    from hasten.serve.load import wait_until_healthy
+    from hasten.bench.serve_load import wait_until_healthy
 
     process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
     wait_until_healthy(process, port, timeout, lambda: f"its log: {log}")

@@ -86,7 +86,7 @@ def start_server(args, port: int) -> subprocess.Popen:
         command += ["--draft-size", args.draft_size]
     for setting in args.method_arg:
         command += ["--method-arg", setting]
-    from hasten.serve.load import wait_until_healthy
+    from hasten.bench.serve_load import wait_until_healthy
 
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_until_healthy(server, port, args.start_timeout,
@@ -95,7 +95,7 @@ def start_server(args, port: int) -> subprocess.Popen:
 
 
 def prompts_for(args) -> list[str]:
-    from hasten.serve.load import builtin_prompts, spec_bench_questions
+    from hasten.bench.serve_load import builtin_prompts, spec_bench_questions
 
     if args.short:
         return builtin_prompts(8, context_chars=300)

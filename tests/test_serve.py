@@ -785,7 +785,7 @@ def test_serve_bench_without_a_server_is_one_line(cli, tmp_path):
 
 
 def test_the_builtin_load_prompts_end_at_a_function_signature():
-    from hasten.serve.load import builtin_prompts
+    from hasten.bench.serve_load import builtin_prompts
 
     prompts = builtin_prompts(3)
     assert len(prompts) == 3 and len(set(prompts)) == 3

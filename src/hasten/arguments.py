@@ -68,6 +68,19 @@ def note_unused_sampling(args: argparse.Namespace) -> None:
                       "> 0: decoding is greedy", HastenWarning, stacklevel=2)
 
 
+SERVE_EXTRA = "pip install 'hasten[serve]'"  # hasten serve's HTTP modules and serve-bench's client
+API_KEY_ENV = "HASTEN_API_KEY"  # the key hasten serve asks for and serve-bench sends, where --api-key is not given
+
+
+def require_serve_extra(command: str, modules: tuple[str, ...]) -> None:
+    """UserError naming the ``modules`` that ``hasten COMMAND`` needs and this environment lacks."""
+    import importlib.util
+
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"hasten {command} needs {', '.join(missing)}, which the serve extra installs: {SERVE_EXTRA}")
+
+
 def at_least(args: argparse.Namespace, low: int, *flags: str) -> None:
     """UserError naming the first of ``flags`` (argparse dest names) set below ``low``."""
     for flag in flags:

@@ -23,6 +23,7 @@ from .arguments import (
 )
 from .bench import cli as bench_cli
 from .bench import replay_cli
+from .bench import serve_load_cli
 from .bench import structured as structured_bench
 from .bench import vlm as vlm_bench
 from .core import settings as settings_io
@@ -239,6 +240,7 @@ COMMANDS: list[Command] = [
     *dlm_cli.COMMANDS,
     *vlm_bench.COMMANDS,
     *serve_cli.COMMANDS,
+    *serve_load_cli.COMMANDS,
     *export_cli.COMMANDS,
 ]
 

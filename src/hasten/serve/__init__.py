@@ -1,7 +1,8 @@
 """``hasten serve``: an OpenAI-compatible HTTP server over the continuous-batching scheduler,
-with Prometheus metrics, and ``hasten serve-bench``, its load generator.
+with Prometheus metrics (its load generator, ``hasten serve-bench``, is a bench:
+:mod:`hasten.bench.serve_load`).
 
-The HTTP layer, the metrics and the load generator need the optional extra
-(``pip install 'hasten[serve]'``: Starlette, uvicorn, prometheus-client, openai), so nothing
-here imports them at package import: ``hasten --help`` works without it.
+The HTTP layer and the metrics need the optional extra (``pip install 'hasten[serve]'``:
+Starlette, uvicorn, prometheus-client), so nothing here imports them at package import:
+``hasten --help`` works without it.
 """

@@ -1,31 +1,22 @@
-"""``hasten serve`` (the OpenAI-compatible server) and ``hasten serve-bench`` (its load generator)."""
+"""``hasten serve``: the OpenAI-compatible server (its load generator, ``hasten serve-bench``, is
+:mod:`hasten.bench.serve_load_cli`)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import ipaddress
 import os
 import sys
 
 from ..api import AUTOREGRESSIVE, check_method
 from ..arguments import (
-    UserError, add_draft_size_argument, at_least, add_model_arguments, add_runtime_arguments, apply_threads, checked_device,
-    method_settings, resolve_dtype, torch_dtype,
+    API_KEY_ENV, UserError, add_draft_size_argument, at_least, add_model_arguments, add_runtime_arguments, apply_threads,
+    checked_device, method_settings, require_serve_extra, resolve_dtype, torch_dtype,
 )
 from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
 from .schema import DEFAULT_MAX_TOKENS
 
-EXTRA = "pip install 'hasten[serve]'"
 SERVER_MODULES = ("starlette", "uvicorn", "prometheus_client")
-CLIENT_MODULES = ("openai",)
-API_KEY_ENV = "HASTEN_API_KEY"
-
-
-def require_extra(command: str, modules: tuple[str, ...]) -> None:
-    missing = [m for m in modules if importlib.util.find_spec(m) is None]
-    if missing:
-        raise UserError(f"hasten {command} needs {', '.join(missing)}, which the serve extra installs: {EXTRA}")
 
 
 # ---- hasten serve ------------------------------------------------------------------------------
@@ -83,7 +74,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    require_extra("serve", SERVER_MODULES)
+    require_serve_extra("serve", SERVER_MODULES)
     if not 0 <= args.port <= 65535:
         raise UserError(f"--port must be in [0, 65535], got {args.port}")
     at_least(args, 1, "max_batch", "max_tokens_in_flight", "max_prefill_tokens", "max_body_bytes",
@@ -145,70 +136,7 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-# ---- hasten serve-bench --------------------------------------------------------------------------
-def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", action="append", metavar="[NAME=]URL",
-                        help="a server's API base URL (default http://127.0.0.1:8000/v1); repeat it to measure several "
-                        "servers in one run, level by level (e.g. hasten=http://127.0.0.1:8000/v1 "
-                        "vllm=http://127.0.0.1:8100/v1): each answer is compared with the first server's")
-    parser.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
-                        help=f"the server's API key (default: ${API_KEY_ENV})")
-    parser.add_argument("--model", metavar="NAME", help="model name to ask for (default: the one the server lists)")
-    parser.add_argument("--concurrency", default="1,4,16", metavar="LIST",
-                        help="comma-separated numbers of requests in flight at once, each measured in turn "
-                        "(default 1,4,16)")
-    parser.add_argument("--requests", type=int, default=None, metavar="N",
-                        help="requests per concurrency level (default: 4 x the level, at least 8)")
-    parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (default 128)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="temperature of every request (default 0)")
-    parser.add_argument("--chat", action="store_true", help="send each prompt as a user message to /chat/completions")
-    parser.add_argument("--prompts", metavar="PATH", help="JSONL file of prompts ({prompt} or Spec-Bench turns), or "
-                        "spec-bench[:N]: N first-turn questions of each of Spec-Bench's six categories (default 5), "
-                        "from the end of each (hasten bench takes them from the start)")
-    parser.add_argument("--num-prompts", type=int, default=16, metavar="N",
-                        help="without --prompts: up to N built-in prompts, held-out standard-library code ending at a "
-                        "function's signature (default 16)")
-    parser.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed requests first (default 1)")
-    parser.add_argument("--out", metavar="PATH", help="also write the results as JSON here")
-    parser.add_argument("--chart", metavar="PATH", help="also draw throughput against concurrency as a PNG here")
-
-
-def concurrency_levels(text: str) -> list[int]:
-    try:
-        levels = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        levels = []
-    if not levels or any(level < 1 for level in levels):
-        raise UserError(f"--concurrency {text!r}: give positive integers, comma-separated (e.g. 1,4,16)")
-    return levels
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    require_extra("serve-bench", CLIENT_MODULES)
-    levels = concurrency_levels(args.concurrency)
-    at_least(args, 1, "requests", "max_tokens", "num_prompts")
-    at_least(args, 0, "warmup")
-    if args.temperature < 0:
-        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
-    from . import load
-
-    prompts = load.prompts_from(args.prompts) if args.prompts else load.builtin_prompts(args.num_prompts)
-    servers = load.servers_from(args.url or ["http://127.0.0.1:8000/v1"], args.api_key, args.model)
-    results = load.run(servers, prompts, levels, args.requests, args.max_tokens, args.temperature, args.chat,
-                       args.warmup)
-    print(load.table(results))
-    if args.out:
-        load.write_json(results, args.out)
-        print(f"hasten serve-bench: wrote {args.out}", file=sys.stderr)
-    if args.chart:
-        load.chart(results, args.chart)
-        print(f"hasten serve-bench: drew {args.chart}", file=sys.stderr)
-    return 0 if not any(level["errors"] for level in results["levels"]) else 1
-
-
 COMMANDS = [
     ("serve", "serve a model with an acceleration method over an OpenAI-compatible HTTP API",
      add_serve_arguments, run_serve),
-    ("serve-bench", "measure a running hasten serve (or any OpenAI-compatible server) under concurrent load",
-     add_bench_arguments, run_bench),
 ]

@@ -29,8 +29,8 @@ from pathlib import Path
 import numpy as np
 
 PERCENTILES = (50, 90, 99)
-# Spec-Bench's questions, vendored with hasten bench (data, not an import: bench is this floor's neighbour)
-SPEC_BENCH = Path(__file__).resolve().parents[1] / "bench" / "data" / "spec_bench" / "question.jsonl"
+# Spec-Bench's questions, vendored with hasten bench (read here directly: spec_bench.py's tasks need torch)
+SPEC_BENCH = Path(__file__).resolve().parent / "data" / "spec_bench" / "question.jsonl"
 SPEC_BENCH_CATEGORIES = ("translation", "summarization", "qa", "math_reasoning", "rag")  # and MT-bench's 8, as one
 
 
