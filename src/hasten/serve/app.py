@@ -28,6 +28,7 @@ from .render import Renderer
 from .rows import Rows
 from .schema import DEFAULT_MAX_TOKENS, APIError, Params, parse_body, parse_messages, parse_params, parse_prompts
 from .structured import parse_structured
+from .tool_parsers import FORMATS, format_for_template
 from .translate import Sample, Translator
 from .worker import Worker
 
@@ -45,8 +46,14 @@ class ServeOptions:
     logprobs_mode: str = "raw"
     default_max_tokens: int = DEFAULT_MAX_TOKENS  # the most tokens a request that sets no max_tokens gets
     pool_file: str | None = None  # the drafter's shared pool: loaded at start where the file exists, saved at exit
+    # how the model writes tool calls (tool_choice "auto"): a name of serve.tool_parsers.FORMATS; None: the
+    # one its chat template asks for (Hermes where it shows no tools: hasten writes them so)
+    tool_call_parser: str | None = None
 
     def __post_init__(self) -> None:
+        if self.tool_call_parser is not None and self.tool_call_parser not in FORMATS:
+            raise FieldError("tool_call_parser", "invalid_value", f"{{field}} must be one of {', '.join(FORMATS)}, "
+                             f"got {self.tool_call_parser!r}")
         if self.logprobs_mode not in ("raw", "processed"):
             raise FieldError("logprobs_mode", "invalid_value",
                              f"{{field}} must be raw or processed, got {self.logprobs_mode!r}")
@@ -63,7 +70,10 @@ class Service:
 
     def __init__(self, engine, worker: Worker, metrics: Metrics, options: ServeOptions):
         self.engine, self.worker, self.metrics, self.options = engine, worker, metrics, options
-        self.translate = Translator(engine, options.default_max_tokens, options.logprobs_mode == "processed")
+        self.tool_format = tool_format_of(engine.tokenizer, options.tool_call_parser)
+        self.tool_markers = self.tool_format.special(engine.tokenizer)  # written as tokens in its grammars
+        self.translate = Translator(engine, options.default_max_tokens, options.logprobs_mode == "processed",
+                                    self.tool_format)
         self.encode = self.translate.encode  # the encoder thread (tests look at it)
         self.rows = Rows(worker, metrics, engine.tokenizer)
         self.render = Renderer(engine.method, engine.tokenizer)
@@ -96,9 +106,11 @@ class Service:
     async def chat_completions(self, request: HTTPRequest) -> Response:
         body = await self._read_json(request)
         params = parse_params(body, ("max_tokens", "max_completion_tokens"), chat=True)
-        params = replace(params, structured=parse_structured(body, chat=True))
+        params = replace(params, structured=parse_structured(body, chat=True, tool_format=self.tool_format,
+                                                             special=self.tool_markers))
         self._check_model(params.model)
         asked_as = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        # the tools reach the template when the model may call them (tool_choice none: the tools are ignored)
         tools = body["tools"] if params.structured is not None and params.structured.tool else None
         samples = await self.translate.chat(parse_messages(body), params, asked_as, tools)
         return await self._answer(request, "chat", samples, params)
@@ -149,6 +161,11 @@ class Service:
         return {"id": self.options.model_name, "object": "model", "created": self.created, "owned_by": "hasten",
                 "max_model_len": self.context, "method": self.engine.method,
                 "default_max_tokens": self.options.default_max_tokens}
+
+
+def tool_format_of(tokenizer, name: str | None):
+    """The tool-call format: the one named (``--tool-call-parser``), else the chat template's."""
+    return FORMATS[name] if name is not None else format_for_template(getattr(tokenizer, "chat_template", None))
 
 
 class EventStream(StreamingResponse):

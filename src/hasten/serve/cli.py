@@ -61,6 +61,13 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with a method that learns across requests (lookahead, suffix): start from the pool "
                         "saved in FILE, where it exists, and save the pool there at exit (a corpus warms it too: "
                         "--method-arg corpus=TEXT_FILE)")
+    parser.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None, metavar="NAME",
+                        help="how the model writes tool calls, read for tool_choice auto (the default with tools): "
+                        "hermes (<tool_call>{...}</tool_call>: Hermes, Qwen2.5, and what hasten writes into the "
+                        "system turn of a chat template that shows no tools) or llama3_json (Llama 3's JSON calls); "
+                        "default: the one the chat template asks for")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help="accepted for vLLM's command lines: tool_choice auto is always on")
     parser.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                         help="uvicorn's log level (default warning; info logs every request)")
     parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
@@ -112,7 +119,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                        args.kv_cache_mib << 20)
     name = args.served_model_name or args.model
     options = ServeOptions(name, args.api_key, args.max_body_bytes, args.logprobs_mode, args.default_max_tokens,
-                           pool_file=args.pool)
+                           pool_file=args.pool, tool_call_parser=args.tool_call_parser)
     try:
         app = create_app(engine, make_scheduler, options)
     except ValueError as err:  # --pool: a method without a pool, or a file that is not a saved pool

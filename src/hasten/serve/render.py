@@ -2,7 +2,9 @@
 ``best_of`` samples, log-probabilities, usage) or server-sent events ending in ``data: [DONE]``;
 each with hasten's own numbers under the extra field ``hasten`` (the method, tokens per step,
 drafted, accepted and forced tokens, acceptance per draft position, the time queued). A tool
-request's text is answered as OpenAI's ``tool_calls`` (streamed as one delta once complete).
+request's text is answered as OpenAI's ``tool_calls``: with ``tool_choice`` ``"required"`` or a named
+function streamed as one delta once complete; with ``"auto"`` streamed as vLLM streams them (the content
+before the first call, then each call's name and the deltas of its arguments, :class:`.tool_parsers.ToolStream`).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from .logprobs import TokenText, chat_logprobs, completion_logprobs, prompt_logp
 from .rows import Generation, Rows
 from .schema import APIError, Params
 from .structured import tool_calls
+from .tool_parsers import ToolStream
 
 
 def sse(payload: dict) -> str:
@@ -88,8 +91,11 @@ class Renderer:
                 yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                                 "finish_reason": None, "logprobs": None}], **extra(index)})
         lasts = [None] * len(gens)
-        calling = chat and params.structured is not None and params.structured.tool is not None
-        held = [""] * len(gens)  # a tool request's text, sent as its calls once complete
+        tool = params.structured.tool if chat and params.structured is not None else None
+        calling = tool is not None and tool != "auto"
+        held = [""] * len(gens)  # a required or named tool request's text, sent as its calls once complete
+        # an auto tool request's text, read as it grows: content, then each call's name and arguments
+        streams = [ToolStream(params.structured.format) for _ in gens] if tool == "auto" else None
         try:
             # aclosing: when the client leaves, the rows' generators close (and cancel) at once
             async with aclosing(rows.merged(gens)) as updates:
@@ -100,9 +106,17 @@ class Renderer:
                     if calling:
                         held[index] += piece
                         piece = ""
+                    if streams is not None:
+                        held[index] += piece
+                        for delta in streams[index].push(piece, final=reason is not None):
+                            yield sse({**head, "choices": [{"index": index, "delta": delta, "finish_reason": None,
+                                                            "logprobs": None}], **extra(index)})
+                        piece = ""
                     event = scored_chunk(index, piece, last.logprobs or [])
                     if event is not None:
                         yield event
+                    if reason is not None and streams is not None:
+                        reason = message(held[index], reason, params)["finish_reason"]
                     if reason is not None:
                         if calling:
                             answer = message(held[index], reason, params)
@@ -165,10 +179,16 @@ class Renderer:
 def message(text: str, reason: str | None, params: Params) -> dict:
     """A chat choice's message and finish reason: the text, or for a tool request the calls its
     text makes (OpenAI's ``tool_calls``, finish reason "tool_calls"; the text as content when
-    max_tokens or a stop string cut the call short)."""
-    calls = tool_calls(params.structured, text) if params.structured and params.structured.tool else None
+    max_tokens or a stop string cut the call short; with ``tool_choice`` auto, the text before the
+    first call as content and the complete calls)."""
+    structured = params.structured
+    calls = tool_calls(structured, text) if structured and structured.tool else None
     if calls is None:
         return {"message": {"role": "assistant", "content": text}, "finish_reason": reason}
+    if structured.tool == "auto":  # the free text before the first call, as vLLM's parsers answer it; a
+        # complete call makes the reason tool_calls even where text after it ran out of tokens (as vLLM)
+        content = structured.format.parse(text, final=True).content or None
+        return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": "tool_calls"}
     return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
             "finish_reason": "tool_calls" if reason == "stop" else reason}
 

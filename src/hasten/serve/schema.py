@@ -334,40 +334,62 @@ def _one_prompt(prompt, name: str) -> str | list[int]:
     raise invalid("prompt", f"'{name}' must be a non-empty string or a list of token ids", "invalid_type")
 
 
-# OpenAI's chat roles, less those of tool calls ("tool", "function"), which hasten serve does not make
-CHAT_ROLES = ("system", "developer", "user", "assistant")
-TOOL_ROLES = ("tool", "function")
-
-
-def parse_messages(body: dict) -> list[dict[str, str]]:
-    """Chat messages with their content as plain text (OpenAI's text parts are joined). Every
-    message has one of :data:`CHAT_ROLES` and a content; OpenAI's content-less assistant turn is
-    one that made tool calls, which this server refuses with ``tools``."""
+def parse_messages(body: dict) -> list[dict]:
+    """Chat messages with their content as plain text (OpenAI's text parts are joined), for the chat
+    template (:mod:`.chat`). A role is any non-empty string: the template decides what it renders, as in
+    vLLM. An assistant message may carry ``tool_calls`` (then its content may be null), a ``tool``
+    message its ``tool_call_id``; a message's ``name`` is kept."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "'messages' must be a non-empty list of {role, content} objects",
                       "missing_required_parameter" if messages is None else "invalid_type")
-    plain = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        if not isinstance(message, dict):
-            raise invalid(where, f"'{where}' must be an object with a 'role' and a 'content'", "invalid_type")
-        role = message.get("role")
-        for name in ("tool_calls", "function_call"):
-            if not _empty(message.get(name)):
-                raise invalid(f"{where}.{name}", f"'{where}.{name}': tool calls are not supported by hasten serve",
-                              "unsupported_parameter")
-        if role in TOOL_ROLES:
-            raise invalid(f"{where}.role", f"'{where}.role' is {role!r}, a tool call's answer: tool calls are not "
-                          "supported by hasten serve", "unsupported_parameter")
-        if role not in CHAT_ROLES:
-            raise invalid(f"{where}.role", f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, got "
-                          f"{json.dumps(role)[:40]}", "missing_required_parameter" if role is None else "invalid_value")
-        if message.get("content") is None:
+    return [_message(message, f"messages[{i}]") for i, message in enumerate(messages)]
+
+
+def _message(message, where: str) -> dict:
+    if not isinstance(message, dict):
+        raise invalid(where, f"'{where}' must be an object with a 'role' and a 'content'", "invalid_type")
+    role = message.get("role")
+    if not isinstance(role, str) or not role:
+        raise invalid(f"{where}.role", f"'{where}.role' must be a non-empty string, got {json.dumps(role)[:40]}",
+                      "missing_required_parameter" if role is None else "invalid_value")
+    if not _empty(message.get("function_call")):
+        raise invalid(f"{where}.function_call", f"'{where}.function_call' (OpenAI's deprecated form) is not "
+                      "supported by hasten serve: send 'tool_calls'", "unsupported_parameter")
+    plain = {"role": role}
+    calls = message.get("tool_calls")
+    if not _empty(calls):
+        plain["tool_calls"] = _tool_calls(calls, f"{where}.tool_calls")
+    if message.get("content") is None:
+        if "tool_calls" not in plain:
             raise invalid(f"{where}.content", f"'{where}.content' is required: a string or a list of text parts",
                           "missing_required_parameter")
-        plain.append({"role": role, "content": content_text(message["content"], where)})
+        plain["content"] = None
+    else:
+        plain["content"] = content_text(message["content"], where)
+    for name in ("tool_call_id", "name"):
+        if message.get(name) is not None:
+            if not isinstance(message[name], str):
+                raise invalid(f"{where}.{name}", f"'{where}.{name}' must be a string", "invalid_type")
+            plain[name] = unicode_text(message[name], f"{where}.{name}")
     return plain
+
+
+def _tool_calls(calls, where: str) -> list[dict]:
+    """An assistant message's earlier calls: ``[{id, type: function, function: {name, arguments}}]``."""
+    if not isinstance(calls, list):
+        raise invalid(where, f"'{where}' must be a list of tool calls", "invalid_type")
+    checked = []
+    for j, call in enumerate(calls):
+        here = f"{where}[{j}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or not isinstance(function.get("arguments", ""), (str, dict)):
+            raise invalid(here, f"'{here}' must be {{id, type: function, function: {{name, arguments}}}}",
+                          "invalid_type")
+        checked.append({"id": str(call.get("id", "")), "type": "function",
+                        "function": {"name": function["name"], "arguments": function.get("arguments", "{}")}})
+    return checked
 
 
 def unicode_text(text: str, field: str) -> str:

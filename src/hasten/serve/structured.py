@@ -5,10 +5,10 @@ Fields: OpenAI's ``response_format`` (``json_object``; ``json_schema`` with ``st
 is followed strictly), vLLM's ``structured_outputs`` (``json``, ``regex``, ``choice``, ``grammar``,
 ``json_object``) and its older ``guided_json``, ``guided_regex``, ``guided_choice``,
 ``guided_grammar``, and chat's ``tools`` with ``tool_choice`` ``"required"`` (a JSON array of
-``{"name", "parameters"}`` calls, as vLLM constrains it) or a named function (its arguments), answered
-as OpenAI ``tool_calls``. ``tool_choice: "auto"`` (the default with tools) is refused: whether to call
-a tool is the model's own choice there, which needs a tool-call parser for that model's format.
-At most one of them per request; every refusal names its field.
+``{"name", "parameters"}`` calls, as vLLM constrains it), a named function (its arguments), or
+``"auto"`` (the default with tools: the model's free text, in which the server's tool-call format's
+trigger opens a call constrained to one of the tools, :mod:`.tool_parsers`), answered as OpenAI
+``tool_calls``. At most one of them per request; every refusal names its field.
 """
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from ..core.constraint import ConstraintError
 from .schema import invalid
+from .tool_parsers import openai_calls
 
 VLLM_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -30,11 +31,14 @@ IGNORED_OPTIONS = ("disable_any_whitespace", "disable_fallback", "disable_additi
 class Structured:
     spec: object  # a hasten.structured spec
     field: str  # the request field that asked for it, as the client wrote it
-    tool: str | None = None  # None: text; "required": an array of calls; else the named function's name
+    tool: str | None = None  # None: text; "required": an array of calls; "auto": the format's calls in free
+    # text; else the named function's name
+    format: object = None  # with "auto": the serve.tool_parsers.ToolFormat that reads the calls
 
 
-def parse_structured(body: dict, chat: bool) -> Structured | None:
-    """The structured output a request asks for, checked (None: free text)."""
+def parse_structured(body: dict, chat: bool, tool_format=None, special: frozenset = frozenset()) -> Structured | None:
+    """The structured output a request asks for, checked (None: free text). ``tool_format``: how the
+    model writes tool calls (``tool_choice: "auto"``), ``special``: its markers that are special tokens."""
     asked = []
     if body.get("response_format") is not None:
         asked.append(_response_format(body["response_format"]))
@@ -44,7 +48,7 @@ def parse_structured(body: dict, chat: bool) -> Structured | None:
         if body.get(name) is not None:
             asked.append(_spec(kind, body[name], name))
     if chat:
-        tools = _tools(body)
+        tools = _tools(body, tool_format, special)
         if tools is not None:
             asked.append(tools)
     elif not _absent_or_empty(body.get("tools")):
@@ -119,7 +123,7 @@ def _structured_outputs(value) -> Structured:
     return _spec(kinds[0], value[kinds[0]], f"{field}.{kinds[0]}")
 
 
-def _tools(body: dict) -> Structured | None:
+def _tools(body: dict, tool_format, special: frozenset) -> Structured | None:
     tools, choice = body.get("tools"), body.get("tool_choice")
     if _absent_or_empty(tools):
         if choice not in (None, "none"):
@@ -132,16 +136,21 @@ def _tools(body: dict) -> Structured | None:
                  for tool in tools}
     if choice == "none":
         return None
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls", "'parallel_tool_calls' must be true or false", "invalid_type")
     if choice in (None, "auto"):
-        raise invalid("tool_choice", "'tool_choice' is 'auto' (the default with tools): whether to call a tool is "
-                      "then the model's own choice, which needs a parser for this model's tool-call format that "
-                      "hasten serve does not have; ask for 'required' or a named function", "unsupported_parameter")
+        if tool_format is None:
+            raise invalid("tool_choice", "'tool_choice' is 'auto' (the default with tools), which needs the "
+                          "server's tool-call format (hasten serve --tool-call-parser NAME)", "unsupported_parameter")
+        grammar = tool_format.grammar(functions, parallel, special)
+        return Structured(_spec("grammar", grammar, "tools").spec, "tools", "auto", tool_format)
     if choice == "required":
         calls = [{"type": "object", "properties": {"name": {"const": name}, "parameters": parameters},
                   "required": ["name", "parameters"], "additionalProperties": False}
                  for name, parameters in functions.items()]
         schema = {"type": "array", "minItems": 1, "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        if body.get("parallel_tool_calls") is False:
+        if not parallel:
             schema["maxItems"] = 1
         return Structured(_spec("json", schema, "tools").spec, "tools", "required")
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
@@ -165,6 +174,8 @@ def _function_of(tool) -> dict | None:
 def tool_calls(structured: Structured, text: str) -> list[dict] | None:
     """OpenAI's ``tool_calls`` for a tool request's text (None when the text is not a complete call:
     cut by max_tokens or a stop string)."""
+    if structured.tool == "auto":
+        return openai_calls(structured.format.parse(text, final=True).calls) or None
     if structured.tool == "required":
         try:
             calls = [(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in json.loads(text)]

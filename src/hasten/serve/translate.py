@@ -22,6 +22,7 @@ from ..core.errors import FieldError
 from ..core.request import Request, room_for
 from ..core.sampling import Sampling
 from ..engine.stops import StopStrings
+from .chat import ChatTemplate
 from .schema import MAX_SEED, APIError, Params, invalid
 
 DEFAULT_COMPLETION_TOKENS = 16  # OpenAI's default max_tokens for /v1/completions
@@ -49,16 +50,19 @@ class Encoder:
     uses it ("Already borrowed"), and the event loop decodes streamed text, the decode thread
     reads stop strings, with the engine's."""
 
-    def __init__(self, engine):
-        self.engine = copy.copy(engine)  # the engine's encode/encode_chat, with a private tokenizer
+    def __init__(self, engine, tool_format):
+        self.engine = copy.copy(engine)  # the engine's encode, with a private tokenizer
         self.engine.tokenizer = copy.deepcopy(engine.tokenizer)
+        self.template = ChatTemplate(self.engine.tokenizer, tool_format)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="hasten-encode")
 
     async def text(self, prompt: str) -> list[int]:
         return await self._run(self.engine.encode, prompt)
 
-    async def chat(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-        return await self._run(lambda m: self.engine.encode_chat(m, tools), messages)
+    async def chat(self, messages: list[dict], tools: list[dict] | None = None, write_tools: bool = True) -> list[int]:
+        """The chat through the template (:mod:`.chat`); a refusal is a 400 naming the message."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self.template.encode, messages, tools,
+                                                                 write_tools)
 
     async def compile(self, spec):
         """A structured-output spec compiled for the model, on this thread (the grammar engine reads
@@ -74,11 +78,11 @@ class Encoder:
 
 
 class Translator:
-    def __init__(self, engine, default_max_tokens: int, processed_logprobs: bool):
+    def __init__(self, engine, default_max_tokens: int, processed_logprobs: bool, tool_format=None):
         self.engine, self.runtime = engine, engine.runtime
         self.default_max_tokens = default_max_tokens
         self.processed_logprobs = processed_logprobs
-        self.encode = Encoder(engine)
+        self.encode = Encoder(engine, tool_format)
 
     async def completion(self, prompts: list[str | list[int]], params: Params) -> list[Sample]:
         """Every sample of a completion's prompts, in the order of the response's choices."""
@@ -96,8 +100,9 @@ class Translator:
                    tools: list[dict] | None = None) -> list[Sample]:
         """The samples of a chat (``asked_as``: the body's name for its budget, ``max_tokens``
         or ``max_completion_tokens``; ``tools``: shown to the chat template, for a tool request)."""
+        auto = params.structured is not None and params.structured.tool == "auto"
         try:
-            ids = await self.encode.chat(messages, tools)
+            ids = await self.encode.chat(messages, tools, write_tools=auto)
         except ValueError as err:  # no chat template, or the template refused the messages
             raise invalid("messages", str(err)) from None
         budget = self.budget(len(ids), params.max_tokens, None, "messages")
