@@ -1,4 +1,5 @@
-"""The house has floors: no module imports from a higher floor, and no imports run in circles.
+"""The house has floors: no module imports from a higher floor, and no imports run in circles;
+the engine imports no transformers.
 
 Floors, bottom up (a package may import only from strictly lower floors, or within itself):
 core and version; machine and the shared CLI arguments; models and the zoo; drafters,
@@ -143,3 +144,38 @@ def test_drafters_base_and_the_vllm_bridge_import_no_model_code():
             "print(bad); sys.exit(1 if bad else 0)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def runtime_imports_of_transformers(source: str) -> list[int]:
+    """Lines of ``source`` that import transformers outside an ``if TYPE_CHECKING:`` block
+    (function-local imports included: they run too)."""
+    def type_checking(test: ast.expr) -> bool:
+        return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or \
+            (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+    def visit(node: ast.AST) -> list[int]:
+        if isinstance(node, ast.If) and type_checking(node.test):
+            return [line for child in node.orelse for line in visit(child)]
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "transformers" for a in node.names):
+            return [node.lineno]
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "transformers":
+            return [node.lineno]
+        return [line for child in ast.iter_child_nodes(node) for line in visit(child)]
+
+    return visit(ast.parse(source))
+
+
+@pytest.mark.parametrize("path", sorted((SRC / "hasten" / "engine").rglob("*.py")), ids=lambda p: p.name)
+def test_the_engine_imports_no_transformers(path):
+    """The engine speaks to runtimes, never to transformers: its type hints of transformers'
+    classes are imported under ``TYPE_CHECKING`` only."""
+    lines = runtime_imports_of_transformers(path.read_text())
+    assert not lines, f"{path.name} imports transformers at run time, line(s) {lines}"
+
+
+def test_the_transformers_check_finds_run_time_imports_only():
+    source = ("from typing import TYPE_CHECKING\n"
+              "if TYPE_CHECKING:\n    from transformers import PreTrainedModel\n"
+              "def load():\n    import transformers.utils\n"
+              "from transformers import AutoTokenizer\n")
+    assert runtime_imports_of_transformers(source) == [5, 6]
