@@ -1,6 +1,7 @@
 """How planner_trace opens a row and runs a step, on the code of the day (the trace is the contract)."""
 from hasten.core.sizing import CostAwareSize, FixedSize
-from hasten.engine.sequence import Sequence, step
+from hasten.engine.planner import DraftPlanner
+from hasten.engine.sequence import open_row, step
 
 
 class FixedCosts(CostAwareSize):
@@ -13,14 +14,14 @@ class FixedCosts(CostAwareSize):
 
 
 def sizing_for(rule, curve, batch_cost):
-    return FixedCosts(curve, batch_cost) if rule == "auto" else FixedSize()
+    return DraftPlanner(FixedCosts(curve, batch_cost) if rule == "auto" else FixedSize())
 
 
-def open_sequence(row, prompt, drafter, request, acceptance, stats, sizing, clock):
-    sequence = Sequence(row, list(prompt), None, drafter, request, acceptance, stats, sizing)
+def open_sequence(row, prompt, drafter, request, acceptance, stats, planner, clock):
+    sequence = open_row(request, drafter, lambda features: (row, list(prompt), None), planner, acceptance, stats)
     sequence.clock = clock
     return sequence
 
 
-def run_step(target, sequences):
-    return step(target, sequences)
+def run_step(target, sequences, planner):
+    return step(target, sequences, planner)

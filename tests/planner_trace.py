@@ -177,7 +177,7 @@ def trace(name: str, drafter: str, curve: str, rule: str, width: int, packed: bo
             running.append((index, open_sequence(row, prompt, made, request, GreedyAcceptance(), DecodeStats(),
                                                  sizing, clock)))
         sequences = [sequence for _, sequence in running]
-        news = run_step(target, sequences)
+        news = run_step(target, sequences, sizing)
         asked = [sequence.ctx.max_depth for sequence in sequences]  # set by this step's proposal
         steps.append([[index, depth, list(tokens), list(parents), new]
                       for (index, _), depth, (tokens, parents), new in zip(running, asked, target.last, news)])

@@ -11,6 +11,7 @@ from transformers import PreTrainedModel
 from .drafters.base import REGISTRY, Drafter, create
 from .engine.loop import decode
 from .engine.calibration import load_or_calibrate
+from .engine.planner import DraftPlanner
 from .engine.sizing import SizingChoice, SizingRule
 from .engine.stops import StopStrings, TextStream
 from .engine.verify import acceptance_rule
@@ -83,7 +84,7 @@ class Engine:
         self.name = name or self.runtime.label
         self.processor = processor  # a vision-language model's: text + images -> its inputs
         self.draft_size = draft_size
-        self.sizing = SizingChoice(draft_size)  # a bad value fails here, not at the first generation
+        self.planner = DraftPlanner(draft_size)  # a bad value fails here, not at the first generation
 
     # ---- plain text prompts ----------------------------------------------------------------
     def generate(self, prompt: str, **kwargs) -> EngineOutput:
@@ -311,9 +312,8 @@ class Engine:
                                top_p=top_p, seed=seed, stop=stop, model_inputs=model_inputs,
                                constraint=constraint, **rules)
         text = TextStream(self.tokenizer, request.stop, streaming=stream_text)
-        sizing = self.sizing.for_request(not request.sampling.greedy, seed is not None)
         decoding = stepped_in_threads(decode(self.runtime, request, self.drafter, stats,
-                                             acceptance_rule(request.sampling), sizing), self.threads)
+                                             acceptance_rule(request.sampling), self.planner), self.threads)
         reason = yield from mapped(decoding, lambda step: (text.push(step), step))
         tail = text.finish()
         if tail:

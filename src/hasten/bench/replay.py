@@ -34,7 +34,8 @@ from ..core.tree import TokenTree
 from ..drafters.base import Drafter
 from ..engine.loop import generate
 from ..core.request import Request
-from ..engine.sequence import Sequence, step
+from ..engine.planner import DraftPlanner
+from ..engine.sequence import open_row, step
 from ..engine.calibration import CostCurve, load_or_calibrate
 from ..engine.sizing import SizingRule
 from ..engine.verify import GreedyAcceptance
@@ -190,11 +191,13 @@ def replay(recording: Recording, entry: Recorded, drafter: Drafter | None, sizin
     target = RecordedTarget(recording, entry, clock)
     stats = DecodeStats()
     request = Request(list(entry.prompt), len(entry.output), eos_token_ids=frozenset())  # greedy, no EOS
-    sequence = Sequence(target, list(entry.prompt), None, drafter, request, GreedyAcceptance(), stats, sizing)
+    planner = DraftPlanner(sizing)
+    sequence = open_row(request, drafter, lambda features: (target, list(entry.prompt), None), planner,
+                        GreedyAcceptance(), stats)
     sequence.clock = clock
     began = clock()
     while not sequence.finished:
-        step(target, [sequence])
+        step(target, [sequence], planner)
     sequence.close()
     seconds = clock() - began
     if sequence.generated != entry.output:  # the loop is lossless; a mismatch means a broken recording

@@ -31,8 +31,9 @@ from ..drafters.base import Drafter, TargetView
 from ..models.hf import runtime_of
 from .calibration import load_or_calibrate_batch
 from .logprobs import TokenLogprob, token_logprobs
-from .sequence import RowCache, Sequence, step
-from .sizing import SizingChoice, SizingRule
+from .planner import DraftPlanner
+from .sequence import RowCache, Sequence, open_row, step
+from .sizing import SizingRule
 from .verify import Acceptance, acceptance_rule
 
 
@@ -110,7 +111,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_prefill_tokens = max_prefill_tokens
-        self.sizing = SizingChoice(draft_size)
+        self.planner = DraftPlanner(draft_size)
         if drafter is not None and draft_size in ("auto", None) and self.target.packed_rows:
             load_or_calibrate_batch(model)  # a packed batch's cost, measured now rather than inside the first step
         self.lossy_acceptance = lossy_acceptance
@@ -184,7 +185,7 @@ class Scheduler:
         draft_seconds = verify_seconds = 0.0
         if running:
             sequences = [entry.sequence for _, entry in running]
-            news = step(self.target, sequences)
+            news = step(self.target, sequences, self.planner)
             draft_seconds = sequences[-1].draft_ended - sequences[0].draft_began
             verify_seconds = time.perf_counter() - sequences[-1].draft_ended
             for (row_id, entry), new in zip(running, news):
@@ -251,22 +252,23 @@ class Scheduler:
     def _start(self, request: Request, queued_seconds: float, reserved: int) -> _Running:
         clock = time.perf_counter()
         stats = DecodeStats()
-        drafter = self.drafter if request.speculate else None
-        want_features = drafter is not None and drafter.reads_features()
+        keep_logits = request.prompt_logprobs is not None  # else a packed batch prefills in the row's first step
+
+        def prefill(features: bool):
+            row, prefilled = self.target.add(request.input_ids, hidden=features, room=reserved,
+                                             **({"logits": True} if keep_logits else {"defer": True}))
+            return row, list(request.input_ids), prefilled
+
+        sequence = open_row(request, self.drafter, prefill, self.planner,
+                            acceptance_rule(request.sampling, self.lossy_acceptance), stats, self.runtime.source)
         prompt_scored = None
-        if request.prompt_logprobs is None:  # a packed batch prefills the prompt in the row's first step
-            row, prefilled = self.target.add(request.input_ids, hidden=want_features, room=reserved, defer=True)
-        else:  # the prefill keeps its logits, scored here and dropped
-            row, prefilled = self.target.add(request.input_ids, hidden=want_features, logits=True, room=reserved)
+        if keep_logits:  # the prefill kept its logits, scored here and dropped
+            row = sequence.cache
             prompt_scored = token_logprobs(row.prompt_logits, request.input_ids[1:], request.prompt_logprobs)
             row.prompt_logits = None
-        sizing = self.sizing.for_request(not request.sampling.greedy, seeded=request.generator is not None)
-        sequence = Sequence(row, list(request.input_ids), prefilled, drafter, request,
-                            acceptance_rule(request.sampling, self.lossy_acceptance), stats, sizing,
-                            model_source=self.runtime.source)
         # a deferred prompt (a packed batch's) is computed in the row's first step: its time counts there
         stats.prefill_seconds += time.perf_counter() - clock
-        return _Running(sequence, row, queued_seconds, reserved, prompt_scored)
+        return _Running(sequence, sequence.cache, queued_seconds, reserved, prompt_scored)
 
     def abandon(self) -> None:
         """Tell the drafter that every running row's generation is over, without an update: a

@@ -25,8 +25,9 @@ from ..core.constraint import compiled
 from ..core.request import Request
 from .batch import Scheduler
 from .inputs import check_inputs, eos_ids
-from .sequence import Sequence, step
-from .sizing import SizingChoice, SizingRule
+from .planner import DraftPlanner
+from .sequence import open_row, step
+from .sizing import SizingRule
 from .stops import StopStrings
 from .verify import Acceptance, acceptance_rule
 
@@ -56,37 +57,39 @@ def decode(
     drafter: Drafter | None,
     stats: DecodeStats,
     acceptance: Acceptance,
-    sizing: SizingRule | None = None,
+    planner: DraftPlanner | None = None,
     kv_compression=None,
     tree_attention: MaskedTree | None = None,
 ) -> Generator[list[int], None, str | None]:
     """Yield each step's committed tokens of one sequence, then return why it ended. The
-    request is admitted here (checked against the model, its defaults filled in). The step
-    itself, shared with batched decoding, is :func:`hasten.engine.sequence.step`; the
-    :class:`Sequence` owns the committed state (tokens, target features, the drafter's
-    per-generation state). A vision-language request's images (``request.model_inputs``) are
-    read by the prefill only."""
+    request is admitted here (checked against the model, its defaults filled in). The row is
+    opened as a batch's rows are (:func:`~hasten.engine.sequence.open_row`) and the step is the
+    batch's (:func:`~hasten.engine.sequence.step`); ``planner`` sizes its drafts (None: each
+    drafter's own depth, ``draft_size="fixed"``). A vision-language request's images
+    (``request.model_inputs``) are read by the prefill only."""
     request = request.admit(runtime)
-    drafter = drafter if request.speculate else None
+    planner = planner or DraftPlanner("fixed")
     if drafter is not None:
         drafter.check_runtime(runtime)  # before any forward
     target = runtime.session(tree_attention)
     if drafter is not None:
         drafter.check_target(TargetView(target, drafter.needs, runtime.source))
     clock = time.perf_counter()
-    want_features = drafter is not None and drafter.reads_features()
     input_ids = torch.tensor([request.input_ids], dtype=torch.long, device=runtime.device)  # [1, T]
-    if kv_compression is None:
-        tokens, prefilled = target.start(input_ids, hidden=want_features, **request.model_inputs)
-    else:  # lossy, asked for by name: the target keeps a compressed cache of the prompt
-        tokens, prefilled = kv_compression.start(target, input_ids, want_features,
-                                                 max_new_tokens=request.max_new_tokens)
-    source = list(request.input_ids) if target.encoder_decoder else None
-    sequence = Sequence(target, tokens, prefilled, drafter, request, acceptance, stats, sizing, source, runtime.source)
+
+    def prefill(features: bool):
+        if kv_compression is None:
+            tokens, prefilled = target.start(input_ids, hidden=features, **request.model_inputs)
+        else:  # lossy, asked for by name: the target keeps a compressed cache of the prompt
+            tokens, prefilled = kv_compression.start(target, input_ids, features,
+                                                     max_new_tokens=request.max_new_tokens)
+        return target, tokens, prefilled
+
+    sequence = open_row(request, drafter, prefill, planner, acceptance, stats, runtime.source)
     stats.prefill_seconds += time.perf_counter() - clock
     try:
         while not sequence.finished:
-            yield step(target, [sequence])[0]
+            yield step(target, [sequence], planner)[0]
     finally:  # also when a caller stops the stream early
         sequence.close()
     sequence.record_kv_bytes()
@@ -190,9 +193,9 @@ def generate(
                           stop=stop, generator=generator, model_inputs=model_inputs, constraint=constraint)
         stats = DecodeStats()
         acceptance = acceptance_rule(sampling, lossy_acceptance)
-        sizing = SizingChoice(draft_size).for_request(not sampling.greedy, seeded=generator is not None)
         new: list[int] = []
-        pieces = decode(runtime, request, drafter, stats, acceptance, sizing, kv_compression, attention)
+        pieces = decode(runtime, request, drafter, stats, acceptance, DraftPlanner(draft_size), kv_compression,
+                        attention)
         reason = consume(pieces, new.extend)
         head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
         return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)

@@ -11,6 +11,7 @@ scheduler. The step is the same code either way.
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
@@ -23,7 +24,7 @@ from ..core.tree import TokenTree
 from ..drafters.base import EMPTY_DRAFT, Draft, DraftContext, Drafter, StepResult, TargetView
 from .constraint import RowConstraint
 from .logprobs import TokenLogprob, token_logprobs
-from .sizing import FixedSize, SizingRule
+from .planner import DraftPlanner, RowPlan, StepOutcome
 from .stops import StopStrings
 from .verify import Acceptance, RowCheck, Verdict, verify_all
 
@@ -41,15 +42,14 @@ class Sequence:
         cache: RowCache,
         tokens: list[int],  # committed tokens to decode after: the prompt (a seq2seq decoder's start token)
         prefilled: torch.Tensor | None,  # [len(tokens) - 1, hidden] features of the prefilled tokens
-        drafter: Drafter | None,
+        drafter: Drafter | None,  # None: plain decoding (open_row reads the request's drafting switch)
         request: Request,  # admitted (Request.admit): its EOS ids and generator resolved
         acceptance: Acceptance,
         stats: DecodeStats,
-        sizing: SizingRule | None = None,
+        plan: RowPlan | None = None,  # the row's handle on the draft planner (None: no drafter)
         source: list[int] | None = None,
         model_source: str = "",  # where the target was loaded from (a drafter's corpus may need its tokenizer)
     ):
-        drafter = drafter if request.speculate else None  # the request's drafting switch: a plain row
         sampling, max_new_tokens, resumed, stop = request.sampling, request.max_new_tokens, request.resumed, request.stop
         self.request = request
         self.cache = cache
@@ -83,17 +83,15 @@ class Sequence:
                                 use_pool=request.pool)
         self._ended = drafter is None
         self.fit = Draft.limit_depth if cache.trees_ok else Draft.main_chain  # chain-only targets verify a tree's best path
-        self.sizing = sizing or FixedSize()
-        # a chain drafted on a plain step and not verified, still being compared with what gets
-        # committed: (evidence, tokens, where they would start in self.tokens, depths known so far)
-        self.watched: tuple[int | None, tuple[int, ...], int, int] | None = None
+        if drafter is not None and plan is None:
+            raise ValueError("a row with a drafter needs its plan (DraftPlanner.open)")
+        self.plan = plan
+        self.watching: tuple[tuple[int, ...], int, float] = ((), 0, 0.0)  # this step's hindsight chain, where, seconds
         if drafter is not None:
             self.ctx.state = drafter.begin(self.ctx)
-            self.size_state = self.sizing.begin(cache, hindsight=drafter.hindsight_ok)
         # the constraint's one hook: it fits each draft to the grammar, masks the verified logits, follows commits
         self.constraint = None if request.constraint is None else RowConstraint(
             request.constraint, self.eos_token_ids, tokens[len(tokens) - resumed:])
-        self.evidence: int | None = None  # the drafter's grade of this step's draft (asked by cost-aware sizing)
         self.draft_began = self.draft_ended = 0.0
         self._start = 0
 
@@ -110,26 +108,20 @@ class Sequence:
         """The deepest draft token this step could use (the bonus token needs the last slot)."""
         return max(self.max_new_tokens - len(self.generated) - 1, 0)
 
-    def grade(self) -> None:
-        """Ask the drafter how far to trust this step's draft, when the sizing rule wants to
-        know (before a batch's plan, which prices every row's class)."""
-        self.draft_began = self.clock()
-        self.evidence = None
-        if self.drafter is not None and self.sizing.uses_evidence and self.depth_limit > 0:
-            self.evidence = self.drafter.evidence(self.ctx)
-
     def propose(self) -> Draft:
-        """This step's draft (empty without a drafter or when only the bonus token fits);
-        after :meth:`grade`."""
-        budget = self.max_new_tokens - len(self.generated)
+        """This step's draft, as deep as the planner said (empty without a drafter, on a plain
+        step, or when only the bonus token fits); on a plain step the planner may ask for a chain
+        to watch instead, drafted but not verified (see :mod:`hasten.engine.planner`)."""
         draft = EMPTY_DRAFT
-        if self.drafter is not None and budget > 1:
-            # the bonus token needs the last slot
-            self.ctx.max_depth = self.sizing.depth(self.size_state, budget - 1, self.evidence)
-            if self.ctx.max_depth > 0:
-                draft = self.fit(self.drafter.propose(self.ctx), self.ctx.max_depth)
-            else:
-                self.watch(budget - 1)
+        self.watching = ((), 0, 0.0)
+        plan = self.plan
+        if plan is not None and plan.depth > 0:
+            self.ctx.max_depth = plan.depth
+            draft = self.fit(self.drafter.propose(self.ctx), plan.depth)
+        elif plan is not None and plan.watch > 0:
+            self.watch(plan.watch)
+        elif plan is not None and self.depth_limit > 0:
+            self.ctx.max_depth = 0
         if self.constraint is not None:  # forced text only where a method drafts: plain decoding stays plain
             draft = self.constraint.fit(draft, self.depth_limit if self.drafter is not None else 0, self.tokens,
                                         self.cache.trees_ok)
@@ -137,37 +129,15 @@ class Sequence:
         self._start = self.cache.cache_length  # == len(tokens) - 1, before the forward caches the block
         return draft
 
-    def watch(self, limit: int) -> None:
-        """On a plain step, draft anyway as deep as the sizing rule asks, without verifying:
-        the tokens committed from now on say, depth by depth, what verification would have
-        accepted (:meth:`SizingRule.observe_hindsight`), so the rule learns without paying for
-        probes. One chain at a time, the next where it ends: the drafts a drafter that always
-        drafts would have had verified, each one trial (overlapping chains along one copied
-        stretch would count it many times over)."""
-        if self.watched is not None:
-            return
-        depth = self.ctx.max_depth = self.sizing.watch(self.size_state, limit)
-        if depth > 0:
-            began = self.clock()
-            draft = self.drafter.propose(self.ctx)
-            chain = tuple((draft if draft.tree.is_chain else draft.main_chain(depth)).tokens[:depth])
-            if chain:
-                self.sizing.watched(self.size_state, self.evidence, len(chain), self.clock() - began)
-                self.watched = (self.evidence, chain, len(self.tokens), 0)
-            self.ctx.max_depth = 0
-
-    def check_watched(self) -> None:
-        """Tell the sizing rule each depth of the watched chain the committed tokens now
-        decide; the chain ends at its first token that was not committed, or its last."""
-        evidence, chain, at, known = self.watched
-        committed = self.tokens[at + known : at + len(chain)]
-        for depth, token in enumerate(committed, start=known + 1):
-            accepted = token == chain[depth - 1]
-            self.sizing.observe_hindsight(self.size_state, evidence, depth, accepted)
-            if not accepted or depth == len(chain):
-                self.watched = None
-                return
-        self.watched = (evidence, chain, at, known + len(committed))
+    def watch(self, depth: int) -> None:
+        """Draft a chain ``depth`` deep without verifying it: the tokens committed from now on say,
+        depth by depth, what verification would have accepted (the planner's hindsight)."""
+        began = self.clock()
+        self.ctx.max_depth = depth
+        draft = self.drafter.propose(self.ctx)
+        chain = tuple((draft if draft.tree.is_chain else draft.main_chain(depth)).tokens[:depth])
+        self.watching = (chain, len(self.tokens), self.clock() - began)
+        self.ctx.max_depth = 0
 
     def _scoring_rows(self, raw: torch.Tensor, ruled: torch.Tensor, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), vocab] what a committed token's log-probability is read from: the raw
@@ -197,9 +167,9 @@ class Sequence:
             logits = self.constraint.mask(logits, self.ruled)
         return RowCheck(draft.tree, tuple(draft.tokens), logits, draft.probs, ctx.sampling, ctx.generator)
 
-    def settle(self, draft: Draft, out: ForwardOutput, check: RowCheck, verdict: Verdict) -> list[int]:
-        """Commit this sequence's verdict and apply the stop rules; returns the newly
-        committed tokens."""
+    def settle(self, draft: Draft, out: ForwardOutput, check: RowCheck, verdict: Verdict) -> StepOutcome:
+        """Commit this sequence's verdict and apply the stop rules; returns what the step did
+        (its ``committed`` tokens, and what the planner learns from)."""
         ctx, cache, stats = self.ctx, self.cache, self.stats
         start = self._start
         if self.constraint is not None:  # a verdict ending where no token was allowed fails the row
@@ -230,14 +200,14 @@ class Sequence:
         stats.verify_seconds += verified_at - self.draft_ended
         max_depth = max(draft.tree.depths, default=0)
         stats.record(max_depth, len(draft), len(verdict.accepted), len(new))
-        if self.drafter is not None and not self.finished and not forced:  # the method learns from its own drafts
-            self.sizing.observe(self.size_state, draft.tree, len(verdict.accepted), self.draft_ended - self.draft_began,
-                                verified_at - self.draft_ended)
+        counts = self.drafter is not None and not self.finished and not forced  # the method learns from its own drafts
+        if counts:
             riders = None if out.riders is None else out.riders[kept_blocks[-1]]
             self.drafter.observe(ctx, StepResult(len(draft), len(verdict.accepted), max_depth, riders))
-        if self.watched is not None:
-            self.check_watched()
-        return new
+        watched, watched_at, watch_seconds = self.watching
+        return StepOutcome(draft.tree, len(verdict.accepted), self.draft_ended - self.draft_began,
+                           verified_at - self.draft_ended, counts, new, watched, watched_at, watch_seconds, start,
+                           len(draft) + 1)
 
     def _apply_stop_rules(self, new: list[int]) -> list[int]:
         """Cut ``new`` at the budget, the first EOS token or the token completing a stop
@@ -277,30 +247,28 @@ class Sequence:
         self.stats.drafter_kv_bytes = None if self.drafter is None else self.drafter.cache_bytes(self.ctx.state)
 
 
-def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
-    """One decode step for every sequence: propose, one verification forward, one
-    verification pass over every row (:func:`~hasten.engine.verify.verify_all`), settle.
+def open_row(request: Request, drafter: Drafter | None,
+             prefill: Callable[[bool], tuple[RowCache, list[int], torch.Tensor | None]], planner: DraftPlanner,
+             acceptance: Acceptance, stats: DecodeStats, model_source: str = "") -> Sequence:
+    """The one way a row begins, alone (:func:`~hasten.engine.loop.decode`) or joining a batch
+    (the scheduler): the request's drafting switch is read here and nowhere else (a row that does
+    not speculate decodes plainly, in any batch), ``prefill(features)`` caches the prompt (with
+    the target's features of it, when the drafter reads them) and answers the row's cache, its
+    committed tokens and those features, and the planner opens the row's handle."""
+    drafter = drafter if request.speculate else None
+    cache, tokens, prefilled = prefill(drafter is not None and drafter.reads_features())
+    source = list(request.input_ids) if cache.encoder_decoder else None  # what a seq2seq drafter reads
+    return Sequence(cache, tokens, prefilled, drafter, request, acceptance, stats,
+                    planner.open(request, cache, drafter), source, model_source)
+
+
+def step(target: Target, sequences: list[Sequence], planner: DraftPlanner) -> list[list[int]]:
+    """One decode step for every sequence: the planner gives each its depth, every sequence
+    proposes, one verification forward, one verification pass over every row
+    (:func:`~hasten.engine.verify.verify_all`), every sequence settles, the planner learns.
     Returns each sequence's newly committed tokens."""
-    drafting = [sequence for sequence in sequences if sequence.drafter is not None]
-    for sequence in sequences:
-        sequence.grade()
-    for sequence in drafting:
-        sequence.sizing.share(sequence.size_state, len(sequences))  # cost-aware sizing prices the shared forward
-    by_rule: dict[int, list[Sequence]] = {}  # rows resolved alike share a rule, which plans for all of them at once
-    for sequence in drafting:
-        by_rule.setdefault(id(sequence.sizing), []).append(sequence)
-    if len(sequences) > 1:
-        for rows in by_rule.values():
-            others = [s for s in sequences if s.drafter is None or s.sizing is not rows[0].sizing]
-            rows[0].sizing.plan([s.size_state for s in rows], [s.depth_limit for s in rows], [s.evidence for s in rows],
-                                len(others), sum(s.cache.cache_length for s in others),
-                                [s.cache.cache_length for s in rows])
+    planner.plan(sequences)
     drafts = [sequence.propose() for sequence in sequences]
-    if len(sequences) > 1:
-        positions = sum(len(draft) + 1 for draft in drafts)
-        keys = sum((len(draft) + 1) * sequence.cache.cache_length for sequence, draft in zip(sequences, drafts))
-        for sequence in drafting:  # what the forward will run, for the rule's reading of its time
-            sequence.sizing.share(sequence.size_state, len(sequences), positions, keys)
     riders = [draft.riders for draft in drafts]
     outs = target.forward_rows(
         [sequence.cache for sequence in sequences],
@@ -311,5 +279,7 @@ def step(target: Target, sequences: list[Sequence]) -> list[list[int]]:
     )
     checks = [sequence.check(draft, out) for sequence, draft, out in zip(sequences, drafts, outs)]
     verdicts = verify_all([sequence.acceptance for sequence in sequences], checks)
-    return [sequence.settle(draft, out, check, verdict)
-            for sequence, draft, out, check, verdict in zip(sequences, drafts, outs, checks, verdicts)]
+    outcomes = [sequence.settle(draft, out, check, verdict)
+                for sequence, draft, out, check, verdict in zip(sequences, drafts, outs, checks, verdicts)]
+    planner.learn(sequences, outcomes)
+    return [outcome.committed for outcome in outcomes]
