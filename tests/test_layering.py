@@ -1,8 +1,8 @@
 """The house has floors: no module imports from a higher floor, and no imports run in circles;
-the engine imports no transformers.
+the ground floor holds no method's own data structure, and the engine imports no transformers.
 
 Floors, bottom up (a package may import only from strictly lower floors, or within itself):
-core and version; machine and the shared CLI arguments; models and the zoo; drafters,
+core and version; machine, the shared CLI arguments and the kernels; models and the zoo; drafters,
 diffusion and diffusion LMs; the engine and the vLLM bridge; lossy approximations and the grammar engine; the API and the exporters; training, the benchmark and the server;
 the command line; the package's front door; the demo and `python -m hasten`, which use it as a user would.
 """
@@ -144,6 +144,20 @@ def test_drafters_base_and_the_vllm_bridge_import_no_model_code():
             "print(bad); sys.exit(1 if bad else 0)")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_the_ground_floor_holds_no_methods_own_data_structure():
+    """core/ holds contracts (rows, requests, settings, constraint, the pool contract) and values
+    every floor uses: each of its modules is imported from outside core, and not by drafters
+    alone (a pool, tree or index that only drafters read is a method's own, beside its drafter)."""
+    users: dict[str, set[str]] = {m: set() for m in GRAPH if m.startswith("hasten.core.")}
+    for module, targets in GRAPH.items():
+        home, _ = floor_of(module)
+        for target in targets & users.keys():
+            if home != "core":
+                users[target].add(home)
+    alone = {m: sorted(u) for m, u in users.items() if u <= {"drafters"}}
+    assert not alone, f"core modules only drafters use (or none outside core; move each beside its drafter): {alone}"
 
 
 def runtime_imports_of_transformers(source: str) -> list[int]:

@@ -1,5 +1,7 @@
-"""What drafters that learn across requests share: a *pool* of text they have seen, its
-counters, and one file format to save and load it.
+"""The pool contract: what drafters that learn across requests share, and what the engine and the
+server see of it (``Engine.pool``, ``--pool FILE``, ``/metrics``): a *pool* of text they have
+seen, its counters, and one file format to save and load it. Each pool's own structure sits beside
+its drafter (:mod:`hasten.drafters.lookahead_pool`, :mod:`hasten.drafters.suffix_pool`).
 
 A pooled drafter (``lookahead``, ``suffix``) keeps its pool on the drafter object, so every
 generation that drafts with that object (an :class:`~hasten.api.Engine`'s, every row of
