@@ -20,9 +20,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PreTrainedModel
 
 from ..core.errors import FieldError
 from ..core.request import Request  # the one request object, re-exported here beside the scheduler
@@ -35,6 +35,9 @@ from .planner import DraftPlanner
 from .sequence import RowCache, Sequence, open_row, step
 from .sizing import SizingRule
 from .verify import Acceptance, acceptance_rule
+
+if TYPE_CHECKING:  # type hints only: the engine runs any runtime, Hugging Face's or not
+    from transformers import PreTrainedModel
 
 
 @dataclass

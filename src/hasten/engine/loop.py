@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Generator
+from typing import TYPE_CHECKING, Generator
 
 import torch
-from transformers import PreTrainedModel
 
 from ..core.sampling import Sampling
 from ..core.generators import consume
@@ -30,6 +29,9 @@ from .sequence import open_row, step
 from .sizing import SizingRule
 from .stops import StopStrings
 from .verify import Acceptance, acceptance_rule
+
+if TYPE_CHECKING:  # type hints only: the engine runs any runtime, Hugging Face's or not
+    from transformers import PreTrainedModel
 
 
 @dataclass

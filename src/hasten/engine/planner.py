@@ -14,16 +14,13 @@ one rule, which plans all of its rows of a batch at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 from ..core.request import Request
 from ..core.rows import RowCache
 from ..core.tree import TokenTree
-from ..drafters.base import Drafter
+from ..drafters.base import Drafter, DraftContext
 from .sizing import SizingChoice, SizingRule
-
-if TYPE_CHECKING:
-    from .sequence import Sequence
 
 
 @dataclass
@@ -75,6 +72,23 @@ class StepOutcome:
     blocks: int = 1  # positions its block ran (root and draft)
 
 
+class PlannedRow(Protocol):
+    """What the planner reads of a row (a :class:`~hasten.engine.sequence.Sequence`)."""
+
+    plan: RowPlan | None
+    drafter: Drafter | None
+    ctx: DraftContext
+    cache: RowCache
+    clock: Callable[[], float]
+    draft_began: float  # set by the planner: the step's drafting time starts with the drafter's grade
+
+    @property
+    def depth_limit(self) -> int: ...
+
+    @property
+    def tokens(self) -> list[int]: ...
+
+
 class DraftPlanner:
     """Plans every row's draft depth per step from one ``draft_size`` setting (``"auto"``,
     ``"fixed"``, a :class:`SizingRule`, or unset: auto, but fixed for seeded sampling; see
@@ -90,7 +104,7 @@ class DraftPlanner:
         rule = self.choice.for_request(not request.sampling.greedy, seeded=request.generator is not None)
         return RowPlan(rule, rule.begin(cache, hindsight=drafter.hindsight_ok), drafter.hindsight_ok)
 
-    def plan(self, rows: list[Sequence]) -> None:
+    def plan(self, rows: list[PlannedRow]) -> None:
         """Before the step: grade every row's coming draft, plan each rule's rows together, and
         give each row its depth (and, on a plain step, its hindsight chain's depth)."""
         sized = [row for row in rows if row.plan is not None]
@@ -116,7 +130,7 @@ class DraftPlanner:
             if plan.depth == 0 and limit > 0 and plan.watched is None:
                 plan.watch = plan.rule.watch(plan.state, limit)
 
-    def learn(self, rows: list[Sequence], outcomes: list[StepOutcome]) -> None:
+    def learn(self, rows: list[PlannedRow], outcomes: list[StepOutcome]) -> None:
         """After the step: each rule takes what its rows' verification measured, and each row's
         hindsight chain the depths its committed tokens now settle."""
         positions = sum(outcome.blocks for outcome in outcomes)
@@ -153,9 +167,9 @@ def settle_watched(plan: RowPlan, tokens: list[int]) -> None:
     chain.known += len(committed)
 
 
-def by_rule(rows: list[Sequence]) -> list[list[Sequence]]:
+def by_rule(rows: list[PlannedRow]) -> list[list[PlannedRow]]:
     """Rows grouped by the rule that sizes them, in order of first appearance."""
-    groups: dict[int, list[Sequence]] = {}
+    groups: dict[int, list[PlannedRow]] = {}
     for row in rows:
         groups.setdefault(id(row.plan.rule), []).append(row)
     return list(groups.values())
