@@ -8,6 +8,7 @@ from typing import Callable, Generator, Iterator
 import torch
 from transformers import PreTrainedModel
 
+from .arguments import AUTO_DTYPE, resolve_dtype
 from .drafters.base import REGISTRY, Drafter, create
 from .engine.loop import decode
 from .engine.calibration import load_or_calibrate
@@ -348,8 +349,14 @@ def load(
     ``name_or_path``: a zoo name, a ``.gguf`` file or a directory holding one, a local
     Hugging Face directory, a hub id, or a model already in memory (a ``PreTrainedModel``;
     then pass its ``tokenizer=`` too). ``tokenizer`` (an object or a path) replaces the
-    model's own. ``dtype`` and ``device`` default to float32 on the CPU for a model loaded
-    here; a model passed in is converted only when they are given. ``dtype="int8"`` runs the
+    model's own. ``device`` defaults to the CPU. ``dtype`` defaults, for a model loaded here,
+    to the one rule ``hasten generate`` and ``hasten serve`` follow too (``--dtype auto``,
+    :func:`hasten.arguments.resolve_dtype`): bfloat16 on a CPU with native bfloat16
+    instructions (AMX or AVX512-BF16, as vLLM's CPU build picks), else float32; so the same
+    request gives the same text through the library and the command line. Speculative output
+    equals hasten's plain decoding in either dtype; pass ``dtype="float32"`` for Hugging Face
+    ``generate``'s exact tokens. A model passed in keeps its own dtype unless ``dtype`` is
+    given (a draft passed in takes the target's). ``dtype="int8"`` runs the
     model (and a draft loaded here) with int8 linear layers on the CPU (docs/cpu.md).
     ``method`` is ``"autoregressive"`` or a registered drafter name; ``method_kwargs``
     are that drafter's settings, e.g. ``load(path, "prompt_lookup", num_tokens=8)``.
@@ -371,6 +378,8 @@ def load(
     SizingChoice(draft_size)  # a bad draft_size fails before the seconds spent loading models
     if backend not in ("torch", "llama.cpp"):
         raise ValueError(f"backend must be 'torch' or 'llama.cpp', got {backend!r}")
+    if dtype is None and backend == "torch" and not isinstance(name_or_path, PreTrainedModel):
+        dtype = resolve_dtype(AUTO_DTYPE, str(device or "cpu"))[0]  # the command line's rule, written once
     with using_threads(threads):  # what loading computes (a calibration, a warm-up) runs as generations will
         if backend == "llama.cpp":
             engine = _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft_size, threads,

@@ -178,7 +178,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise UserError("--backend llama.cpp runs the GGUF file's own quantisation on the CPU: drop --dtype/--device")
     args.dtype, why = resolve_dtype(args.dtype, device, args.backend)
     if why:
-        print(f"hasten: {why}", file=sys.stderr)
+        print(f"hasten: {why}; hasten.load's default is the same", file=sys.stderr)
     runtime_args = dict(device=device, dtype=torch_dtype(args.dtype)) if args.backend == "torch" else {}
     engine = load(args.model, args.method, draft=args.draft, backend=args.backend, **runtime_args,
                   draft_size=args.draft_size, threads=args.threads, **method_kwargs)

@@ -104,7 +104,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     args.dtype, why = resolve_dtype(args.dtype, device, args.backend)
     if why:
-        print(f"hasten serve: {why}", file=sys.stderr)
+        print(f"hasten serve: {why}; hasten.load's default is the same", file=sys.stderr)
     if args.backend == "llama.cpp":
         if args.dtype != "float32" or device != "cpu":
             raise UserError("--backend llama.cpp runs the GGUF file's own quantisation on the CPU: "
