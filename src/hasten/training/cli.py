@@ -1,4 +1,5 @@
 """``hasten train NAME``: self-distil data from a target, train a drafter's module on it, save it.
+``hasten train data``: a chat model writes training data itself (:mod:`hasten.training.selfgen`).
 
 Every registered drafter whose class has a ``Training`` attribute (a
 :class:`~hasten.training.trainer.Trainable`) gets a subcommand. Its flags come from three
@@ -23,6 +24,7 @@ from ..arguments import UserError, writable_directory
 from ..core.settings import add_flags, from_args
 from .distill import DistillSettings, distill, pydoc_documents, read_documents, zoo_documents
 from .online import SOURCES, OnlineSettings
+from .selfgen import SelfGenSettings
 from .trainer import Trainable, TrainSettings, train
 
 
@@ -32,8 +34,44 @@ def trainable_drafters() -> dict[str, type[Trainable]]:
     return {name: cls.Training for name, cls in sorted(REGISTRY.items()) if getattr(cls, "Training", None) is not None}
 
 
+DATA = "data"  # the subcommand that writes self-generated data (no drafter is named so)
+
+
+def add_data_arguments(subs) -> None:
+    summary = ("a chat model writes training data itself: its own user turns (self-prompting), then its own "
+               "greedy and sampled answers; resumable (run it again with the same --out)")
+    sub = subs.add_parser(DATA, help=summary, description=summary)
+    sub.add_argument("--model", required=True, help="chat model: zoo name (zoo:smollm2-135m), GGUF or local directory")
+    sub.add_argument("--out", required=True, type=Path, metavar="DIR",
+                     help="directory of the data shards and progress.json; an existing one is resumed")
+    add_flags(sub.add_argument_group("data"), SelfGenSettings)
+    sub.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
+
+
+def run_data(args: argparse.Namespace) -> int:
+    from ..api import load
+    from .selfgen import generate_data
+
+    settings = from_args(SelfGenSettings, args)
+    if args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)  # the tokenizers' thread pool
+    writable_directory(args.out)
+    engine = load(args.model, "autoregressive", dtype=getattr(torch, settings.dtype), threads=args.threads)
+    try:
+        progress = generate_data(engine, settings, args.out, model_name=args.model)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    rate = sum(progress.tokens.values()) / max(progress.seconds, 1e-9)
+    print(f"data: {progress.records} conversations from {progress.next_index} samples "
+          f"({sum(progress.dropped.values())} dropped: {progress.dropped}), {progress.tokens} tokens, "
+          f"{rate:.1f} tokens/s -> {args.out}", file=sys.stderr)
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     subs = parser.add_subparsers(dest="drafter", required=True, metavar="NAME")
+    add_data_arguments(subs)
     for name, training in trainable_drafters().items():
         summary = f"train {name} for a target on its own greedy outputs"
         sub = subs.add_parser(name, help=summary, description=summary)
@@ -65,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..loading import load_model, resolve_path
+
+    if args.drafter == DATA:
+        return run_data(args)
 
     # Validate what is cheap before loading anything.
     training = trainable_drafters()[args.drafter]
