@@ -1,4 +1,5 @@
-"""The llguidance grammar engine behind :mod:`hasten.core.constraint` (``pip install hasten[structured]``).
+"""The llguidance grammar engine behind :mod:`hasten.core.constraint` (``pip install 'hasten[serve]'``
+or ``'hasten[structured]'``).
 
 Why llguidance (https://github.com/guidance-ai/llguidance): one 3 MB wheel with no Python
 dependencies (xgrammar 0.2.8 requires torch, triton, pydantic and apache-tvm-ffi, which would put a
@@ -37,8 +38,8 @@ def available() -> bool:
 
 def _require() -> None:
     if llguidance is None:
-        raise ConstraintError("structured output needs the llguidance grammar engine: pip install 'hasten[structured]'",
-                              "unsupported_parameter")
+        raise ConstraintError("structured output needs the llguidance grammar engine: pip install 'hasten[serve]' "
+                              "(or 'hasten[structured]' without the server)", "unsupported_parameter")
 
 
 _tokenizers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # HF tokenizer -> {vocab: LLTokenizer}
