@@ -1,20 +1,12 @@
 """How planner_trace opens a row and runs a step, on the code of the day (the trace is the contract)."""
+from hasten.core.pricing import KnownCosts
 from hasten.core.sizing import CostAwareSize, FixedSize
 from hasten.engine.planner import DraftPlanner
 from hasten.engine.sequence import open_row, step
 
 
-class FixedCosts(CostAwareSize):
-    def __init__(self, curve, batch_cost):
-        super().__init__(curve)
-        self.fixed_batch_cost = batch_cost
-
-    def batch_cost_for(self, target):
-        return self.fixed_batch_cost
-
-
 def sizing_for(rule, curve, batch_cost):
-    return DraftPlanner(FixedCosts(curve, batch_cost) if rule == "auto" else FixedSize())
+    return DraftPlanner(CostAwareSize(costs=KnownCosts(curve, batch_cost)) if rule == "auto" else FixedSize())
 
 
 def open_sequence(row, prompt, drafter, request, acceptance, stats, planner, clock):

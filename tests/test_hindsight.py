@@ -87,7 +87,7 @@ def test_watched_drafts_that_are_right_start_deep_drafts_without_a_failed_probe(
 def test_a_step_with_nothing_to_propose_is_plain_and_priced_at_no_depth(monkeypatch):
     rule = CostAwareSize(CHUNKED)
     state = rule.begin(None, hindsight=True)
-    monkeypatch.setattr(rule, "expected", lambda *args: pytest.fail("priced a step with nothing to propose"))
+    monkeypatch.setattr(rule.estimator, "expected", lambda *args: pytest.fail("priced a step with nothing to propose"))
     assert rule.depth(state, 10, evidence=0) == 0 and rule.watch(state, 10) == 0
 
 
@@ -121,7 +121,7 @@ def test_the_sampled_law_is_unchanged_by_sizing_with_hindsight(monkeypatch):
     samples = 600
     tv = sampled_law_tv(TARGET, PromptLookup(num_tokens=4, min_ngram=1), sampling, 2, 4, samples)
     assert tv < bound(exact_law(TARGET, sampling, 2), samples)
-    assert rule.pool_trials  # the rule did measure the drafter (by hindsight or by drafting)
+    assert rule.estimator.pool_trials  # the rule did measure the drafter (by hindsight or by drafting)
 
 
 class Captured(Exception):

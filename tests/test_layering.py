@@ -156,6 +156,14 @@ def test_the_ground_floor_holds_no_methods_own_data_structure():
         for target in targets & users.keys():
             if home != "core":
                 users[target].add(home)
+    grown = True
+    while grown:  # a core module that other core modules import serves their users too
+        grown = False
+        for module in users:
+            for target in GRAPH[module] & users.keys():
+                if not users[module] <= users[target]:
+                    users[target] |= users[module]
+                    grown = True
     alone = {m: sorted(u) for m, u in users.items() if u <= {"drafters"}}
     assert not alone, f"core modules only drafters use (or none outside core; move each beside its drafter): {alone}"
 

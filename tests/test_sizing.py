@@ -14,6 +14,8 @@ from hasten.core.tree import TokenTree
 from hasten.drafters import DraftModel, Lookahead, PromptLookup
 from hasten.engine import calibration
 from hasten.engine.calibration import CostCurve
+from hasten.core.estimate import AcceptanceCounts
+from hasten.core.pricing import StepPrice
 from hasten.engine.sizing import CostAwareSize, FixedSize, SizingState, sizing_rule
 from helpers import ScriptedDrafter, TreeScriptedDrafter, hf_greedy, repetitive_prompt, tiny_model
 from test_sampling_distribution import TARGET, bound, exact_law, peaky_model, sampled_law_tv
@@ -32,8 +34,9 @@ def observe_steps(rule, state, steps, depth, accepted, seconds_per_depth=0.0):
 
 def known_state(curve, acceptance, depth=8):
     """A state as if ``acceptance`` had been measured at every depth over many steps."""
-    return SizingState(curve, trials_by={None: [1000.0] * depth}, hits_by={None: [1000.0 * acceptance] * depth},
-                       width=[1.0] * depth, reach=depth, scale=1.0, probe_gap=4)
+    counts = AcceptanceCounts(trials_by={None: [1000.0] * depth}, hits_by={None: [1000.0 * acceptance] * depth},
+                              width=[1.0] * depth, reach=depth)
+    return SizingState(counts, StepPrice(curve, scale=1.0), probe_gap=4)
 
 
 def test_zero_acceptance_and_costly_drafting_means_no_draft():
@@ -132,8 +135,8 @@ def test_acceptance_is_conditional_on_the_parent_depth():
     state = rule.begin(None)
     rule.depth(state, 4)
     rule.observe(state, TokenTree.chain(4), 1, 0.0, 1.0)  # depth 1 accepted, depth 2 rejected
-    assert state.trials == [1.0, 1.0, 0.0, 0.0]  # depths 3 and 4 were never tried
-    assert state.hits == [1.0, 0.0, 0.0, 0.0]
+    assert state.counts.trials == [1.0, 1.0, 0.0, 0.0]  # depths 3 and 4 were never tried
+    assert state.counts.hits == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_tree_widths_are_estimated_per_depth():
@@ -143,15 +146,15 @@ def test_tree_widths_are_estimated_per_depth():
     for _ in range(30):
         rule.depth(state, 2)
         rule.observe(state, tree, 1, 0.0, 1.0)
-    assert state.width == pytest.approx([3.0, 2.0], abs=0.01)
+    assert state.counts.width == pytest.approx([3.0, 2.0], abs=0.01)
 
 
 def test_a_drafter_with_a_node_budget_is_charged_at_most_its_largest_draft():
     rule = CostAwareSize(LINEAR)
     state = known_state(LINEAR, 0.9, depth=2)
-    state.width, state.most_nodes = [6.0, 6.0], 12  # drafts cut at depth 2 spent a 12-node budget there
+    state.counts.width, state.counts.most_nodes = [6.0, 6.0], 12  # drafts cut at depth 2 spent a 12-node budget there
     rates = rule.rates(state, 6)
-    accept = rule.acceptances(state, 6)
+    accept = rule.estimator.acceptances(state.counts, 6)
     assert accept == pytest.approx([0.9] * 6, abs=0.01)  # measured at depths 1-2; deeper ones borrow depth 2's
     tokens = 1 + sum(torch.tensor(accept).cumprod(0).tolist())
     assert rates[6] == pytest.approx(tokens / LINEAR(13))  # 12 nodes + the root, not 36 + 1
@@ -162,12 +165,12 @@ def test_drafting_cost_is_fitted_as_fixed_plus_per_depth():
     state = rule.begin(None)
     rule.depth(state, 4)
     rule.observe(state, TokenTree.chain(4), 0, 9.0, 1.0)  # the first proposal read the whole prompt
-    assert rule.draft_cost(state) == (0.0, 0.0)  # ... so it does not count
+    assert state.price.draft_cost() == (0.0, 0.0)  # ... so it does not count
     rule.observe(state, TokenTree.chain(4), 0, 0.7, 1.0)
-    assert rule.draft_cost(state) == pytest.approx((0.0, 0.7 / 4))  # one depth seen: all of it per depth
+    assert state.price.draft_cost() == pytest.approx((0.0, 0.7 / 4))  # one depth seen: all of it per depth
     for depth in (1, 2, 3, 4, 2, 1):
         rule.observe(state, TokenTree.chain(depth), 0, 0.3 + 0.1 * depth, 1.0)
-    assert rule.draft_cost(state) == pytest.approx((0.3, 0.1))
+    assert state.price.draft_cost() == pytest.approx((0.3, 0.1))
 
 
 def test_cost_curve_interpolates_and_extrapolates():
@@ -394,7 +397,7 @@ def test_a_few_good_rows_do_not_make_the_whole_batch_pay_for_padding():
 
 def test_a_batch_waits_for_every_row_to_have_drafted_once():
     rule = CostAwareSize(LINEAR)
-    fresh, known = SizingState(LINEAR), known_state(LINEAR, 0.1)
+    fresh, known = CostAwareSize(LINEAR).begin(None), known_state(LINEAR, 0.1)
     for state in (fresh, known):
         rule.share(state, 2)
     rule.plan([fresh, known], [6, 6], [None, None])
@@ -570,7 +573,7 @@ CPU_BATCH = CostCurve((1, 4, 8, 16, 32, 64, 128), (1.0, 1.0, 1.26, 2.0, 3.5, 6.6
 def packed_states(acceptances: list[float], depth: int = 8) -> list[SizingState]:
     states = [known_state(CPU_BATCH, a, depth) for a in acceptances]
     for state in states:
-        state.packed = True
+        state.price.packed = True
     return states
 
 
@@ -598,7 +601,7 @@ def test_draft_positions_on_a_long_cache_cost_their_attention():
     states = packed_states([0.9, 0.9])
     cost = BatchCost(CostCurve((1, 64), (1.0, 1.0)), 0.002, 96)  # a position over 1,000 cached keys: 2 forwards
     for state in states:
-        state.batch_cost = cost
+        state.price.batch_cost = cost
     short, long = plan(states, contexts=[100, 2000])
     assert short > long
 
@@ -630,7 +633,7 @@ def probes_in(rows: int, steps: int = 64) -> int:
     rule = CostAwareSize(CPU_BATCH)
     probes = 0
     for state in states:
-        state.rows = rows
+        state.price.rows = rows
     for _ in range(steps):
         rule.plan(states, [8] * rows, [None] * rows, 0, 0, [0] * rows)
         probes += sum(state.probing for state in states)
@@ -661,22 +664,22 @@ def test_the_packed_plans_ceiling_skips_only_searches_that_would_end_in_plain_de
 
     dipping = CostCurve((1, 4, 5, 8, 16, 32, 64), (1.0, 1.0, 1.6, 1.3, 2.0, 3.5, 6.6))
     draws = random.Random(7)
-    real_ceiling, real_pricer = SizingState.batch_ceiling, SizingState.batch_pricer
+    real_ceiling, real_pricer = StepPrice.batch_ceiling, StepPrice.batch_pricer
 
     def plan_of(curve, acceptances, contexts, cost, search_all: bool) -> tuple[list[int], int]:
         """The rows' depths, and how many forwards the plan priced."""
         states = [known_state(curve, a, 8) for a in acceptances]
         for state in states:
-            state.packed, state.batch_cost = True, cost
+            state.price.packed, state.price.batch_cost = True, cost
         priced = []
-        monkeypatch.setattr(SizingState, "batch_ceiling",
+        monkeypatch.setattr(StepPrice, "batch_ceiling",
                             (lambda self, *args: math.inf) if search_all else real_ceiling)
 
         def counted_pricer(self, rows):
             price = real_pricer(self, rows)
             return lambda *args: priced.append(args) or price(*args)
 
-        monkeypatch.setattr(SizingState, "batch_pricer", counted_pricer)
+        monkeypatch.setattr(StepPrice, "batch_pricer", counted_pricer)
         CostAwareSize(curve).plan(states, [8] * len(states), [None] * len(states), 0, 0, contexts)
         return [state.cap for state in states], len(priced)
 
@@ -707,18 +710,18 @@ def test_the_calibrated_curves_are_read_once_per_model_by_a_rule(monkeypatch):
     reads = []
     monkeypatch.setattr(engine_sizing, "load_or_calibrate", lambda model: reads.append(("curve", model)) or STEEP)
     monkeypatch.setattr(engine_sizing, "load_or_calibrate_batch", lambda model: reads.append(("batch", model)) or None)
-    rule = engine_sizing.CostAwareSize()
+    rule = engine_sizing.sizing_rule("auto")
 
     class Model:  # as a module or a runtime object: hashable by identity, weakly referable
         pass
 
     model, other = Model(), Model()
     for _ in range(3):
-        assert rule.curve_for(SimpleNamespace(model=model)) is STEEP
-        rule.batch_cost_for(SimpleNamespace(model=model))
-    rule.curve_for(SimpleNamespace(model=other))
+        assert rule.costs.curve_for(SimpleNamespace(model=model)) is STEEP
+        rule.costs.batch_cost_for(SimpleNamespace(model=model))
+    rule.costs.curve_for(SimpleNamespace(model=other))
     assert reads == [("curve", model), ("batch", model), ("curve", other)]
     plain = SimpleNamespace()  # compared by value, so not hashable
-    rule.curve_for(SimpleNamespace(model=plain))
-    rule.curve_for(SimpleNamespace(model=plain))
+    rule.costs.curve_for(SimpleNamespace(model=plain))
+    rule.costs.curve_for(SimpleNamespace(model=plain))
     assert reads[3:] == [("curve", plain), ("curve", plain)]

@@ -175,7 +175,7 @@ class Proposer:
                 continue
             clock = self.clock()
             if isinstance(request.sizing, SizingState):
-                request.sizing.curve = curve
+                request.sizing.price.curve = curve
                 self.rule.share(request.sizing, len(running))
             ctx = request.ctx
             room = min(self.depth, self.max_model_len - len(ctx.tokens))

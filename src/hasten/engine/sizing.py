@@ -1,25 +1,25 @@
-"""Draft sizing for hasten's own loop: the cost-aware rule (:mod:`hasten.core.sizing`) with the
-target's forward cost calibrated on this machine, and what the ``draft_size`` setting means.
+"""Draft sizing for hasten's own loop: the cost-aware rule (:mod:`hasten.core.sizing`) priced with
+the target's forward cost calibrated on this machine (:class:`CalibratedCosts`), and what the
+``draft_size`` setting means.
 """
 from __future__ import annotations
 
 import weakref
 
 from ..core.cost import BatchCost, CostCurve
-from ..core.sizing import FIRST_DEPTHS, CostAwareSize as CurveSize, FixedSize, SizingRule, SizingState
+from ..core.pricing import StepCosts
+from ..core.sizing import FIRST_DEPTHS, CostAwareSize, FixedSize, SizingRule, SizingState
 from .calibration import load_or_calibrate, load_or_calibrate_batch
 
-__all__ = ["FIRST_DEPTHS", "CostAwareSize", "FixedSize", "SizingRule", "SizingState", "SIZES", "default_size",
-           "SizingChoice", "sizing_rule"]
+__all__ = ["FIRST_DEPTHS", "CalibratedCosts", "CostAwareSize", "FixedSize", "SizingRule", "SizingState", "SIZES",
+           "default_size", "SizingChoice", "sizing_rule"]
 
 
-class CostAwareSize(CurveSize):
-    """:class:`hasten.core.sizing.CostAwareSize`, whose curve, when none is given, is the
-    target's forward cost measured on this machine (:func:`load_or_calibrate`, cached on disk,
-    and read once per model: a server begins a generation per request)."""
+class CalibratedCosts(StepCosts):
+    """The target's forward cost measured on this machine (:func:`load_or_calibrate`, cached on
+    disk), read once per model: a server begins a generation per request."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self):
         self._read: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {what: cost}
 
     def _once(self, model, what: str, measure):
@@ -71,12 +71,12 @@ class SizingChoice:
 
 
 def sizing_rule(draft_size: str | SizingRule | None) -> SizingRule:
-    """``"auto"`` (:class:`CostAwareSize`; also None, unset), ``"fixed"`` (:class:`FixedSize`)
-    or a rule object."""
+    """``"auto"`` (:class:`CostAwareSize` on :class:`CalibratedCosts`; also None, unset),
+    ``"fixed"`` (:class:`FixedSize`) or a rule object."""
     if isinstance(draft_size, SizingRule):
         return draft_size
     if draft_size in ("auto", None):
-        return CostAwareSize()
+        return CostAwareSize(costs=CalibratedCosts())
     if draft_size == "fixed":
         return FixedSize()
     raise ValueError(f"draft_size must be 'auto' or 'fixed' (or a SizingRule), got {draft_size!r}")
