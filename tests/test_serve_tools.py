@@ -304,6 +304,13 @@ def test_llama3_json_grammar_makes_an_answer_that_opens_with_a_brace_a_call():
      "messages[0].tool_calls[0]"),
     ({"messages": [{"role": "", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "tool", "content": "4", "tool_call_id": 7}]}, "messages[0].tool_call_id"),
+    # from vLLM's tool_use/test_chat_completion_request_validations.py: a tool_choice needs tools, and
+    # structured output beside a named call is refused (hasten refuses it beside auto too: one constraint)
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tool_choice": "required", "tools": None}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "add"}},
+      "structured_outputs": {"json": {"type": "object"}}}, "tools"),
+    ({"tools": TOOLS, "structured_outputs": {"json": {"type": "object"}}}, "tools"),
 ])
 def test_bad_tool_requests_are_400_naming_the_field(served, fields, param):
     engine, url = served
