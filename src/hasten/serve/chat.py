@@ -5,9 +5,9 @@
   template refuses).
 * **Tools**: given to the template (``tools=``) where it shows them; a template that shows no tools
   (SmolLM2's: rendering with and without them gives the same text) gets them written into its system
-  turn, for ``tool_choice`` auto, by the tool-call format (:meth:`~.tool_parsers.ToolFormat.system_text`: Qwen2.5's words for
-  Hermes), and an assistant turn's earlier ``tool_calls`` written into its content as that format
-  writes a call.
+  turn, for ``tool_choice`` auto, by the tool-call format
+  (:meth:`~.tool_parsers.ToolFormat.system_text`: Qwen2.5's words for Hermes), and an assistant
+  turn's earlier ``tool_calls`` written into its content as that format writes a call.
 * **Tool results**: an assistant message with ``tool_calls`` (their ``arguments``, JSON text in
   OpenAI's API, are given to the template as objects, as vLLM does) and ``role: "tool"`` messages with
   their ``tool_call_id`` go to the template as they are.

@@ -188,7 +188,8 @@ def message(text: str, reason: str | None, params: Params) -> dict:
     if structured.tool == "auto":  # the free text before the first call, as vLLM's parsers answer it; a
         # complete call makes the reason tool_calls even where text after it ran out of tokens (as vLLM)
         content = structured.format.parse(text, final=True).content or None
-        return {"message": {"role": "assistant", "content": content, "tool_calls": calls}, "finish_reason": "tool_calls"}
+        message_ = {"role": "assistant", "content": content, "tool_calls": calls}
+        return {"message": message_, "finish_reason": "tool_calls"}
     return {"message": {"role": "assistant", "content": None, "tool_calls": calls},
             "finish_reason": "tool_calls" if reason == "stop" else reason}
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 # the JSON inside a call, as every JSON hasten writes (structured.llguidance.JSON_OPTIONS)
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+CALL_END = re.compile(r"\s*\}")  # the call object's own closing brace, after its arguments
 CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
@@ -207,13 +208,17 @@ def _read_call(text: str, at: int, opened: bool = False) -> tuple[ParsedCall | N
     head = CALL_HEAD.match(("{" if opened else "") + text[at:])
     if head is None:
         return None, at
+    try:
+        name = json.loads(f'"{head[1]}"')
+    except ValueError:  # not a JSON string: no call (a grammar-held call never gets here)
+        return None, at
     start = at + head.end() - (1 if opened else 0)
     end = _value_end(text, start)
     if end is None:  # the arguments are still being written
-        return ParsedCall(json.loads(f'"{head[1]}"'), text[start:], False), len(text)
-    close = re.compile(r"\s*\}").match(text, end)
+        return ParsedCall(name, text[start:], False), len(text)
+    close = CALL_END.match(text, end)
     complete = close is not None
-    return ParsedCall(json.loads(f'"{head[1]}"'), text[start:end], complete), close.end() if complete else len(text)
+    return ParsedCall(name, text[start:end], complete), close.end() if complete else len(text)
 
 
 def _value_end(text: str, start: int) -> int | None:
