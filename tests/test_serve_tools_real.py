@@ -40,8 +40,7 @@ def url():
         loading.resolve_path("zoo:smollm2-135m")
     except ValueError as err:
         pytest.skip(f"zoo:smollm2-135m is not available ({err}); run `make real` first")
-    # fixed sizing: the test compares tokens (auto sizing times forwards; it gives the same tokens)
-    engine = hasten.load("zoo:smollm2-135m", "prompt_lookup", dtype="float32", draft_size="fixed")
+    engine = hasten.load("zoo:smollm2-135m", "prompt_lookup", dtype="float32")  # the default method and sizing
     app = create_app(engine, scheduler_factory(engine, 4), ServeOptions(NAME))
     server, thread, base = start_server(app)
     yield base
