@@ -23,11 +23,14 @@ def _no_vllm_unless_asked(request, monkeypatch, tmp_path_factory):
         monkeypatch.setenv("HASTEN_VLLM_PYTHON", str(tmp_path_factory.getbasetemp() / "no-vllm" / "python"))
 
 
-@pytest.fixture(autouse=True)
-def _float32_machine(monkeypatch):
+@pytest.fixture(autouse=True, scope="session")
+def _float32_machine():
     """``--dtype auto`` picks bfloat16 on CPUs with native bfloat16 instructions: the suite's
-    commands run as on a CPU without them, whatever machine runs it (test_api_cli checks both)."""
-    monkeypatch.setattr("hasten.arguments.native_bfloat16", lambda: None)
+    commands and loads run as on a CPU without them, whatever machine runs it (test_api_cli and
+    test_dtype_rule check both). Session-wide, so a module's fixtures load as its tests do."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("hasten.arguments.native_bfloat16", lambda: None)
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -153,3 +153,48 @@ def test_a_request_is_checked_once_at_admission(engine, monkeypatch):
     assert len(checks) == 1
     engine.generate_batch([PROMPT, OTHER], max_new_tokens=4)
     assert len(checks) == 3
+
+
+def test_hasten_generate_takes_what_the_engine_takes(engine):
+    """seed, stop, speculate and pool mean the same to hasten.generate as to Engine: one builder
+    (engine/requests.py) makes both doors' requests."""
+    from hasten.engine.loop import generate
+
+    ids = engine.encode(PROMPT)
+    alone = engine.generate(PROMPT, seed=5, **OPTIONS)
+    direct = generate(engine.model, ids, drafter=engine.drafter, seed=5, **OPTIONS)
+    assert direct.sequences[0, ids.shape[1]:].tolist() == alone.token_ids
+    rows = engine.generate_batch([PROMPT, OTHER], seed=5, **OPTIONS)
+    batch = generate(engine.model, [ids[0], engine.encode(OTHER)[0]], drafter=engine.drafter, seed=5, **OPTIONS)
+    assert [row.sequences[0, len(prompt):].tolist() for row, prompt in zip(batch.rows, (ids[0], engine.encode(OTHER)[0]))] \
+        == [row.token_ids for row in rows]  # row i seeded seed + i, as Engine.generate_batch
+
+    greedy = dict(max_new_tokens=24)
+    spoken = engine.generate(PROMPT, **greedy)
+    plain = generate(engine.model, ids, drafter=engine.drafter, speculate=False, pool=False, **greedy)
+    assert plain.sequences[0, ids.shape[1]:].tolist() == spoken.token_ids
+    assert plain.stats.drafted_tokens == 0 and plain.stats.steps == len(spoken.token_ids)
+
+    text = engine.tokenizer.decode(spoken.token_ids)
+    cut = text[len(text) // 2: len(text) // 2 + 3]
+    by_stop = generate(engine.model, ids, stop=cut, tokenizer=engine.tokenizer, **greedy)
+    by_hf_name = generate(engine.model, ids, stop_strings=[cut], tokenizer=engine.tokenizer, **greedy)
+    assert by_stop.sequences.tolist() == by_hf_name.sequences.tolist()
+    assert by_stop.finish_reason == "stop"
+    with pytest.raises(ValueError, match="stop or stop_strings"):
+        generate(engine.model, ids, stop=cut, stop_strings=cut, tokenizer=engine.tokenizer)
+    with pytest.raises(ValueError, match="seed .* or generator"):
+        generate(engine.model, ids, seed=1, generator=torch.Generator().manual_seed(1))
+
+
+def test_a_request_is_built_from_a_sampling_or_its_settings_not_both():
+    from hasten.engine.requests import request_from
+
+    built = request_from([1, 2], 4, temperature=0.7, top_k=5, min_p=0.1, stop="x", tokenizer=object())
+    assert (built.sampling.temperature, built.sampling.top_k, built.sampling.min_p) == (0.7, 5, 0.1)
+    assert built.stop.strings == ("x",)
+    assert request_from([1, 2], 4, sampling=built.sampling).sampling is built.sampling
+    with pytest.raises(ValueError, match="not both"):
+        request_from([1, 2], 4, sampling=built.sampling, temperature=0.5)
+    with pytest.raises(TypeError, match="seed"):
+        request_from([1, 2], 4, seed="5")

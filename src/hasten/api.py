@@ -13,8 +13,9 @@ from .drafters.base import REGISTRY, Drafter, create
 from .engine.loop import decode
 from .engine.calibration import load_or_calibrate
 from .engine.planner import DraftPlanner
+from .engine.requests import request_from
 from .engine.sizing import SizingChoice, SizingRule
-from .engine.stops import StopStrings, TextStream
+from .engine.stops import TextStream
 from .engine.verify import acceptance_rule
 from .loading import (
     INT8, optional_tokenizer, as_model, gguf_source, gguf_tokenizer, load_processor, load_tokenizer,
@@ -26,7 +27,6 @@ from .models.hf import runtime_of
 from .core.constraint import compiled, start_mask
 from .core.request import Request
 from .core.runtime import Capability
-from .core.sampling import Sampling
 from .core.generators import consume, mapped
 from .core.pool import Pool
 from .core.stats import DecodeStats
@@ -256,16 +256,14 @@ class Engine:
         """The one request object of a generation from this engine's keywords (those of
         :meth:`steps`); ``speculate=False`` decodes plainly, ``pool=False`` keeps the generation out
         of its drafter's shared pool (:attr:`pool`). Checked when it is admitted."""
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
         if isinstance(input_ids, torch.Tensor):
             if input_ids.ndim != 2 or input_ids.shape[0] != 1:
                 raise ValueError(f"input_ids must have shape [1, T], got {list(input_ids.shape)}")
             input_ids = input_ids[0].tolist()
         # the generation config's EOS ids, as in Hugging Face generate (filled in at admission)
-        return Request(input_ids, max_new_tokens, Sampling(temperature, top_k, top_p, **rules), seed=seed,
-                       stop=StopStrings(self.tokenizer, stop or []), speculate=speculate, pool=pool,
-                       model_inputs=model_inputs or {}, constraint=self.constraint(constraint))
+        return request_from(input_ids, max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                            stop=stop, tokenizer=self.tokenizer, speculate=speculate, pool=pool,
+                            model_inputs=model_inputs, constraint=self.constraint(constraint), **rules)
 
     def steps(
         self,

@@ -25,6 +25,7 @@ from ..core.request import Request
 from .batch import Scheduler
 from .inputs import check_inputs, eos_ids
 from .planner import DraftPlanner
+from .requests import request_from
 from .sequence import open_row, step
 from .sizing import SizingRule
 from .stops import StopStrings
@@ -114,6 +115,10 @@ def generate(
     draft_size: str | SizingRule | None = None,
     stop_strings: str | list[str] | None = None,
     tokenizer=None,
+    stop: str | list[str] | None = None,
+    seed: int | None = None,
+    speculate: bool = True,
+    pool: bool = True,
     kv_compression=None,
     tree_attention: str = "mask",
     min_p: float | None = None,
@@ -142,8 +147,14 @@ def generate(
     ``tree_attention="hybrid"`` verifies tree drafts with the cached prefix through the fused
     attention kernel and only the tree part masked, merged by log-sum-exp (equal to the
     masked path to float tolerance; see :mod:`hasten.models.attention`).
-    ``stop_strings`` (with the ``tokenizer`` that reads the text) end generation after the
-    token that completes one of them, as Hugging Face ``generate`` does.
+    ``stop`` (or ``stop_strings``, Hugging Face's name for it; with the ``tokenizer`` that reads
+    the text) ends generation after the token that completes one of the strings, as Hugging Face
+    ``generate`` does. ``seed`` seeds the generation's own generator (row i of a batch: ``seed +
+    i``, as :meth:`hasten.Engine.generate_batch`); ``generator`` is one the caller keeps instead.
+    ``speculate=False`` decodes plainly (the same text, no drafting cost); ``pool=False`` keeps the
+    generation out of its drafter's shared pool. These keywords mean what they mean to
+    :class:`hasten.Engine`: both build their requests with
+    :func:`~hasten.engine.requests.request_from`.
 
     ``min_p``, the penalties, ``logit_bias``, ``allowed_token_ids`` and ``min_tokens`` (EOS
     held back until that many tokens) transform the target distribution as vLLM does (see
@@ -173,9 +184,13 @@ def generate(
     setting alone.
     """
     with using_threads(threads):
+        if stop is not None and stop_strings is not None:
+            raise ValueError("give stop or stop_strings (Hugging Face's name for it), not both")
+        if seed is not None and generator is not None:
+            raise ValueError("give seed (the generation's own generator) or generator (yours), not both")
         sampling = Sampling(temperature, top_k, top_p, min_p, presence_penalty, frequency_penalty, repetition_penalty,
                             logit_bias or (), allowed_token_ids, min_tokens)
-        stop = StopStrings(tokenizer, stop_strings or [])
+        stops = StopStrings(tokenizer, stop if stop is not None else stop_strings or [])
         attention = attention_path(tree_attention)
         attention_mask, model_inputs = _image_inputs(input_ids, attention_mask, model_inputs)
         prompts = batch_prompts(input_ids, attention_mask)
@@ -185,19 +200,25 @@ def generate(
                              "cannot go with it")
         runtime = runtime_of(model)
         constraint = compiled(constraint, tokenizer, runtime.vocab_size)
+        eos = eos_ids(runtime, eos_token_id)
+
+        def asked(prompt: torch.Tensor, row: int = 0, images: dict | None = None) -> Request:
+            check_inputs(runtime, prompt, drafter, max_new_tokens, generator, images)
+            return request_from(prompt[0].tolist(), max_new_tokens, sampling=sampling,
+                                seed=None if seed is None else seed + row, generator=generator, stop=stops,
+                                eos_token_ids=eos, speculate=speculate, pool=pool, model_inputs=images,
+                                constraint=constraint)
+
         if prompts is not None:
             if kv_compression is not None:
                 raise ValueError("kv_compression takes one prompt at a time, not a batch")
-            return _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator,
-                                   lossy_acceptance, draft_size, stop, constraint)
-        check_inputs(runtime, input_ids, drafter, max_new_tokens, generator, model_inputs)
-        request = Request(input_ids[0].tolist(), max_new_tokens, sampling, eos_token_ids=eos_ids(runtime, eos_token_id),
-                          stop=stop, generator=generator, model_inputs=model_inputs, constraint=constraint)
+            requests = [asked(prompt, row) for row, prompt in enumerate(prompts)]
+            return _generate_batch(runtime, prompts, requests, drafter, lossy_acceptance, draft_size)
+        request = asked(input_ids, images=model_inputs)
         stats = DecodeStats()
-        acceptance = acceptance_rule(sampling, lossy_acceptance)
         new: list[int] = []
-        pieces = decode(runtime, request, drafter, stats, acceptance, DraftPlanner(draft_size), kv_compression,
-                        attention)
+        pieces = decode(runtime, request, drafter, stats, acceptance_rule(sampling, lossy_acceptance),
+                        DraftPlanner(draft_size), kv_compression, attention)
         reason = consume(pieces, new.extend)
         head = runtime.decoder_start() if runtime.encoder_decoder else input_ids[0].tolist()
         return GenerationOutput(torch.tensor([head + new], dtype=torch.long), stats, reason, lossy)
@@ -266,18 +287,11 @@ def batch_prompts(input_ids, attention_mask) -> list[torch.Tensor] | None:
     return [row[mask.bool()][None] for row, mask in zip(input_ids, attention_mask)]
 
 
-def _generate_batch(runtime, prompts, drafter, max_new_tokens, sampling, eos_token_id, generator, lossy_acceptance,
-                    draft_size, stop, constraint) -> BatchGenerationOutput:
-    for prompt in prompts:
-        check_inputs(runtime, prompt, drafter, max_new_tokens, generator)
-    eos = eos_ids(runtime, eos_token_id)
+def _generate_batch(runtime, prompts: list[torch.Tensor], requests: list[Request], drafter, lossy_acceptance,
+                    draft_size) -> BatchGenerationOutput:
     scheduler = Scheduler(runtime, drafter, max_batch=len(prompts), draft_size=draft_size,
                           lossy_acceptance=lossy_acceptance)
-    row_ids = [
-        scheduler.submit(Request(prompt[0].tolist(), max_new_tokens, sampling, eos_token_ids=eos, stop=stop,
-                                 generator=generator, constraint=constraint))
-        for prompt in prompts
-    ]
+    row_ids = [scheduler.submit(request) for request in requests]
     results = scheduler.run()
     rows = [
         GenerationOutput(torch.tensor([prompt[0].tolist() + results[row_id].tokens], dtype=torch.long),

@@ -21,6 +21,7 @@ from typing import Callable
 from ..core.errors import FieldError
 from ..core.request import Request, room_for
 from ..core.sampling import Sampling
+from ..engine.requests import request_from
 from ..engine.stops import StopStrings
 from .chat import ChatTemplate
 from .schema import MAX_SEED, APIError, Params, invalid
@@ -147,10 +148,10 @@ class Translator:
         samples = []
         for j in range(params.best_of):
             seed = None if params.seed is None else (params.seed + j) % (MAX_SEED + 1)
-            request = Request(ids, budget, sampling, seed=seed, stop=stop, logprobs=scoring(params),
-                              prompt_logprobs=prompt_scoring(params), processed_logprobs=self.processed_logprobs,
-                              stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos,
-                              speculate=params.speculate, pool=params.pool, constraint=constraint)
+            request = request_from(ids, budget, sampling=sampling, seed=seed, stop=stop, logprobs=scoring(params),
+                                   prompt_logprobs=prompt_scoring(params), processed_logprobs=self.processed_logprobs,
+                                   stop_token_ids=frozenset(params.stop_token_ids), ignore_eos=params.ignore_eos,
+                                   speculate=params.speculate, pool=params.pool, constraint=constraint)
             samples.append(Sample(request, echo, names))
         return samples
 
