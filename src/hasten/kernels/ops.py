@@ -25,6 +25,12 @@ def bf16_dot() -> bool:
     return os.environ.get("HASTEN_BF16_DOT", "1") != "0" and bool(library().hasten_bf16_dot_available())
 
 
+def bf16_layouts() -> list[str]:
+    """The layouts a bfloat16 weight can take here, the one :func:`pack` picks first: ``pairs``
+    (the dot product) where :func:`bf16_dot`, and ``fma`` (the float32 multiply-add chain)."""
+    return ["pairs", "fma"] if bf16_dot() else ["fma"]
+
+
 @dataclass(frozen=True)
 class Packed:
     """A linear layer's weight laid out for the kernel: ``data`` is [ceil(N / 64), K, 64]
@@ -34,22 +40,33 @@ class Packed:
     data: torch.Tensor
     in_features: int
     out_features: int
-    pairs: bool  # the bfloat16 dot-product layout
+    layout: str  # "fma" (the contract's float32 chain) or "pairs" (the bfloat16 dot product)
+
+    @property
+    def pairs(self) -> bool:
+        return self.layout != "fma"
 
 
-def pack(weight: torch.Tensor) -> Packed:
-    """``weight`` [N, K] in its own dtype, laid out once for :func:`linear`."""
+def pack(weight: torch.Tensor, layout: str | None = None) -> Packed:
+    """``weight`` [N, K] in its own dtype, laid out once for :func:`linear`; ``layout`` (a
+    bfloat16 weight's, one of :func:`bf16_layouts`; for comparisons) defaults to this CPU's first."""
     weight = weight.detach().contiguous()
     out_features, in_features = weight.shape
     tiles = -(-out_features // TILE)
-    if weight.dtype == torch.bfloat16 and bf16_dot():
+    if weight.dtype != torch.bfloat16:
+        layout = "fma"
+    elif layout is None:
+        layout = bf16_layouts()[0]
+    elif layout not in bf16_layouts():
+        raise ValueError(f"this CPU has no {layout!r} bfloat16 layout (it has {bf16_layouts()})")
+    if layout == "pairs":
         data = torch.empty(tiles, -(-in_features // 2), TILE, 2, dtype=weight.dtype)
         library().hasten_pack_bf16_pairs(weight.data_ptr(), out_features, in_features, data.data_ptr())
-        return Packed(data, in_features, out_features, True)
+        return Packed(data, in_features, out_features, layout)
     padded = torch.zeros(tiles * TILE, in_features, dtype=weight.dtype)
     padded[:out_features] = weight
     data = padded.view(tiles, TILE, in_features).transpose(1, 2).contiguous()
-    return Packed(data, in_features, out_features, False)
+    return Packed(data, in_features, out_features, layout)
 
 
 def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.Tensor:
