@@ -133,6 +133,17 @@ def test_the_engine_and_a_batch_take_the_rules(model, prompt):
     assert batch.rows[1].sequences[0].tolist() == reference_greedy(model, prompt[:, 2:], rules)
 
 
+def test_an_integer_logit_bias_adds_as_its_float_does(model, prompt):
+    """OpenAI's logit_bias values are often written as integers: through the library they act as
+    the same floats (the server's JSON already gave floats)."""
+    as_int = hasten.generate(model, prompt, max_new_tokens=NEW, logit_bias={5: 8, 7: -3})
+    as_float = hasten.generate(model, prompt, max_new_tokens=NEW, logit_bias={5: 8.0, 7: -3.0})
+    assert as_int.sequences.tolist() == as_float.sequences.tolist()
+    assert Sampling(logit_bias={5: 8}) == Sampling(logit_bias={5: 8.0})
+    with pytest.raises(ValueError, match="logit_bias"):
+        Sampling(logit_bias={5: True})
+
+
 def test_out_of_range_values_are_refused(model, prompt):
     for bad in (dict(repetition_penalty=0.0), dict(min_p=1.5), dict(min_tokens=-1), dict(allowed_token_ids=[]),
                 dict(logit_bias={3: float("nan")})):

@@ -85,6 +85,7 @@ class Sampling(Settings):
             raise ValueError(f"logit_bias must map token ids to numbers, got {self.logit_bias!r}") from None
         if not all(_is_int(token) and _is_number(value) for token, value in bias):
             raise ValueError(f"logit_bias must map token ids to finite numbers, got {self.logit_bias!r}")
+        bias = tuple((token, float(value)) for token, value in bias)  # an int bias adds as a float does
         object.__setattr__(self, "logit_bias", bias)  # a dict becomes sorted pairs: hashable and equal alike
         if self.allowed_token_ids is not None:
             allowed = tuple(self.allowed_token_ids)
