@@ -11,6 +11,21 @@ then runs one decode step (:func:`hasten.engine.sequence.step`) for every runnin
 Each row keeps its own sampling settings, generator, stop rules and statistics, and its
 output is exactly what it would be decoded alone.
 
+**Chunked prefill** (``max_num_batched_tokens``, vLLM's name): on a packed batch a joining row's
+prompt is not computed at admission but in the step's forward, beside the other rows' blocks
+(:class:`~hasten.models.packed_batch.PackedBatch`). With the setting, a step's forward runs at
+most that many tokens besides the drafts: one per decoding row (its root), then prompt tokens,
+first come first served. A row whose whole remaining prompt fits, with its root, decodes in
+that step (its prompt runs first); the first one that does not fit gets what is left as a
+chunk and decodes in a later step, once the rest of its prompt fits: until then it has no
+block, no draft and no committed token, and the planner does not see it. A long prompt so
+joins over several steps while the running rows keep decoding, and since the kernels compute
+every position alone, however it is cut its numbers are those of a prefill in one piece. Its
+rows' drafts are not counted: the planner sizes them after the step is laid out, pricing the
+step's cost. The budget is at least ``max_batch`` (as vLLM asks of ``max_num_seqs``), so a
+row in prefill gets at least one token every step: every step makes progress. Other batch
+targets (padded, llama.cpp) prefill a row whole as it joins, as before.
+
 ``submit`` and ``cancel`` may be called from any thread; ``step`` from one thread only
 (the server's decode thread).
 """
@@ -68,6 +83,7 @@ class StepInfo:
     seconds: float  # the whole step, prefills of joining rows included
     draft_seconds: float = 0.0  # every row's proposal
     verify_seconds: float = 0.0  # the shared target forward, acceptance and commits
+    prompt_tokens: int = 0  # prompt tokens its forward cached beside the blocks (packed batches: chunks, deferred prompts)
 
 
 @dataclass
@@ -83,28 +99,35 @@ class _Running:
         return scored
 
 
+def _count(name: str, value, low: int = 1, optional: bool = True) -> None:
+    """ValueError naming ``name`` unless ``value`` is an integer >= ``low`` (or None, where ``optional``)."""
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}{' or None' if optional else ''}, got {value!r}")
+
+
 class Scheduler:
     def __init__(self, model: PreTrainedModel, drafter: Drafter | None = None, *, max_batch: int = 8,
                  max_tokens_in_flight: int | None = None, draft_size: str | SizingRule | None = None,
                  lossy_acceptance: Acceptance | None = None, max_prefill_tokens: int | None = None,
-                 kv_cache_bytes: int | None = None):
-        if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        if max_tokens_in_flight is not None and (
-                isinstance(max_tokens_in_flight, bool) or not isinstance(max_tokens_in_flight, int)
-                or max_tokens_in_flight < 1):
-            raise ValueError(f"max_tokens_in_flight must be an integer >= 1 or None, got {max_tokens_in_flight!r}")
-        if max_prefill_tokens is not None and (
-                isinstance(max_prefill_tokens, bool) or not isinstance(max_prefill_tokens, int) or max_prefill_tokens < 1):
-            raise ValueError(f"max_prefill_tokens must be an integer >= 1 or None, got {max_prefill_tokens!r}")
+                 kv_cache_bytes: int | None = None, max_num_batched_tokens: int | None = None):
+        """``max_num_batched_tokens``: the most tokens a step's forward runs besides drafts (a
+        decoding row's root and prompt tokens; the module's docstring), at least ``max_batch``;
+        None: a joining row's prompt runs whole in its first step."""
+        _count("max_batch", max_batch, optional=False)
+        _count("max_tokens_in_flight", max_tokens_in_flight)
+        _count("max_prefill_tokens", max_prefill_tokens)
+        _count("max_num_batched_tokens", max_num_batched_tokens)
+        if max_num_batched_tokens is not None and max_num_batched_tokens < max_batch:
+            raise ValueError(f"max_num_batched_tokens must be >= max_batch ({max_batch}): every decoding row's root "
+                             f"counts, and a row in prefill needs a token of the step, got {max_num_batched_tokens}")
         if drafter is not None and not isinstance(drafter, Drafter):
             raise TypeError(f"drafter must be a hasten Drafter or None, got {type(drafter).__name__}")
         self.runtime = runtime_of(model)
         if drafter is not None:
             drafter.check_runtime(self.runtime, batched=True)  # before any forward
-        if kv_cache_bytes is not None and (
-                isinstance(kv_cache_bytes, bool) or not isinstance(kv_cache_bytes, int) or kv_cache_bytes < 1):
-            raise ValueError(f"kv_cache_bytes must be an integer >= 1 or None, got {kv_cache_bytes!r}")
+        _count("kv_cache_bytes", kv_cache_bytes)
         self.target = self.runtime.batch(max_batch, drafter.needs if drafter is not None else frozenset(),
                                          kv_cache_bytes)
         if drafter is not None:
@@ -114,6 +137,7 @@ class Scheduler:
         self.max_batch = max_batch
         self.max_tokens_in_flight = max_tokens_in_flight
         self.max_prefill_tokens = max_prefill_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.planner = DraftPlanner(draft_size)
         if drafter is not None and draft_size in ("auto", None) and self.target.packed_rows:
             load_or_calibrate_batch(model)  # a packed batch's cost, measured now rather than inside the first step
@@ -184,10 +208,11 @@ class Scheduler:
         began = time.perf_counter()
         updates = self._apply_cancellations()
         admitted = self._admit(updates)
-        running = list(self._running.items())
+        running, prompt_tokens = self._lay_out()
         draft_seconds = verify_seconds = 0.0
         if running:
             sequences = [entry.sequence for _, entry in running]
+            self.planner.prompts_ride(prompt_tokens)
             news = step(self.target, sequences, self.planner)
             draft_seconds = sequences[-1].draft_ended - sequences[0].draft_began
             verify_seconds = time.perf_counter() - sequences[-1].draft_ended
@@ -199,8 +224,40 @@ class Scheduler:
                                          sequence.stop_token, sequence.drafter is not None))
                 if sequence.finished:
                     self._finish(row_id)
-        self.last_step = StepInfo(len(running), admitted, time.perf_counter() - began, draft_seconds, verify_seconds)
+        elif prompt_tokens:  # no row decodes yet: the forward runs the prompt chunks alone
+            self.target.forward_rows([], [], [], False)
+        self.last_step = StepInfo(len(running), admitted, time.perf_counter() - began, draft_seconds, verify_seconds,
+                                  prompt_tokens)
         return updates
+
+    def _lay_out(self) -> tuple[list[tuple[int, _Running]], int]:
+        """The rows that decode this step, in admission order, and the prompt tokens its forward
+        runs besides their blocks. On a packed batch a row whose prompt is not all cached yet
+        decodes once the rest of it fits in the step with its root; with
+        ``max_num_batched_tokens``, the first row it does not fit is fed what the step has
+        left (a chunk), and later ones wait (chunked prefill, the module's docstring). Without
+        it every row decodes, the rest of its prompt first. Other targets prefilled every row
+        as it joined."""
+        running = list(self._running.items())
+        if not self.target.packed_rows:
+            return running, 0
+        if self.max_num_batched_tokens is None:
+            return running, sum(entry.row.prompt_due for _, entry in running)
+        left = self.max_num_batched_tokens - sum(1 for _, entry in running if not entry.row.prompt_due)
+        decoding, prompt_tokens = [], 0
+        for row_id, entry in running:
+            due = entry.row.prompt_due
+            if not due:  # decoding (its root is counted above)
+                decoding.append((row_id, entry))
+            elif due + 1 <= left:  # the rest of its prompt and its root fit: it decodes, its prompt first
+                decoding.append((row_id, entry))
+                left -= due + 1
+                prompt_tokens += due
+            elif left > 0:  # >= 1 for the first such row: max_num_batched_tokens >= max_batch
+                self.target.feed(entry.row, left)
+                prompt_tokens += left
+                left = 0
+        return decoding, prompt_tokens
 
     def _apply_cancellations(self) -> list[RowUpdate]:
         with self._lock:
@@ -269,7 +326,7 @@ class Scheduler:
             row = sequence.cache
             prompt_scored = token_logprobs(row.prompt_logits, request.input_ids[1:], request.prompt_logprobs)
             row.prompt_logits = None
-        # a deferred prompt (a packed batch's) is computed in the row's first step: its time counts there
+        # a deferred prompt (a packed batch's) is computed in the steps that follow: its time counts there
         stats.prefill_seconds += time.perf_counter() - clock
         return _Running(sequence, sequence.cache, queued_seconds, reserved, prompt_scored)
 

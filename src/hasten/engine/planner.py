@@ -96,6 +96,14 @@ class DraftPlanner:
 
     def __init__(self, draft_size: str | SizingRule | None = None):
         self.choice = SizingChoice(draft_size)
+        self.riding = 0  # prompt tokens the next step's forward runs besides the rows' blocks
+
+    def prompts_ride(self, tokens: int) -> None:
+        """The next step's forward also runs ``tokens`` prompt tokens of joining rows (a packed
+        batch's deferred or chunked prefill, which the scheduler lays out before the step): its
+        time then measures more than the rows' blocks, so :meth:`learn` keeps that step's time
+        out of the rules' step price (what the rows' drafts accepted is learnt as ever)."""
+        self.riding = tokens
 
     def open(self, request: Request, cache: RowCache, drafter: Drafter | None) -> RowPlan | None:
         """A new row's handle (None for a row without a drafter: it decodes plainly)."""
@@ -135,6 +143,7 @@ class DraftPlanner:
         hindsight chain the depths its committed tokens now settle."""
         positions = sum(outcome.blocks for outcome in outcomes)
         keys = sum(outcome.blocks * outcome.block_start for outcome in outcomes)
+        timed, self.riding = not self.riding, 0  # a step that ran prompt tokens too is no measure of its blocks
         for row, outcome in zip(rows, outcomes):
             plan = row.plan
             if plan is None:
@@ -146,7 +155,8 @@ class DraftPlanner:
                 rule.watched(state, plan.evidence, len(outcome.watched), outcome.watch_seconds)
                 plan.watched = WatchedChain(plan.evidence, outcome.watched, outcome.watched_at)
             if outcome.counts:
-                rule.observe(state, outcome.tree, outcome.accepted, outcome.draft_seconds, outcome.verify_seconds)
+                rule.observe(state, outcome.tree, outcome.accepted, outcome.draft_seconds,
+                             outcome.verify_seconds if timed else 0.0)
             if plan.watched is not None:
                 settle_watched(plan, row.tokens)
 

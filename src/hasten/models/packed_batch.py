@@ -19,6 +19,19 @@ target's modules (their needs hold ``Capability.MODULES``), use
 :class:`~hasten.models.batch.BatchAdapter` (the model's own forward, padded rows); the runtime
 picks one of the two per batch. Should a hook appear anyway (a user's, a profiler's), each row
 runs the model's own forward over its entries, with the same numbers, one row at a time.
+
+**Chunked prefill.** A row added with ``defer=True`` caches nothing at once: its prompt waits in
+``deferred``, and each packed forward runs what the caller asks of it beside the other rows'
+blocks. :meth:`PackedBatch.feed` gives the next forward a chunk of it (the row has no block
+then: it does not decode); a row whose block runs in a forward has the rest of its prompt run
+first, in the same forward. A chunk's positions are a chain after the row's cached entries, so
+each position attends over the row's entries up to itself, in order: the very key list a
+prefill in one piece gives it, over entries with the same bits (each was computed from its own
+tokens alone). The attention kernel's reduction follows the key list alone (``kernels/
+invariant.c``: scores one key at a time, the exponential sum by lanes of list position, values
+in list order), and the linear layers, norms and rotary embedding compute each position alone,
+so however a prompt is cut, every position's numbers, and so every later logit, are the ones a
+prefill in one piece gives (tests/test_chunked_prefill.py, in float32, bfloat16 and float16).
 """
 from __future__ import annotations
 
@@ -50,11 +63,18 @@ class PackedRow(RowOfBatch):
         self.length = 0  # committed tokens cached (all but the root)
         self.tokens: list[int] = []  # the tokens whose entries the row's segment holds, in order
         self.deferred: list[int] = []  # prompt tokens not cached yet: the row's next forward runs them first
+        self.fed = 0  # of them, how many the next forward caches though the row has no block there (feed)
 
     @property
     def cache_length(self) -> int:
         """Committed tokens, the deferred prompt tokens counted as cached (the next forward caches them)."""
         return self.length + len(self.deferred)
+
+    @property
+    def prompt_due(self) -> int:
+        """Prompt tokens not cached yet: they run in chunks fed to the batch
+        (:meth:`PackedBatch.feed`), or all at once before the row's first block."""
+        return len(self.deferred)
 
     def commit(self, start: int, tree: TokenTree, accepted: tuple[int, ...]) -> None:
         """After the block ``[root] + nodes`` cached from ``start``: keep the root and the
@@ -72,6 +92,7 @@ class PackedRow(RowOfBatch):
         if new_length > self.cache_length:
             raise ValueError(f"cannot crop a row of {self.cache_length} cached tokens to {new_length}")
         del self.deferred[max(new_length - self.length, 0):]
+        self.fed = min(self.fed, len(self.deferred))
         self.length = min(new_length, self.length)
         del self.tokens[new_length:]
 
@@ -133,9 +154,10 @@ class PackedBatch:
         [T - 1, hidden]; ``logits``: the row's ``prompt_logits`` holds the prefill's logits [T - 1, vocab].
         ``room``: the tokens the row may come to hold (its prompt and token budget), its segment's
         size (past it, the segment moves). ``defer``: prefill nothing now: the prompt's tokens past
-        the reused entries run at the front of the row's next packed forward, beside the other rows'
-        blocks (a server's step: one forward instead of a prefill's and the step's; the same numbers,
-        as the kernels compute each row alone); not with ``hidden`` or ``logits``."""
+        the reused entries run in the packed forwards to come, beside the other rows' blocks, in
+        chunks fed to them (:meth:`feed`) or all before the row's first block (a server's step:
+        one forward instead of a prefill's and the step's; the same numbers, as the kernels
+        compute each row alone); not with ``hidden`` or ``logits``."""
         self._flush()
         prompt = tokens[:-1]
         row = PackedRow(self)
@@ -204,44 +226,70 @@ class PackedBatch:
         self.arena.release(kept)
         return True
 
+    def feed(self, row: PackedRow, count: int) -> None:
+        """Chunked prefill: the next packed forward caches the first ``count`` of ``row``'s
+        deferred prompt tokens (a chunk, appended to the row's segment), beside the blocks of the
+        rows it runs, with no block of ``row``'s own (it does not decode until its prompt is
+        cached; the forward that runs its first block runs what is left of it first). The
+        chunk's numbers are those of a prefill in one piece (the module's docstring)."""
+        if row.batch is not self or row not in self.rows:
+            raise ValueError("this row is not in this batch")
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= len(row.deferred):
+            raise ValueError(f"count must be an integer in [1, {len(row.deferred)}] (the row's deferred prompt "
+                             f"tokens), got {count!r}")
+        row.fed = count
+
     # ---- the packed forward --------------------------------------------------------------------
     @torch.no_grad()
     def forward_rows(self, rows: list[PackedRow], blocks: list[list[int]], trees: list[TokenTree | None],
                      hidden: bool) -> list[ForwardOutput]:
         """Every row's block (``block[1:]`` a tree hanging off ``block[0]``) in one packed
         forward; any subset of the batch's rows, in any order. Each row's logits [block, vocab]
-        are views of one [N, vocab] float32 tensor (the step's verifier reads them in one pass)."""
+        are views of one [M, vocab] float32 tensor (the step's verifier reads them in one pass).
+        The same forward runs the chunks fed to other rows (:meth:`feed`); with no ``rows``, it
+        runs those alone."""
         if any(row.batch is not self for row in rows) or len({id(r) for r in rows}) != len(rows):
             raise ValueError("forward_rows takes rows of this batch, each once")
         self._flush()
-        if not rows:
+        stepping = {id(row) for row in rows}
+        for row in rows:
+            row.fed = 0  # a row with a block runs all of its deferred prompt first
+        fed = [row for row in self.rows if row.fed and id(row) not in stepping]
+        if not rows and not fed:
             return []
-        outs = self._forward(rows, blocks, trees, hidden, scored=True)
+        outs = self._forward(rows, blocks, trees, hidden, scored=True, fed=fed)
         for row, block in zip(rows, blocks):
             row.length += len(block)  # cached until commit keeps the root and the accepted path
             row.tokens += block
         return outs
 
     def _forward(self, rows: list[PackedRow], blocks: list[list[int]], trees: list[TokenTree | None],
-                 hidden: bool, scored: bool) -> list[ForwardOutput]:
-        """The rows' blocks after their cached entries, which the store gains (each row's
-        length is moved on by the caller). ``scored``: logits at every block position (else none)."""
-        for row, block in zip(rows, blocks):  # first every move (finding room may move other rows' segments)
+                 hidden: bool, scored: bool, fed: list[PackedRow] = ()) -> list[ForwardOutput]:
+        """The rows' blocks after their cached entries (each row's deferred prompt tokens run
+        first), and the chunks fed to the rows of ``fed`` (no block), all of which the store
+        gains (each block row's length is moved on by the caller). ``scored``: logits at every
+        block position (else none)."""
+        pieces = [*zip(rows, blocks), *((row, []) for row in fed)]
+        for row, block in pieces:  # first every move (finding room may move other rows' segments)
             segment = self.arena.segment(row)
             if row.cache_length + len(block) > segment.size:  # it outgrew its segment: a larger one, its entries along
                 self.arena.allocate(row, max(2 * segment.size, row.cache_length + len(block) + SLACK),
                                     keep=row.length)
         if not lean.usable(self.model, self._modules):  # hooks (a user's, a profiler's), training mode
+            for row in fed:
+                self._own_forward(row, row.deferred[:row.fed], None, False, False)
+                self._cached_deferred(row, row.fed)
             outs = []
             for row, block, tree in zip(rows, blocks, trees):
                 if row.deferred:
                     self._own_forward(row, row.deferred, None, False, False)
                     self._cached_deferred(row)
                 outs.append(self._own_forward(row, block, tree, hidden, scored))
+                self.pending[id(row)] = len(block)
             return outs
         ids, positions, slots, start, prefix = [], [], [], [], []
         offsets, extra, any_tree = [0], [], False
-        spans = []  # each block's [begin, end) in the packed tokens (a row's deferred prompt tokens run before it)
+        kept = []  # the blocks' indices in the packed tokens (prompt tokens, deferred or fed, are not scored)
 
         def place(row: PackedRow, block: list[int], tree: TokenTree | None, past: int) -> None:
             nonlocal any_tree
@@ -263,10 +311,12 @@ class PackedBatch:
                     extra.extend(first + j for j, visible in enumerate(seen) if visible)
                     offsets.append(len(extra))
 
+        for row in fed:
+            place(row, row.deferred[:row.fed], None, row.length)  # a chunk of a deferred prompt: a chain
         for row, block, tree in zip(rows, blocks, trees):
             place(row, row.deferred, None, row.length)  # a deferred prefill: a chain before the block
             place(row, block, tree, row.cache_length)
-            spans.append((len(ids) - len(block), len(ids)))
+            kept.extend(range(len(ids) - len(block), len(ids)))
             self.pending[id(row)] = len(block)
         index = dict(dtype=torch.long, device=self.device)
         lists = ops.KeyLists(torch.tensor(start, **index), torch.tensor(prefix, **index),
@@ -279,28 +329,30 @@ class PackedBatch:
             arena.write(index, slot_index, k, v)
             return invariant.attend(q, arena.keys[index], arena.values[index], lists, scale)  # [N, H, D]
 
+        keep = None if len(kept) == len(ids) else torch.tensor(kept, **index)  # [M] where prompt tokens ran too
         with forwards.active():
-            states = lean.run(self.model, torch.tensor(ids, **index),
-                              torch.tensor(positions, **index), attend)  # [N, hidden] the final norm's output
-            scored_states = states  # [M, hidden] the blocks' positions (all N unless a deferred prefill ran too)
-            if sum(end - begin for begin, end in spans) < len(ids):
-                scored_states = states[torch.cat([torch.arange(begin, end) for begin, end in spans])]
-            logits = self.model.lm_head(scored_states).float() if scored else None  # [M, vocab]
+            states = lean.run(self.model, torch.tensor(ids, **index), torch.tensor(positions, **index), attend,
+                              keep)  # [M, hidden] the final norm's output at the blocks' positions
+            logits = self.model.lm_head(states).float() if scored and kept else None  # [M, vocab]
         for row in rows:
             self._cached_deferred(row)
+        for row in fed:
+            self._cached_deferred(row, row.fed)
         outs, at = [], 0
-        for (begin, end), block in zip(spans, blocks):
+        for block in blocks:
             outs.append(ForwardOutput(None if logits is None else logits[at:at + len(block)],
-                                      states[begin:end] if hidden else None))
+                                      states[at:at + len(block)] if hidden else None))
             at += len(block)
         return outs
 
     @staticmethod
-    def _cached_deferred(row: PackedRow) -> None:
-        """A forward cached the row's deferred prompt tokens."""
-        row.tokens += row.deferred
-        row.length += len(row.deferred)
-        row.deferred = []
+    def _cached_deferred(row: PackedRow, count: int | None = None) -> None:
+        """A forward cached the first ``count`` of the row's deferred prompt tokens (None: all)."""
+        count = len(row.deferred) if count is None else count
+        row.tokens += row.deferred[:count]
+        row.length += count
+        del row.deferred[:count]
+        row.fed = 0
 
     def _own_forward(self, row: PackedRow, block: list[int], tree: TokenTree | None, hidden: bool,
                      scored: bool) -> ForwardOutput:
@@ -320,7 +372,6 @@ class PackedBatch:
         slots = torch.arange(start + past, start + past + size, device=self.device)
         for index, layer in enumerate(cache.layers):  # [1, H_kv, past + size, D]: the block's entries back
             self.arena.write(index, slots, layer.keys[0, :, past:].transpose(0, 1), layer.values[0, :, past:].transpose(0, 1))
-        self.pending[id(row)] = size
         return ForwardOutput(out.logits if scored else None, out.hidden)
 
     def _flush(self) -> None:

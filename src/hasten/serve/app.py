@@ -265,13 +265,14 @@ def create_app(engine, make_scheduler: Callable[[], object], options: ServeOptio
 
 
 def scheduler_factory(engine, max_batch: int = 32, max_tokens_in_flight: int | None = None,
-                      max_prefill_tokens: int | None = None, kv_cache_bytes: int | None = None) -> Callable[[], object]:
+                      max_prefill_tokens: int | None = None, kv_cache_bytes: int | None = None,
+                      max_num_batched_tokens: int | None = None) -> Callable[[], object]:
     """Builds the continuous-batching scheduler over the engine's model and drafter."""
     from ..engine.batch import Scheduler
 
     def make():
         return Scheduler(engine.runtime, engine.drafter, max_batch=max_batch, max_tokens_in_flight=max_tokens_in_flight,
                          draft_size=engine.draft_size, max_prefill_tokens=max_prefill_tokens,
-                         kv_cache_bytes=kv_cache_bytes)
+                         kv_cache_bytes=kv_cache_bytes, max_num_batched_tokens=max_num_batched_tokens)
 
     return make

@@ -17,6 +17,7 @@ from ..drafters.base import REGISTRY
 from .schema import DEFAULT_MAX_TOKENS
 
 SERVER_MODULES = ("starlette", "uvicorn", "prometheus_client")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prompts up to ~500 tokens join in one step as before; longer ones in chunks
 
 
 # ---- hasten serve ------------------------------------------------------------------------------
@@ -42,6 +43,11 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt tokens prefilled per decode step at most (one request always gets in): new "
                         "requests join a few per step, so a burst of long prompts does not stall running streams "
                         "(default 2048)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                        help="tokens one decode step runs at most besides drafts, vLLM's name: one per decoding "
+                        "request, then prompt tokens; a longer prompt is prefilled in chunks over several steps while "
+                        "the running streams keep decoding (chunked prefill, the same numbers). At least --max-batch "
+                        f"(default {DEFAULT_MAX_NUM_BATCHED_TOKENS}, or --max-batch where that is more)")
     parser.add_argument("--kv-cache-mib", type=int, default=1024, metavar="N",
                         help="memory of the KV cache, allocated at start so the server's memory stays flat (default "
                         "1024). Requests wait while the running ones fill it; one that cannot fit alone is refused. "
@@ -87,6 +93,9 @@ def run_serve(args: argparse.Namespace) -> int:
     at_least(args, 1, "max_batch", "max_tokens_in_flight", "max_prefill_tokens", "max_body_bytes",
              "default_max_tokens")
     at_least(args, 1, "kv_cache_mib")
+    at_least(args, args.max_batch, "max_num_batched_tokens")
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_batch)
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
     settings_cls = getattr(REGISTRY.get(args.method), "Settings", None)
@@ -116,7 +125,7 @@ def run_serve(args: argparse.Namespace) -> int:
                       draft_size=args.draft_size, threads=args.threads, **method_kwargs)
     # on llama.cpp the Scheduler's rows are sequences of one llama.cpp context (LlamaCppBatch)
     make_scheduler = scheduler_factory(engine, args.max_batch, args.max_tokens_in_flight, args.max_prefill_tokens,
-                                       args.kv_cache_mib << 20)
+                                       args.kv_cache_mib << 20, args.max_num_batched_tokens)
     name = args.served_model_name or args.model
     options = ServeOptions(name, args.api_key, args.max_body_bytes, args.logprobs_mode, args.default_max_tokens,
                            pool_file=args.pool, tool_call_parser=args.tool_call_parser)

@@ -214,7 +214,8 @@ class Worker:
         probe = self.make_scheduler()
         try:
             probe.submit(dataclasses.replace(request, generator=generator))
-            probe.step()
+            while not probe.step() and probe.has_work():  # a long prompt's chunks first (chunked prefill)
+                pass
         except Exception as err:  # noqa: BLE001 - the probe is where a bad row shows itself
             return err
         return None
