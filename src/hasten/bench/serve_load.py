@@ -4,13 +4,20 @@ For each concurrency level C it sends N requests, C at a time, and reports:
 
 * throughput: output tokens per second of wall time (the usage the server reports);
 * TTFT: time from sending a request to its first non-empty text chunk;
-* inter-token latency (ITL): per request, the time from the first to the last text chunk
-  divided by the tokens after the first. A speculative server sends several tokens in one
-  chunk, so gaps between chunks would misstate it; this is the time a token costs once the
-  stream has begun (what vLLM calls TPOT);
+* inter-token latency (ITL, as vLLM's benchmark names it): the wait for each token after the
+  first, from the streams' events: an event bringing k tokens (a speculative server sends
+  several at once; the server's running usage, vLLM's ``continuous_usage_stats``, says how many,
+  else 1 per event) after a gap of g seconds counts k waits of g / k. Pooled over every stream of
+  a level, its p99 shows a step that stalls the streams (a long prompt's prefill);
+* TPOT: per request, the time from the first to the last text divided by the tokens after the
+  first (the mean of that request's ITL);
 * tau: tokens per target forward, from the ``hasten`` field hasten's server adds.
 
-Percentiles are p50, p90 and p99 over the requests of a level.
+Percentiles are p50, p90 and p99 over the requests of a level (ITL: over its tokens).
+
+``long_prompt`` (``--long-prompt N``): one more client per level sends a prompt of about N tokens
+once the level's streams have begun, so the level's ITL measures the others' streams while it
+joins; its own TTFT and prompt tokens are reported apart (it is not in the level's figures).
 
 Several servers (``--url NAME=URL``, repeated: hasten's and vLLM's OpenAI server, say) are
 measured in one run, level by level in turn, on the same prompts; each answer is compared with
@@ -41,7 +48,9 @@ class Outcome:
     ttft: float | None = None  # seconds to the first text
     latency: float = 0.0  # seconds to the end of the stream
     completion_tokens: int = 0
-    itl: float | None = None  # seconds per token after the first
+    prompt_tokens: int | None = None
+    tpot: float | None = None  # seconds per token after the first
+    waits: list[float] = field(default_factory=list, repr=False)  # each token's wait after the first (ITL)
     tau: float | None = None
     error: str | None = None
     text: str = field(default="", repr=False)
@@ -140,12 +149,47 @@ def builtin_prompts(count: int, context_chars: int = 1500) -> list[str]:
     return prompts
 
 
-async def one_request(client, model: str, prompt: str, chat: bool, max_tokens: int, temperature: float) -> Outcome:
+class StreamClock:
+    """Times one stream's events: the first text (TTFT), then each later text event's gap, shared
+    among the tokens it brings (ITL). The tokens an event brings are the rise of the running
+    usage since the last text event (tokens whose text was held back arrive with the next text),
+    or 1 when the server sends no running usage."""
+
+    def __init__(self, began: float):
+        self.began = began
+        self.first: float | None = None
+        self.last: float | None = None
+        self.counted = 0  # completion tokens the running usage had reached at the last text event
+        self.waits: list[float] = []
+
+    def event(self, now: float, text: bool, completion_tokens: int | None) -> None:
+        if not text:
+            return
+        brought = 1 if completion_tokens is None else max(completion_tokens - self.counted, 1)
+        if completion_tokens is not None:
+            self.counted = completion_tokens
+        if self.first is None:
+            self.first = now
+        else:
+            self.waits.extend([(now - self.last) / brought] * brought)
+        self.last = now
+
+    def finish(self, outcome: Outcome) -> None:
+        if self.first is None:
+            return
+        outcome.ttft = self.first - self.began
+        outcome.waits = self.waits
+        if outcome.completion_tokens > 1:
+            outcome.tpot = (self.last - self.first) / (outcome.completion_tokens - 1)
+
+
+async def one_request(client, model: str, prompt: str, chat: bool, max_tokens: int, temperature: float,
+                      begun: asyncio.Event | None = None) -> Outcome:
+    """One streamed request; ``begun`` is set at its first text."""
     outcome = Outcome()
     options = dict(model=model, max_tokens=max_tokens, temperature=temperature, stream=True,
-                   stream_options={"include_usage": True})
-    began = time.perf_counter()
-    first = last = None
+                   stream_options={"include_usage": True, "continuous_usage_stats": True})
+    clock = StreamClock(time.perf_counter())
     try:
         if chat:
             stream = await client.chat.completions.create(messages=[{"role": "user", "content": prompt}], **options)
@@ -156,37 +200,56 @@ async def one_request(client, model: str, prompt: str, chat: bool, max_tokens: i
             if chunk.choices:
                 choice = chunk.choices[0]
                 piece = (choice.delta.content or "") if chat else (choice.text or "")
-            if piece:
-                last = time.perf_counter()
-                first = first or last
-                outcome.text += piece
+            outcome.text += piece
+            running = None
             if chunk.usage is not None:
-                outcome.completion_tokens = chunk.usage.completion_tokens
+                outcome.completion_tokens = running = chunk.usage.completion_tokens
+                outcome.prompt_tokens = chunk.usage.prompt_tokens
+            clock.event(time.perf_counter(), bool(piece), running if chunk.choices else None)
+            if piece and begun is not None:
+                begun.set()
             stats = (chunk.model_extra or {}).get("hasten")
             if isinstance(stats, dict) and "tau" in stats:
                 outcome.tau = stats["tau"]
     except Exception as err:  # noqa: BLE001 - a failed request is counted and reported, not fatal to the run
         outcome.error = f"{type(err).__name__}: {err}"
-    outcome.latency = time.perf_counter() - began
-    if first is not None:
-        outcome.ttft = first - began
-        if outcome.completion_tokens > 1:
-            outcome.itl = (last - first) / (outcome.completion_tokens - 1)
+    outcome.latency = time.perf_counter() - clock.began
+    clock.finish(outcome)
     return outcome
 
 
 async def run_level(client, model: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
-                    temperature: float, chat: bool) -> tuple[dict, list[tuple[int, Outcome]]]:
-    """One level: its summary, and each request's (prompt index, outcome)."""
+                    temperature: float, chat: bool, long_prompt: str | None = None) -> tuple[dict, list[tuple[int, Outcome]]]:
+    """One level: its summary, and each request's (prompt index, outcome). ``long_prompt``: sent
+    by one more client once the level's first stream has begun, reported apart (``long_prompt``)."""
     gate = asyncio.Semaphore(concurrency)
+    streaming = asyncio.Event()  # a stream of the level has shown its first text
 
     async def gated(index: int) -> tuple[int, Outcome]:
         async with gate:
-            return index, await one_request(client, model, prompts[index], chat, max_tokens, temperature)
+            outcome = await one_request(client, model, prompts[index], chat, max_tokens, temperature, streaming)
+            streaming.set()  # (should every stream fail, the long prompt still goes)
+            return index, outcome
+
+    async def joining() -> Outcome:
+        await streaming.wait()
+        return await one_request(client, model, long_prompt, chat, max_tokens, temperature)
 
     began = time.perf_counter()
+    late = None if long_prompt is None else asyncio.ensure_future(joining())
     answered = await asyncio.gather(*(gated(i % len(prompts)) for i in range(requests)))
-    return summarize([o for _, o in answered], concurrency, time.perf_counter() - began), answered
+    summary = summarize([o for _, o in answered], concurrency, time.perf_counter() - began)
+    if late is not None:
+        summary["long_prompt"] = long_prompt_summary(await late)
+    return summary, answered
+
+
+def long_prompt_summary(outcome: Outcome) -> dict:
+    """What the long prompt's own request measured."""
+    rounded = lambda value: None if value is None else round(value, 6)  # noqa: E731
+    return {"prompt_tokens": outcome.prompt_tokens, "ttft_seconds": rounded(outcome.ttft),
+            "latency_seconds": rounded(outcome.latency), "completion_tokens": outcome.completion_tokens,
+            "error": outcome.error}
 
 
 def summarize(outcomes: list[Outcome], concurrency: int, wall_seconds: float) -> dict:
@@ -203,7 +266,8 @@ def summarize(outcomes: list[Outcome], concurrency: int, wall_seconds: float) ->
         "output_tokens_per_second": round(tokens / wall_seconds, 3) if wall_seconds > 0 else 0.0,
         "requests_per_second": round(len(done) / wall_seconds, 4) if wall_seconds > 0 else 0.0,
         "ttft_seconds": percentiles([o.ttft for o in done if o.ttft is not None]),
-        "itl_seconds": percentiles([o.itl for o in done if o.itl is not None]),
+        "itl_seconds": percentiles([wait for o in done for wait in o.waits]),
+        "tpot_seconds": percentiles([o.tpot for o in done if o.tpot is not None]),
         "latency_seconds": percentiles([o.latency for o in done]),
         "mean_tau": round(float(np.mean(taus)), 4) if taus else None,
     }
@@ -238,10 +302,34 @@ def servers_from(specs: list[str], api_key: str | None, model: str | None) -> li
 
 
 def run(servers: list[Server], prompts: list[str], levels: list[int], requests: int | None, max_tokens: int,
-        temperature: float, chat: bool, warmup: int = 1) -> dict:
+        temperature: float, chat: bool, warmup: int = 1, long_prompt: int | None = None) -> dict:
     """Every concurrency level in turn, each server in turn within a level; raises ValueError
-    when a server cannot be reached."""
-    return asyncio.run(_run(servers, prompts, levels, requests, max_tokens, temperature, chat, warmup))
+    when a server cannot be reached. ``long_prompt``: about that many tokens sent by one more
+    client in each level, once its streams have begun (see the module's docstring)."""
+    return asyncio.run(_run(servers, prompts, levels, requests, max_tokens, temperature, chat, warmup, long_prompt))
+
+
+def long_text(prompts: list[str], chars: int, nonce: int) -> str:
+    """About ``chars`` characters of the run's prompts one after another (repeated as needed),
+    after a first line of its own (``nonce``), so that no server's prefix cache holds its start."""
+    body = "\n\n".join(prompts)
+    return f"Document {nonce}:\n" + (body * (chars // len(body) + 1))[:chars] + "\n\nSummarize the document above."
+
+
+async def long_prompt_chars(client, server: Server, prompts: list[str], chat: bool, tokens: int) -> int:
+    """The characters of :func:`long_text` that make about ``tokens`` prompt tokens on this server,
+    from the prompt tokens it counts for two texts, without a body and with one (a request each,
+    one token generated): what the opening line, the request and a chat template add, and the
+    body's tokens per character."""
+    counted = []
+    for chars in (0, 4 * tokens):
+        outcome = await one_request(client, server.model, long_text(prompts, chars, 0), chat, 1, 0.0)
+        if outcome.error or not outcome.prompt_tokens:
+            raise ValueError(f"--long-prompt: the request sizing the long prompt on {server.name} failed: "
+                             f"{outcome.error or 'no usage in its stream'}")
+        counted.append(outcome.prompt_tokens)
+    per_char = max(counted[1] - counted[0], 1) / (4 * tokens)
+    return max(round((tokens - counted[0]) / per_char), 1)
 
 
 async def _connect(server: Server, prompts: list[str], chat: bool, max_tokens: int, temperature: float, warmup: int):
@@ -266,17 +354,19 @@ async def _connect(server: Server, prompts: list[str], chat: bool, max_tokens: i
     return client
 
 
-async def _run(servers, prompts, levels, requests, max_tokens, temperature, chat, warmup) -> dict:
+async def _run(servers, prompts, levels, requests, max_tokens, temperature, chat, warmup, long_prompt) -> dict:
     if not prompts:
         raise ValueError("no prompts to send")
     clients = [await _connect(server, prompts, chat, max_tokens, temperature, warmup) for server in servers]
+    chars = None if long_prompt is None else await long_prompt_chars(clients[0], servers[0], prompts, chat, long_prompt)
     reference: dict[int, str] = {}  # prompt index -> the first server's first answer to it
     results = []
-    for level in levels:
+    for number, level in enumerate(levels):
         count = requests or max(8, 4 * level)
         for position, (server, client) in enumerate(zip(servers, clients)):
+            joining = None if chars is None else long_text(prompts, chars, 1 + number * len(servers) + position)
             summary, answered = await run_level(client, server.model, prompts, level, count, max_tokens, temperature,
-                                                chat)
+                                                chat, joining)
             if position == 0:
                 for index, outcome in answered:
                     if outcome.error is None:
@@ -288,7 +378,7 @@ async def _run(servers, prompts, levels, requests, max_tokens, temperature, chat
         await client.close()
     first = servers[0]
     return {"url": first.url, "model": first.model, "method": first.method, "chat": chat, "max_tokens": max_tokens,
-            "temperature": temperature, "prompts": len(prompts), "reference": first.name,
+            "temperature": temperature, "prompts": len(prompts), "reference": first.name, "long_prompt": long_prompt,
             "servers": [{"name": s.name, "url": s.url, "model": s.model, "method": s.method} for s in servers],
             "levels": results}
 
@@ -315,6 +405,15 @@ def table(results: dict) -> str:
         if several:
             row = f"| {level['server']} {row} {level['identical']}/{level['compared']} |"
         lines.append(row)
+    joined = [level for level in results["levels"] if "long_prompt" in level]
+    if joined:
+        lines += ["", f"A prompt of about {results['long_prompt']} tokens joined each level once its streams had begun "
+                  "(the ITL above is the other streams', meanwhile):"]
+    for level in joined:
+        long = level["long_prompt"]
+        lines.append(f"- {level['server'] + ', ' if several else ''}{level['concurrency']} clients: "
+                     f"{long['prompt_tokens'] or '?'} prompt tokens, TTFT {ms(long['ttft_seconds'])} ms, "
+                     f"end-to-end {ms(long['latency_seconds'])} ms" + (f"; failed: {long['error']}" if long["error"] else ""))
     return "\n".join(lines)
 
 

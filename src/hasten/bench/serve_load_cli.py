@@ -34,6 +34,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="without --prompts: up to N built-in prompts, held-out standard-library code ending at a "
                         "function's signature (default 16)")
     parser.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed requests first (default 1)")
+    parser.add_argument("--long-prompt", type=int, default=None, metavar="TOKENS",
+                        help="in each level, one more client sends a prompt of about TOKENS tokens (e.g. 2048) once "
+                        "the level's streams have begun: the level's ITL p99 then shows what its prefill costs the "
+                        "running streams; its own TTFT is reported apart (default: none)")
     parser.add_argument("--out", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument("--chart", metavar="PATH", help="also draw throughput against concurrency as a PNG here")
 
@@ -51,7 +55,7 @@ def concurrency_levels(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     require_serve_extra("serve-bench", CLIENT_MODULES)
     levels = concurrency_levels(args.concurrency)
-    at_least(args, 1, "requests", "max_tokens", "num_prompts")
+    at_least(args, 1, "requests", "max_tokens", "num_prompts", "long_prompt")
     at_least(args, 0, "warmup")
     if args.temperature < 0:
         raise UserError(f"--temperature must be >= 0, got {args.temperature}")
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = load.prompts_from(args.prompts) if args.prompts else load.builtin_prompts(args.num_prompts)
     servers = load.servers_from(args.url or ["http://127.0.0.1:8000/v1"], args.api_key, args.model)
     results = load.run(servers, prompts, levels, args.requests, args.max_tokens, args.temperature, args.chat,
-                       args.warmup)
+                       args.warmup, args.long_prompt)
     print(load.table(results))
     if args.out:
         load.write_json(results, args.out)
@@ -68,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     if args.chart:
         load.chart(results, args.chart)
         print(f"hasten serve-bench: drew {args.chart}", file=sys.stderr)
-    return 0 if not any(level["errors"] for level in results["levels"]) else 1
+    failed = any(level["errors"] or (level.get("long_prompt") or {}).get("error") for level in results["levels"])
+    return 1 if failed else 0
 
 
 COMMANDS = [
