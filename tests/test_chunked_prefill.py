@@ -262,11 +262,12 @@ def test_the_server_flag_sets_the_budget(tmp_path, cli, monkeypatch):
     seen = {}
     monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app))
     path = save_checkpoint(tmp_path / "ckpt")
-    assert cli("serve", "--model", path, "--max-batch", "4")[0] == 0
+    fixed = ("--draft-size", "fixed", "--kv-cache-mib", "1")  # (no calibration of the batch's cost; a small store)
+    assert cli("serve", "--model", path, "--max-batch", "4", *fixed)[0] == 0
     assert seen["app"].state.service.worker.scheduler.max_num_batched_tokens == 512  # the default
-    code, _, err = cli("serve", "--model", path, "--max-batch", "4", "--max-num-batched-tokens", "64")
+    code, _, err = cli("serve", "--model", path, "--max-batch", "600", "--max-num-batched-tokens", "600", *fixed)
     assert code == 0, err
-    assert seen["app"].state.service.worker.scheduler.max_num_batched_tokens == 64
+    assert seen["app"].state.service.worker.scheduler.max_num_batched_tokens == 600
     code, _, err = cli("serve", "--model", path, "--max-batch", "8", "--max-num-batched-tokens", "4")
     assert code == 2 and "--max-num-batched-tokens must be >= 8" in err
 
