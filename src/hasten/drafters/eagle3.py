@@ -135,8 +135,13 @@ class Eagle3Training(TrainedTraining):
                   + torch.bincount(ids[anywhere], minlength=vocab).double())
         keep = min(self.options.draft_vocab, vocab)
         self.vocabulary = tuple(sorted(counts.argsort(descending=True, stable=True)[:keep].tolist()))
+        if set(self.feature_layers()) <= set(getattr(data, "layers", ())) and getattr(data, "stores_greedy", False):
+            return  # a feature store (hasten.training.features) brings them with every batch
         for row, length in enumerate(data.lengths.tolist()):  # every row's target outputs, once, before the clock
             self.row_outputs(data.ids[row, :length])
+
+    def feature_layers(self) -> tuple[int, ...]:
+        return tuple(self.aux_layers)
 
     def build(self) -> Eagle3Layer:
         return Eagle3Layer.for_target(self.target, self.vocabulary, self.options.intermediate_size, self.aux_layers)
@@ -156,9 +161,14 @@ class Eagle3Training(TrainedTraining):
         return self._targets[key]
 
     def target_outputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, T, 3H] features and [B, T] greedy next tokens of the batch's rows (zero past each row)."""
+        """[B, T, 3H] features and [B, T] greedy next tokens of the batch's rows (zero past each row):
+        the batch's own where its data stores them, else computed once per row and kept."""
+        stored = batch.features or {}
+        if batch.greedy is not None and all(k in stored for k in self.aux_layers):
+            return torch.cat([stored[k] for k in self.aux_layers], -1).float(), batch.greedy
         B, T = batch.ids.shape
-        aux = torch.zeros(B, T, len(self.aux_layers) * batch.hidden.shape[-1])
+        width = self.target.get_input_embeddings().weight.shape[1]
+        aux = torch.zeros(B, T, len(self.aux_layers) * width)
         greedy = torch.zeros(B, T, dtype=torch.long)
         for b, length in enumerate(valid_positions(batch).sum(1).tolist()):
             features, next_tokens = self.row_outputs(batch.ids[b, :length])

@@ -103,6 +103,9 @@ class HiddenTransferTraining(TrainedTraining):
     def measured_levels(self, module: Transfer) -> int:
         return module.config.num_tokens
 
+    def feature_layers(self) -> tuple[int, ...]:
+        return ()  # the placeholders run through the target's own upper layers at every step
+
     def loss(self, module: Transfer, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         """Placeholder j (0-based) after anchor a, against x_{a+2+j}: the same layout as
         the riders of a verification forward. Anchors are drawn where at least the first

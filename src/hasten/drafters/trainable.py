@@ -28,11 +28,17 @@ RANKS = 4  # ranks per level whose accuracy training measures (the widest defaul
 @dataclass
 class Batch:
     ids: torch.Tensor  # [B, T] token ids, zero-padded after each row's length
-    hidden: torch.Tensor  # [B, T, H] target's last-layer hidden states; hidden[:, t] predicts ids[:, t + 1]
+    # [B, T, H] target's last-layer hidden states; hidden[:, t] predicts ids[:, t + 1]
+    # (None where the trainer's data holds no last layer: a method that reads none)
+    hidden: torch.Tensor | None
     label_mask: torch.Tensor  # [B, T] bool: ids[:, t] is the target's own token (a label to learn)
     # [B, T, E] what the target's language model read at each position (its projected visual
     # features at image placeholders); only from online sources of image-text targets
     embeds: torch.Tensor | None = None
+    # {k: [B, T, H]} the residual stream Hugging Face's hidden_states[k] holds, for the layers
+    # Trainable.feature_layers named, where the data stores them (hasten.training.features)
+    features: dict[int, torch.Tensor] | None = None
+    greedy: torch.Tensor | None = None  # [B, T] the target's greedy next token at each position, where stored
 
 
 class Trainable:
@@ -54,6 +60,12 @@ class Trainable:
     def prepare(self, data: Any) -> None:
         """Called with the training data before :meth:`build` (e.g. to pick a draft vocabulary
         from the target's own answers); the default needs nothing."""
+
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target's hidden states the loss reads, as indices of Hugging Face's
+        ``hidden_states`` (the last one, ``num_hidden_layers``, is ``Batch.hidden``): what a
+        feature store (:mod:`hasten.training.features`) extracts once for this method."""
+        return (self.target.config.get_text_config().num_hidden_layers,)
 
     def build(self) -> nn.Module:
         """A freshly initialised module for ``self.target`` (the global RNG is seeded)."""

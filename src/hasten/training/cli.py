@@ -1,5 +1,6 @@
 """``hasten train NAME``: self-distil data from a target, train a drafter's module on it, save it.
 ``hasten train data``: a chat model writes training data itself (:mod:`hasten.training.selfgen`).
+``hasten train recipe``: every trained drafter of a model from that data (:mod:`hasten.training.recipe`).
 
 Every registered drafter whose class has a ``Training`` attribute (a
 :class:`~hasten.training.trainer.Trainable`) gets a subcommand. Its flags come from three
@@ -69,9 +70,65 @@ def run_data(args: argparse.Namespace) -> int:
     return 0
 
 
+RECIPE = "recipe"  # the subcommand that trains every method of a model on its self-generated data
+
+
+def add_recipe_arguments(subs) -> None:
+    from .acceptance import ProbeSettings
+    from .features import FeatureSettings
+    from .recipe import RecipeSettings
+
+    summary = ("every trained drafter of one model from the conversations it wrote itself (hasten train data): "
+               "features extracted once, each method trained with held-out acceptance per depth at every "
+               "checkpoint; resumable (run it again with the same --work-dir)")
+    sub = subs.add_parser(RECIPE, help=summary, description=summary)
+    sub.add_argument("--model", required=True, help="target: zoo name (zoo:smollm2-135m), GGUF or local directory")
+    sub.add_argument("--data", required=True, type=Path, metavar="DIR", help="a directory `hasten train data` wrote")
+    sub.add_argument("--out", required=True, type=Path, metavar="DIR", help="trained modules go to DIR/<method>/")
+    sub.add_argument("--work-dir", type=Path, help="features, checkpoints and the acceptance log (default: OUT/work)")
+    added: set[str] = set()
+    for title, settings_cls in (("recipe", RecipeSettings), ("features", FeatureSettings),
+                                ("held-out acceptance", ProbeSettings), ("training (each method)", TrainSettings)):
+        add_flags(sub.add_argument_group(title), settings_cls, added)
+    sub.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1)")
+    sub.add_argument("--device", default="cpu", help="device for the target and the modules (cuda where a GPU is)")
+
+
+def run_recipe(args: argparse.Namespace) -> int:
+    from ..loading import load_model, resolve_path
+    from .acceptance import ProbeSettings
+    from .features import FeatureSettings
+    from .recipe import RecipeSettings, run_recipe as recipe_run
+    from .selfgen import PROGRESS
+
+    try:
+        settings = {cls: from_args(cls, args) for cls in (RecipeSettings, FeatureSettings, ProbeSettings, TrainSettings)}
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    if args.threads < 1:
+        raise UserError(f"--threads must be >= 1, got {args.threads}")
+    if not (args.data / PROGRESS).is_file():
+        raise UserError(f"--data {args.data}: no {PROGRESS} (not a directory `hasten train data` wrote)")
+    torch.set_num_threads(args.threads)
+    os.environ["RAYON_NUM_THREADS"] = str(args.threads)
+    writable_directory(args.out)
+    from transformers import AutoTokenizer
+
+    model = load_model(args.model, device=args.device)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_path(args.model))
+    try:
+        recipe_run(model, tokenizer, model_name=args.model, data_dir=args.data, work_dir=args.work_dir or args.out / "work",
+                   out_dir=args.out, recipe=settings[RecipeSettings], train_settings=settings[TrainSettings],
+                   feature_settings=settings[FeatureSettings], probe_settings=settings[ProbeSettings], device=args.device)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    return 0
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     subs = parser.add_subparsers(dest="drafter", required=True, metavar="NAME")
     add_data_arguments(subs)
+    add_recipe_arguments(subs)
     for name, training in trainable_drafters().items():
         summary = f"train {name} for a target on its own greedy outputs"
         sub = subs.add_parser(name, help=summary, description=summary)
@@ -106,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.drafter == DATA:
         return run_data(args)
+    if args.drafter == RECIPE:
+        return run_recipe(args)
 
     # Validate what is cheap before loading anything.
     training = trainable_drafters()[args.drafter]

@@ -19,6 +19,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, safe_open, save_file
@@ -43,7 +44,8 @@ class TrainSettings(Settings):
     warmup_steps: int = option(50, "steps of linear warmup; 1 means none")
     weight_decay: float = option(0.0, "AdamW weight decay")
     grad_clip: float = option(1.0, "clip the gradient norm to this")
-    checkpoint_every: int = option(100, "steps between checkpoints (for --resume)")
+    checkpoint_every: int = option(100, "steps between checkpoints (for --resume) and held-out evaluations")
+    checkpoint_minutes: float | None = option(None, "also checkpoint and evaluate after this many minutes since the last")
     seed: int = option(0, "seeds the prompt choice, the initialisation and the batch order")
 
     def __post_init__(self) -> None:
@@ -59,6 +61,8 @@ class TrainSettings(Settings):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.checkpoint_minutes is not None and self.checkpoint_minutes <= 0:
+            raise ValueError(f"checkpoint_minutes must be > 0, got {self.checkpoint_minutes}")
 
     @property
     def lr_schedule(self) -> Schedule:
@@ -70,7 +74,7 @@ class TrainSettings(Settings):
     @property
     def schedule(self) -> dict:
         """The settings a resumed run must share with the checkpoint to continue bit for bit."""
-        return {k: v for k, v in asdict(self).items() if k not in ("minutes", "checkpoint_every")}
+        return {k: v for k, v in asdict(self).items() if k not in ("minutes", "checkpoint_every", "checkpoint_minutes")}
 
 
 @dataclass
@@ -79,10 +83,17 @@ class TrainResult:
     report: dict  # steps, minutes, train and eval metrics, settings
 
 
+# More held-out measurements at each checkpoint: (module, {"step", "tokens", "minutes", "eval": the
+# held-out metrics}) -> metrics to record.
+ExtraEvaluation = Callable[[nn.Module, dict], dict]
+
+
 def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *, resume: bool = False,
-          device: str = "cpu", progress: bool = True) -> TrainResult:
-    """Train ``trainable``'s module on ``data`` (a :class:`hasten.training.distill.Distilled`),
-    checkpointing under ``work_dir``; with ``resume`` continue from the checkpoint there."""
+          device: str = "cpu", progress: bool = True, extra_evaluation: ExtraEvaluation | None = None) -> TrainResult:
+    """Train ``trainable``'s module on ``data`` (a :class:`hasten.training.distill.Distilled`, or
+    any data with its ``split`` and ``batch``), checkpointing under ``work_dir``; with ``resume``
+    continue from the checkpoint there. ``extra_evaluation`` adds its metrics to every
+    checkpoint's held-out record. The report counts the label tokens trained on (``tokens``)."""
     target = trainable.target.requires_grad_(False).eval()
     trainable.prepare(data)
     torch.manual_seed(settings.seed)
@@ -92,26 +103,41 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
     sampler = torch.Generator().manual_seed(settings.seed)  # which rows form each batch
     train_rows, eval_rows = data.split()
     checkpoint = Path(work_dir) / CHECKPOINT
-    state = resumed(checkpoint, module, optimizer, sampler, settings) if resume and checkpoint.is_file() else None
+    seen = {"tokens": 0}  # label tokens of the batches trained on
+    state = None
+    if resume and checkpoint.is_file():
+        state, seen["tokens"] = resumed(checkpoint, module, optimizer, sampler, settings)
 
     def batch_loss() -> tuple[torch.Tensor, dict]:
         rows = train_rows[torch.randint(len(train_rows), (settings.batch_size,), generator=sampler)]
-        return trainable.loss(module, data.batch(rows, target, device))
+        batch = data.batch(rows, target, device)
+        seen["tokens"] += int(batch.label_mask.sum())
+        return trainable.loss(module, batch)
 
     def held_out(state: RunState) -> dict:
-        return {"loss": evaluate(trainable, module, data, eval_rows, settings.batch_size, device).get("loss")}
+        evaluated = evaluate(trainable, module, data, eval_rows, settings.batch_size, device)
+        metrics = {"loss": evaluated.get("loss"), "tokens": seen["tokens"]}
+        if extra_evaluation is not None:
+            metrics.update(extra_evaluation(module, {"step": state.step, "tokens": seen["tokens"], "eval": evaluated,
+                                                     "minutes": round(state.elapsed_s / 60, 2)}))
+            module.train()
+        return metrics
 
     def save(state: RunState) -> None:
-        save_checkpoint(checkpoint, module, optimizer, sampler, {**asdict(state), "schedule": settings.schedule})
+        save_checkpoint(checkpoint, module, optimizer, sampler,
+                        {**asdict(state), "schedule": settings.schedule, "tokens": seen["tokens"]})
 
     budget = Budget(settings.steps, settings.minutes * 60 if settings.minutes else math.inf)
+    every_seconds = settings.checkpoint_minutes * 60 if settings.checkpoint_minutes else None
+    checkpoints = Checkpoints(held_out, save, every_steps=settings.checkpoint_every, every_seconds=every_seconds)
     state = TrainingLoop(optimizer, batch_loss, settings.lr_schedule, budget, show_progress=progress,
-                         checkpoints=Checkpoints(held_out, save, every_steps=settings.checkpoint_every)).run(state)
+                         checkpoints=checkpoints).run(state)
     module.eval()
     report = {
         "steps": state.step,
         "planned_steps": state.planned_steps,
         "minutes": round(state.elapsed_s / 60, 2),
+        "tokens": seen["tokens"],
         "train": state.recent_metrics(),  # over the last steps (core.training_loop.METRIC_WINDOW)
         "eval": evaluate(trainable, module, data, eval_rows, settings.batch_size, device),
         "evals": state.evals,
@@ -120,12 +146,14 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
     return TrainResult(module, report)
 
 
-def resumed(checkpoint: Path, module: nn.Module, optimizer, sampler: torch.Generator, settings: TrainSettings) -> RunState:
-    """The run saved in ``checkpoint``, its weights, moments and sampler loaded; refused if other settings made it."""
+def resumed(checkpoint: Path, module: nn.Module, optimizer, sampler: torch.Generator,
+            settings: TrainSettings) -> tuple[RunState, int]:
+    """The run saved in ``checkpoint`` and the label tokens it had trained on, its weights, moments
+    and sampler loaded; refused if other settings made it."""
     saved = load_checkpoint(checkpoint, module, optimizer, sampler)
     if saved["schedule"] != settings.schedule:
         raise ValueError(f"{checkpoint} was made with other settings ({saved['schedule']}); drop --resume to start over")
-    return RunState.restored(saved)
+    return RunState.restored(saved), int(saved.get("tokens", 0))
 
 
 @torch.no_grad()
