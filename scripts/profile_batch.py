@@ -94,6 +94,17 @@ def step_profile(model, rows: int, context: int, repeats: int) -> dict[str, floa
     return {name: 1e3 * statistics.median(values) for name, values in parts.items()}
 
 
+def repack(model, layout: str) -> None:
+    """Pack ``model``'s bfloat16 layers again, in ``layout`` (ops.bf16_layouts), on their next
+    forward: the environment switches ops.bf16_layout reads, and the packed copies dropped."""
+    os.environ["HASTEN_BF16_DOT"] = "0" if layout == "fma" else "1"
+    os.environ["HASTEN_AMX"] = "1" if layout == "amx" else "0"
+    for module in model.modules():
+        if hasattr(module, "_packed"):
+            module._packed = module._packed_of = None
+        module.__dict__.pop("_hasten_invariant_fused", None)
+
+
 def shapes_of(model) -> list[tuple[str, int, int]]:
     """The model's linear shapes (name, in, out), and the two fused products the lean forward
     runs in their place (q, k and v in one; gate and up in one)."""
@@ -147,6 +158,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=160, help="prompt tokens per row (rows vary by up to 40)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--parts", default="step,shapes")
+    parser.add_argument("--step-layouts", default=None,
+                        help="bfloat16 layouts the step runs, interleaved by row count (default: this CPU's own)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     parts = args.parts.split(",")
@@ -160,11 +173,16 @@ def main() -> None:
         if "step" in parts:
             print(f"\n{args.model} {dtype_name}: one plain decode step of the packed batch, ~{args.context} cached "
                   f"tokens a row, median ms of {args.repeats}")
-            print("rows    total   linear  attention    rest   ms/row   load")
+            layouts = args.step_layouts.split(",") if args.step_layouts and dtype == torch.bfloat16 else [None]
+            print("rows  layout    total   linear  attention    rest   ms/row   load")
             for count in [int(r) for r in args.rows.split(",")]:
-                p = step_profile(model, count, args.context, args.repeats)
-                print(f"{count:4d}  {p['total']:7.2f}  {p['linear']:7.2f}  {p['attention']:9.2f}  {p['rest']:6.2f}  "
-                      f"{p['total'] / count:7.2f}   {load_average()}", flush=True)
+                for layout in layouts:
+                    if layout is not None:
+                        repack(model, layout)
+                    p = step_profile(model, count, args.context, args.repeats)
+                    print(f"{count:4d}  {layout or ops.bf16_layout() if dtype == torch.bfloat16 else 'fma':6s}  "
+                          f"{p['total']:7.2f}  {p['linear']:7.2f}  {p['attention']:9.2f}  {p['rest']:6.2f}  "
+                          f"{p['total'] / count:7.2f}   {load_average()}", flush=True)
         if "shapes" in parts:
             for name, k, n in shapes_of(model):
                 table = shape_profile(k, n, dtype, [int(r) for r in args.shape_rows.split(",")], args.repeats)

@@ -40,10 +40,11 @@ SIGNATURES = {
     "hasten_kernel_path": ([], _int),
     "hasten_set_kernel_path": ([_int], _int),
     "hasten_bf16_dot_available": ([], _int),
-    # w, N, K, out
-    "hasten_pack_bf16_pairs": ([_p, _i64, _i64, _p], None),
-    # x, sx, w, bias, bt, y, sy, M, K, N, threads
-    "hasten_linear_bf16_pairs": ([_p, _i64, _p, _p, _int, _p, _i64, _i64, _i64, _i64, _int], _int),
+    "hasten_amx_available": ([], _int),
+    # w, N, K, pairs, out
+    "hasten_pack_bf16_pairs": ([_p, _i64, _i64, _i64, _p], None),
+    # x, sx, w, pairs, amx, bias, bt, y, sy, M, K, N, threads
+    "hasten_linear_bf16_pairs": ([_p, _i64, _p, _i64, _int, _p, _int, _p, _i64, _i64, _i64, _i64, _int], _int),
     # x, sx, xt, w, wt, bias, bt, y, sy, yt, M, K, N, threads
     "hasten_linear": ([_p, _i64, _int, _p, _int, _p, _int, _p, _i64, _int, _i64, _i64, _i64, _int], None),
     # q, q_row, q_head, k, v, kv_head, kv_pos, out, o_row, o_head, dtype, kv_dtype, rows, heads, kv_heads, dim,

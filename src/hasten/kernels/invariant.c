@@ -18,7 +18,9 @@
  *              l    = sum of p_i: 16 lanes by i mod 16 in i order, then summed pairwise as above
  *              o[d] = round((sum over i in order of fma(p_i, v_{j_i}[d], .)) / l)
  * Values are read as float32 (bf16 and fp16 convert exactly) and results are rounded to the
- * output format to nearest even.
+ * output format to nearest even. bfloat16 layers may instead take the CPU's bfloat16 dot product
+ * (AVX512-BF16) or AMX's tiles, each with a contract of its own (below, "linear"): other bits than
+ * these, the same independence of the other rows.
  */
 #include <math.h>
 #include <stdint.h>
@@ -243,7 +245,7 @@ void hasten_linear(const void *x, int64_t sx, int xt, const void *w, int wt, con
  * (2i, 2i + 1) in order: acc = vdpbf16ps(acc, x pair, w pair); y = round(acc + bias[n]). The
  * instruction's rounding is the CPU's, so its bits differ from the contract above and from CPUs
  * without it; like it, each output depends on its own row alone, whatever the rows, threads or
- * blocking. Weights packed as [tiles][ceil(K / 2)][TILE][2]. */
+ * blocking. Weights packed as [tiles][pairs][TILE][2], pairs >= ceil(K / 2) (zeros past K). */
 int hasten_bf16_dot_available(void) {
 #ifdef HASTEN_X86
     __builtin_cpu_init();
@@ -253,8 +255,10 @@ int hasten_bf16_dot_available(void) {
 #endif
 }
 
-void hasten_pack_bf16_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *out) {
-    const int64_t tiles = (N + TILE - 1) / TILE, pairs = (K + 1) / 2;
+/* w [N][K] -> out [ceil(N / TILE)][pairs][TILE][2]; pairs past ceil(K / 2) (the AMX layout's
+ * padding to whole tiles) and outputs past N are zeros */
+void hasten_pack_bf16_pairs(const uint16_t *w, int64_t N, int64_t K, int64_t pairs, uint16_t *out) {
+    const int64_t tiles = (N + TILE - 1) / TILE;
     for (int64_t t = 0; t < tiles; t++)
         for (int64_t p = 0; p < pairs; p++)
             for (int64_t l = 0; l < TILE; l++)
@@ -262,6 +266,18 @@ void hasten_pack_bf16_pairs(const uint16_t *w, int64_t N, int64_t K, uint16_t *o
                     const int64_t n = t * TILE + l, k = 2 * p + e;
                     out[((t * pairs + p) * TILE + l) * 2 + e] = (n < N && k < K) ? w[n * K + k] : 0;
                 }
+}
+
+/* a block's float32 sums (out [rows][TILE]) plus bias, rounded to bfloat16 into y's rows m0.. and
+ * columns n0..n0 + width */
+static void store_block_bf16(const float *out, int rows, int64_t width, const void *bias, int bt, uint16_t *y,
+                             int64_t sy, int64_t m0, int64_t n0) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t l = 0; l < width; l++) {
+            float v = out[r * TILE + l];
+            if (bias) v = v + load1(bias, n0 + l, bt);
+            y[(m0 + r) * sy + n0 + l] = f32_to_bf16(v);
+        }
 }
 
 #ifdef HASTEN_X86
@@ -295,40 +311,150 @@ DEFINE_DOT_BLOCK(7)
 typedef void (*dot_fn)(const uint32_t *, int64_t, const uint16_t *, float *);
 static const dot_fn DOT_BLOCKS[DOT_R_MAX + 1] = {0, dot_block_1, dot_block_2, dot_block_3, dot_block_4, dot_block_5,
                                                  dot_block_6, dot_block_7};
-#endif
 
-int hasten_linear_bf16_pairs(const uint16_t *x, int64_t sx, const uint16_t *w, const void *bias, int bt, uint16_t *y,
-                             int64_t sy, int64_t M, int64_t K, int64_t N, int threads) {
-#ifdef HASTEN_X86
+/* the rows of x as pairs, `pairs` a row, zeros past K: calloc'd [rows_padded][pairs] */
+static uint32_t *rows_as_pairs(const uint16_t *x, int64_t sx, int64_t M, int64_t rows_padded, int64_t K,
+                               int64_t pairs) {
+    uint32_t *xp = (uint32_t *)calloc((size_t)(rows_padded * pairs > 0 ? rows_padded * pairs : 1), sizeof(uint32_t));
+    if (xp) for (int64_t m = 0; m < M; m++) memcpy(xp + m * pairs, x + m * sx, sizeof(uint16_t) * (size_t)K);
+    return xp;
+}
+
+static int linear_bf16_dot(const uint16_t *x, int64_t sx, const uint16_t *w, int64_t pairs, const void *bias, int bt,
+                           uint16_t *y, int64_t sy, int64_t M, int64_t K, int64_t N, int threads) {
     if (!hasten_bf16_dot_available()) return -1;
-    const int64_t tiles = (N + TILE - 1) / TILE, pairs = (K + 1) / 2;
-    uint32_t *xp = (uint32_t *)calloc((size_t)(M * pairs > 0 ? M * pairs : 1), sizeof(uint32_t));
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    uint32_t *xp = rows_as_pairs(x, sx, M, M, K, pairs);
     if (!xp) return -2;
-    for (int64_t m = 0; m < M; m++) memcpy(xp + m * pairs, x + m * sx, sizeof(uint16_t) * (size_t)K);
 #pragma omp parallel num_threads(threads_for(threads, tiles))
     {
         float out[DOT_R_MAX * TILE];
 #pragma omp for schedule(static)
         for (int64_t t = 0; t < tiles; t++) {
-            const uint16_t *wtile = w + t * pairs * TILE * 2;
             const int64_t n0 = t * TILE, width = N - n0 < TILE ? N - n0 : TILE;
             for (int64_t m0 = 0; m0 < M; m0 += DOT_R_MAX) {
                 const int rows = (int)(M - m0 < DOT_R_MAX ? M - m0 : DOT_R_MAX);
-                DOT_BLOCKS[rows](xp + m0 * pairs, pairs, wtile, out);
-                for (int r = 0; r < rows; r++)
-                    for (int64_t l = 0; l < width; l++) {
-                        float v = out[r * TILE + l];
-                        if (bias) v = v + load1(bias, n0 + l, bt);
-                        y[(m0 + r) * sy + n0 + l] = f32_to_bf16(v);
-                    }
+                DOT_BLOCKS[rows](xp + m0 * pairs, pairs, w + t * pairs * TILE * 2, out);
+                store_block_bf16(out, rows, width, bias, bt, y, sy, m0, n0);
             }
         }
     }
     free(xp);
     return 0;
-#else
-    return -1;
+}
 #endif
+
+/* ---- bfloat16 on CPUs with AMX: TDPBF16PS tiles -----------------------------------------------
+ * A third contract, AMX's: acc = 0; for each chunk of 16 input pairs (32 inputs) in order:
+ * acc = tdpbf16ps(acc, x chunk, w chunk); y = round(acc + bias[n]). Row invariant by
+ * construction: TDPBF16PS computes each element C[m][n] of its 16 x 16 result from C[m][n], row m
+ * of A (one input row's chunk) and column n of B (one output feature's chunk) alone, in an order
+ * the instruction fixes; the tile shapes never change (A, B and C always 16 rows of 64 bytes, rows
+ * past M zeros), and the chunks go in K order whatever the rows, threads or blocking. So a row gets
+ * the same bits as a tile's only row or as one of 16, at any position, in any call. The rounding
+ * is AMX's (the pair's products summed as the unit sums them, denormals flushed), so the bits
+ * differ from the dot product's: where AMX is on, every bfloat16 layer of the process runs it, one
+ * row (plain decoding) or many (a batch, a verification block). Weights: the pair layout with the
+ * pairs padded to whole chunks (zeros), so a B tile is 16 pairs x 16 outputs of a 64-output tile,
+ * its rows 256 bytes apart. */
+#if defined(HASTEN_X86) && defined(__x86_64__) && defined(__linux__) && \
+    ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11))
+#define HASTEN_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define AMX_ROWS 16  /* rows of every tile */
+#define AMX_PAIRS 16 /* input pairs per chunk: an A tile's 64-byte row, a B tile's 16 rows */
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; } tile_config;
+
+/* every tile 16 rows x 64 bytes: tile 0 A (16 rows x 16 pairs), 1-3 B (16 pairs x 16 outputs),
+ * 4-7 C (16 rows x 16 float32 outputs). A constant in memory: GCC 12 drops stores to a stack copy
+ * that only ldtilecfg reads (seen: tiles 8-15's bytes left as garbage, a #GP) */
+static const tile_config AMX_CONFIG __attribute__((aligned(64))) = {
+    .palette = 1,
+    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+    .rows = {AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS, AMX_ROWS}};
+
+/* per thread, since the tile state is */
+__attribute__((target("amx-tile"))) static void amx_configure(void) { _tile_loadconfig(&AMX_CONFIG); }
+__attribute__((target("amx-tile"))) static void amx_release(void) { _tile_release(); }
+
+/* 16 rows (xa [16][pairs] pairs) against one 64-output tile (wtile [pairs][TILE][2]): C tiles 4-7
+ * accumulate outputs 0-15, 16-31, 32-47, 48-63 over the chunks in order -> out [16][TILE] */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_block(const uint32_t *xa, int64_t pairs,
+                                                                   const uint16_t *wtile, float *out) {
+    const int64_t a_stride = pairs * 4, b_stride = TILE * 4; /* bytes between tile rows */
+    __asm__ __volatile__("" ::: "memory"); /* the tile loads and stores are asm: memory is theirs to read and write */
+    _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+    for (int64_t p = 0; p < pairs; p += AMX_PAIRS) {
+        const uint16_t *b = wtile + p * TILE * 2;
+        _tile_loadd(0, xa + p, a_stride);
+        _tile_loadd(1, b, b_stride);      _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, b + 32, b_stride); _tile_dpbf16ps(5, 0, 2);
+        _tile_loadd(3, b + 64, b_stride); _tile_dpbf16ps(6, 0, 3);
+        _tile_loadd(1, b + 96, b_stride); _tile_dpbf16ps(7, 0, 1);
+    }
+    _tile_stored(4, out, b_stride); _tile_stored(5, out + 16, b_stride);
+    _tile_stored(6, out + 32, b_stride); _tile_stored(7, out + 48, b_stride);
+    __asm__ __volatile__("" ::: "memory");
+}
+
+static int linear_bf16_amx(const uint16_t *x, int64_t sx, const uint16_t *w, int64_t pairs, const void *bias, int bt,
+                           uint16_t *y, int64_t sy, int64_t M, int64_t K, int64_t N, int threads) {
+    if (pairs % AMX_PAIRS) return -1; /* not the AMX layout */
+    const int64_t tiles = (N + TILE - 1) / TILE, blocks = (M + AMX_ROWS - 1) / AMX_ROWS;
+    uint32_t *xa = rows_as_pairs(x, sx, M, blocks * AMX_ROWS, K, pairs); /* whole A tiles, zero rows past M */
+    if (!xa) return -2;
+#pragma omp parallel num_threads(threads_for(threads, tiles))
+    {
+        float out[AMX_ROWS * TILE];
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tiles; t++) {
+            const int64_t n0 = t * TILE, width = N - n0 < TILE ? N - n0 : TILE;
+            for (int64_t m0 = 0; m0 < M; m0 += AMX_ROWS) {
+                amx_block(xa + m0 * pairs, pairs, w + t * pairs * TILE * 2, out);
+                store_block_bf16(out, (int)(M - m0 < AMX_ROWS ? M - m0 : AMX_ROWS), width, bias, bt, y, sy, m0, n0);
+            }
+        }
+        amx_release();
+    }
+    free(xa);
+    return 0;
+}
+#endif
+
+/* whether this CPU and kernel run AMX's bfloat16 tiles here: the CPU has AMX-TILE and AMX-BF16
+ * (cpuid) and Linux granted this process the tile state (asked once) */
+int hasten_amx_available(void) {
+#ifdef HASTEN_AMX
+    static int available = -1;
+    if (available < 0) {
+        unsigned a, b, c, d;
+        const int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 22 & 1) && (d >> 24 & 1);
+        available = cpu && syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return available;
+#else
+    return 0;
+#endif
+}
+
+/* x [M][K] (row stride sx) against w packed by hasten_pack_bf16_pairs with `pairs` pairs: AMX's
+ * tiles where `amx` (pairs a multiple of 16), else the dot product. -1: the CPU lacks it. */
+int hasten_linear_bf16_pairs(const uint16_t *x, int64_t sx, const uint16_t *w, int64_t pairs, int amx,
+                             const void *bias, int bt, uint16_t *y, int64_t sy, int64_t M, int64_t K, int64_t N,
+                             int threads) {
+#ifdef HASTEN_AMX
+    if (amx) return hasten_amx_available() ? linear_bf16_amx(x, sx, w, pairs, bias, bt, y, sy, M, K, N, threads) : -1;
+#endif
+#ifdef HASTEN_X86
+    if (!amx) return linear_bf16_dot(x, sx, w, pairs, bias, bt, y, sy, M, K, N, threads);
+#endif
+    return -1;
 }
 
 /* ====================================== attention =========================================== */

@@ -10,6 +10,7 @@ import torch
 from . import DTYPE_CODES, library
 
 TILE = 64  # output features per packed tile (invariant.c's TILE)
+AMX_PAIRS = 16  # input pairs per AMX chunk: the AMX layout pads its pairs to a multiple (invariant.c's AMX_PAIRS)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -25,22 +26,45 @@ def bf16_dot() -> bool:
     return os.environ.get("HASTEN_BF16_DOT", "1") != "0" and bool(library().hasten_bf16_dot_available())
 
 
+AMX_BY_DEFAULT = True  # docs/cpu.md, "AMX tiles for bfloat16 layers": the measurements behind it
+
+
+def amx_enabled() -> bool:
+    """Whether bfloat16 layers take AMX's tiles where the CPU has them (TDPBF16PS: 16 rows
+    against 16 outputs an instruction, rounded as the tile unit rounds, so other bits than the
+    dot product's; each row still depends on itself alone). Read when a weight is packed, so
+    one process packs every layer alike and a lone row (plain decoding) gets the bits it gets in
+    a batch or a verification block. ``HASTEN_AMX=0`` keeps the dot product, and
+    ``HASTEN_BF16_DOT=0`` the float32 chain on every path."""
+    return os.environ.get("HASTEN_AMX", "1" if AMX_BY_DEFAULT else "0") != "0"
+
+
 def bf16_layouts() -> list[str]:
-    """The layouts a bfloat16 weight can take here, the one :func:`pack` picks first: ``pairs``
-    (the dot product) where :func:`bf16_dot`, and ``fma`` (the float32 multiply-add chain)."""
-    return ["pairs", "fma"] if bf16_dot() else ["fma"]
+    """The layouts a bfloat16 weight can take on this CPU: ``amx`` (AMX tiles) where it has
+    AMX-BF16, ``pairs`` (the dot product) where it has AVX512-BF16, and ``fma`` (the float32
+    multiply-add chain, the contract's) everywhere."""
+    built = library()
+    return ["amx"] * bool(built.hasten_amx_available()) + ["pairs"] * bool(built.hasten_bf16_dot_available()) + ["fma"]
+
+
+def bf16_layout() -> str:
+    """The layout :func:`pack` gives a bfloat16 weight here, from the CPU and the environment."""
+    if not bf16_dot():
+        return "fma"
+    return "amx" if amx_enabled() and "amx" in bf16_layouts() else "pairs"
 
 
 @dataclass(frozen=True)
 class Packed:
     """A linear layer's weight laid out for the kernel: ``data`` is [ceil(N / 64), K, 64]
     (each tile's 64 output features side by side for every input feature, zero-padded), or for
-    the bfloat16 dot product [ceil(N / 64), ceil(K / 2), 64, 2] (input features in pairs)."""
+    the bfloat16 dot product [ceil(N / 64), ceil(K / 2), 64, 2] (input features in pairs), or
+    for AMX the same with the pairs padded to a multiple of 16 (a B tile: 16 pairs x 16 outputs)."""
 
     data: torch.Tensor
     in_features: int
     out_features: int
-    layout: str  # "fma" (the contract's float32 chain) or "pairs" (the bfloat16 dot product)
+    layout: str  # "fma" (the contract's float32 chain), "pairs" (the bfloat16 dot product) or "amx"
 
     @property
     def pairs(self) -> bool:
@@ -49,19 +73,22 @@ class Packed:
 
 def pack(weight: torch.Tensor, layout: str | None = None) -> Packed:
     """``weight`` [N, K] in its own dtype, laid out once for :func:`linear`; ``layout`` (a
-    bfloat16 weight's, one of :func:`bf16_layouts`; for comparisons) defaults to this CPU's first."""
+    bfloat16 weight's, one of :func:`bf16_layouts`; for comparisons) defaults to :func:`bf16_layout`."""
     weight = weight.detach().contiguous()
     out_features, in_features = weight.shape
     tiles = -(-out_features // TILE)
     if weight.dtype != torch.bfloat16:
         layout = "fma"
     elif layout is None:
-        layout = bf16_layouts()[0]
+        layout = bf16_layout()
     elif layout not in bf16_layouts():
         raise ValueError(f"this CPU has no {layout!r} bfloat16 layout (it has {bf16_layouts()})")
-    if layout == "pairs":
-        data = torch.empty(tiles, -(-in_features // 2), TILE, 2, dtype=weight.dtype)
-        library().hasten_pack_bf16_pairs(weight.data_ptr(), out_features, in_features, data.data_ptr())
+    if layout != "fma":
+        pairs = -(-in_features // 2)
+        if layout == "amx":
+            pairs = -(-pairs // AMX_PAIRS) * AMX_PAIRS
+        data = torch.empty(tiles, pairs, TILE, 2, dtype=weight.dtype)
+        library().hasten_pack_bf16_pairs(weight.data_ptr(), out_features, in_features, pairs, data.data_ptr())
         return Packed(data, in_features, out_features, layout)
     padded = torch.zeros(tiles * TILE, in_features, dtype=weight.dtype)
     padded[:out_features] = weight
@@ -83,11 +110,12 @@ def linear(x: torch.Tensor, packed: Packed, bias: torch.Tensor | None) -> torch.
         if x.dtype != torch.bfloat16:
             raise TypeError(f"a bfloat16-pair layer takes bfloat16 inputs, got {x.dtype}")
         status = library().hasten_linear_bf16_pairs(
-            rows.data_ptr(), rows.stride(0), packed.data.data_ptr(), bias_pointer, bias_code, out.data_ptr(),
-            out.stride(0), rows.shape[0], packed.in_features, packed.out_features, torch.get_num_threads())
+            rows.data_ptr(), rows.stride(0), packed.data.data_ptr(), packed.data.shape[1], packed.layout == "amx",
+            bias_pointer, bias_code, out.data_ptr(), out.stride(0), rows.shape[0], packed.in_features,
+            packed.out_features, torch.get_num_threads())
         if status != 0:
             raise MemoryError("linear kernel: out of memory") if status == -2 else RuntimeError(
-                "this CPU has no bfloat16 dot product (AVX512-BF16); pack the weight again")
+                f"this CPU cannot run the {packed.layout!r} bfloat16 layout; pack the weight again")
     else:
         library().hasten_linear(
             rows.data_ptr(), rows.stride(0), code(rows.dtype), packed.data.data_ptr(), code(packed.data.dtype),

@@ -11,7 +11,10 @@ and attention, run hasten's own kernels (``hasten/kernels/invariant.c``), which 
 element's sequence of operations whatever the rows, threads or instruction set:
 
 * :class:`InvariantLinear`: every ``nn.Linear`` (the LM head included) on a packed copy of its
-  weight; each output is a float32 fused multiply-add chain over the inputs in order;
+  weight; each output is a float32 fused multiply-add chain over the inputs in order (bfloat16
+  layers, where the CPU has them: the AVX512-BF16 dot product's chain over input pairs, or AMX
+  tiles' over chunks of 32 inputs; one of them for every layer of the process, so a lone row
+  and a batch's row share their bits);
 * :func:`invariant_attention`, registered as transformers' attention implementation
   ``hasten_invariant``: each query row attends over its own list of keys in order (a chain
   row over the cache and the block up to itself, a tree row over the cache and its
@@ -84,11 +87,15 @@ def unavailable(model: PreTrainedModel | None = None) -> str | None:
     return kernels.unavailable()
 
 
+BF16_LAYOUT_NAMES = {"amx": "AMX tiles", "pairs": "AVX512-BF16 dot product"}
+
+
 def kernel_path() -> str:
     """The instruction path the kernels take here, in words (they are the same bits across
-    paths, except the bfloat16 dot product's: docs/fidelity.md, "Precision")."""
+    paths, except the bfloat16 dot product's and AMX tiles': docs/fidelity.md, "Precision")."""
     path = kernels.instruction_path()
-    return f"{path} (bfloat16 layers: AVX512-BF16 dot product)" if path != "unavailable" and ops.bf16_dot() else path
+    layout = "fma" if path == "unavailable" else ops.bf16_layout()
+    return f"{path} (bfloat16 layers: {BF16_LAYOUT_NAMES[layout]})" if layout in BF16_LAYOUT_NAMES else path
 
 
 def eligible(model: PreTrainedModel) -> bool:
