@@ -141,3 +141,22 @@ def test_speculative_greedy_equals_plain_greedy_on_amx(amx_on):
     for drafter in drafters:
         out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=24, draft_size="fixed")
         assert out.sequences.tolist() == reference.tolist(), type(drafter).__name__
+
+
+@pytest.mark.parametrize("layout", ["amx", "pairs"])
+def test_the_bfloat16_paths_round_as_the_contract_rounds(layout):
+    """acc + bias rounded to bfloat16 16 lanes at a time: nearest even, NaN kept quiet with its
+    payload, as f32_to_bf16 (the scalar tail) does; over random float32 bit patterns, zeros,
+    infinities and denormals, and a width that leaves a tail."""
+    if layout not in ops.bf16_layouts():
+        pytest.skip(f"this CPU has no {layout!r} bfloat16 layout")
+    out_features = 64 * 5 + 13
+    bits = torch.randint(-2**31, 2**31 - 1, (out_features,), generator=torch.Generator().manual_seed(5))
+    bias = bits.to(torch.int32).view(torch.float32).clone()
+    bias[:7] = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-40, -1e-40, 3.0000002])
+    x, weight = torch.zeros(3, 40).bfloat16(), torch.zeros(out_features, 40).bfloat16()  # acc = +0
+    got = ops.linear(x, ops.pack(weight, layout), bias).view(torch.int16).to(torch.int64) & 0xFFFF
+    u = (torch.zeros(out_features) + bias).view(torch.int32).to(torch.int64) & 0xFFFFFFFF  # acc + bias
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    want = torch.where(nan, (u >> 16) | 0x40, ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF) >> 16) & 0xFFFF
+    assert nan.any() and torch.equal(got, want.expand_as(got))
