@@ -15,6 +15,7 @@ Two tables, both on the threads given (one by default, as ``hasten serve`` decod
 Medians of ``--repeats`` runs, the paths interleaved. docs/cpu.md quotes its output.
 
     python scripts/profile_batch.py zoo:smollm2-135m --dtypes bfloat16,float32 --rows 1,2,4,8,16,32
+    python scripts/profile_batch.py --dtypes bfloat16 --parts step --step-layouts pairs,amx   # before/after
 """
 from __future__ import annotations
 

@@ -112,10 +112,11 @@ def assert_on_amx(model) -> None:
 
 @needs_amx
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_packed_batch_rows_equal_lone_rows_on_amx(amx_on, arch):
+@pytest.mark.parametrize("defer", [False, True], ids=["prefilled", "deferred"])
+def test_packed_batch_rows_equal_lone_rows_on_amx(amx_on, arch, defer):
     from test_packed_batch import prepared, test_every_row_gets_its_own_logits_bit_for_bit as check_rows
 
-    check_rows(arch, torch.bfloat16, True)
+    check_rows(arch, torch.bfloat16, defer)
     model = prepared(arch, torch.bfloat16)
     hasten.generate(model, repetitive_prompt(12), max_new_tokens=2)
     assert_on_amx(model)
