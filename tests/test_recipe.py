@@ -275,6 +275,27 @@ def test_probe_matches_the_loop_for_every_trained_drafter(chat, recipe, method):
     assert [a for _, a, _ in compared] == [t for _, _, t in compared]
 
 
+def test_eagle3_probe_reads_the_features_of_its_own_forward(chat, recipe, monkeypatch):
+    """EAGLE-3's taps see the probe's one forward per row: no committed row is recomputed."""
+    from hasten.drafters.eagle3 import LayerTaps, MissingFeatures
+
+    model, _, _ = chat
+    root, _, _ = recipe
+    misses, found = [], LayerTaps.features
+
+    def counted(self, last):
+        try:
+            return found(self, last)
+        except MissingFeatures:
+            misses.append(len(last))
+            raise
+
+    monkeypatch.setattr(LayerTaps, "features", counted)
+    ids = hasten.generate(model, torch.tensor([[5, 17, 33, 9]]), max_new_tokens=20, eos_token_id=[]).sequences[0]
+    results = teacher_forced(REGISTRY["eagle3"](weights=str(root / "out" / "eagle3")), model, ids.tolist(), 3, 3)
+    assert len(results) == 20 - 3 + 2 and not misses
+
+
 def test_a_second_run_skips_finished_methods_and_extracts_new_records(chat, data_dir, recipe, tmp_path):
     model, tokenizer, engine = chat
     root, reports, settings = recipe
@@ -297,6 +318,13 @@ def test_a_second_run_skips_finished_methods_and_extracts_new_records(chat, data
         assert torch.equal(after.read(row, "layer.8"), before.read(row, "layer.8"))
     assert again["medusa"]["steps"] == reports["medusa"]["steps"]  # finished before: not trained again
     assert not (tmp_path / "out" / "medusa").exists()
+
+
+def test_a_budget_can_count_cpu_time_and_does_not_bind_a_resumed_run():
+    cpu = TrainSettings(minutes=5, budget_clock="cpu")
+    assert cpu.schedule == TrainSettings(minutes=9).schedule  # a run may resume on the other clock
+    with pytest.raises(ValueError, match="budget_clock"):
+        TrainSettings(budget_clock="sundial")
 
 
 def test_recipe_settings_refuse_unknown_methods():

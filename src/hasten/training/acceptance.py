@@ -105,25 +105,28 @@ def teacher_forced(drafter: Drafter, target, ids: Sequence[int], first_root: int
     ``first_root - 1`` on (the first one a warm-up: a drafter whose guesses come from the step
     before has some at ``first_root``)."""
     device = target.get_output_embeddings().weight.device
-    row = torch.tensor([list(ids)], device=device)  # [1, n]
+    buffer = GrowingBuffer() if drafter.reads_features() else None
+    lent = TeacherRow(target)
+    ids, start = list(ids), max(first_root - 1, 0)
+    ctx = DraftContext(tokens=ids[: start + 1], max_depth=depth, sampling=Sampling(), generator=None,
+                       target=TargetView(lent, drafter.needs), feature_buffer=buffer)
+    lent.cache_length = start
+    # begun before the target's forward, so that a drafter that watches the target's forwards (EAGLE-3's
+    # taps, set up when it first meets the target) sees this one, as it sees the loop's verifications;
+    # it sees the committed tokens but not yet their features (no trained drafter reads them there)
+    ctx.state = drafter.begin(ctx)
+    row = torch.tensor([ids], device=device)  # [1, n]
     out = target(row, output_hidden_states=True)
     features = out.hidden_states[-1][0]  # [n, H] what the loop's verification forwards return
     greedy = out.logits[0].argmax(-1).tolist()  # [n] greedy[t]: the target's next token after x_t
     del out
-    buffer = GrowingBuffer() if drafter.reads_features() else None
-    lent = TeacherRow(target)
-    ctx = DraftContext(tokens=[], max_depth=depth, sampling=Sampling(), generator=None,
-                       target=TargetView(lent, drafter.needs), feature_buffer=buffer)
     riders, pending, results = RiderLogits(target, row), None, []
-    ids, start = list(ids), max(first_root - 1, 0)
 
     def commit(r: int) -> None:  # the loop's state with x_0 .. x_r committed (x_r the root)
         ctx.tokens, lent.cache_length = ids[: r + 1], r
         if buffer is not None and len(buffer) < r:
             buffer.extend(features[len(buffer) : r])
 
-    commit(start)
-    ctx.state = drafter.begin(ctx)
     for r in range(start, len(ids) - depth + 1):
         commit(r)
         if pending is not None:  # what the last draft's riders computed, at this root's predecessor

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -33,12 +34,14 @@ from ..drafters.trainable import Trainable  # the protocol, re-exported
 CHECKPOINT = "checkpoint.safetensors"
 FINAL_LR_RATIO = 0.1  # cosine decays to this fraction of the peak learning rate
 DEFAULT_STEPS = 1000  # when neither steps nor minutes are given
+CLOCKS = {"wall": time.monotonic, "cpu": time.process_time}  # what a budget of minutes counts
 
 
 @dataclass(frozen=True)
 class TrainSettings(Settings):
     steps: int | None = option(None, f"optimiser steps; unset: as many as --minutes allows, else {DEFAULT_STEPS}")
-    minutes: float | None = option(None, "wall-clock budget for training (distillation excluded); stops the run early")
+    minutes: float | None = option(None, "budget for training (distillation excluded), in minutes of "
+                                         "--budget-clock; stops the run early")
     batch_size: int = option(8, "sequences per step")
     lr: float = option(1e-3, "peak learning rate of AdamW (linear warmup, then cosine decay to 10%)")
     warmup_steps: int = option(50, "steps of linear warmup; 1 means none")
@@ -46,6 +49,8 @@ class TrainSettings(Settings):
     grad_clip: float = option(1.0, "clip the gradient norm to this")
     checkpoint_every: int = option(100, "steps between checkpoints (for --resume) and held-out evaluations")
     checkpoint_minutes: float | None = option(None, "also checkpoint and evaluate after this many minutes since the last")
+    budget_clock: str = option("wall", "what --minutes and --checkpoint-minutes count: wall (the clock) or cpu (this "
+                                       "process's CPU time: on a shared machine, pauses and other jobs' load excluded)")
     seed: int = option(0, "seeds the prompt choice, the initialisation and the batch order")
 
     def __post_init__(self) -> None:
@@ -61,6 +66,8 @@ class TrainSettings(Settings):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.lr <= 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")
+        if self.budget_clock not in CLOCKS:
+            raise ValueError(f"budget_clock must be one of {sorted(CLOCKS)}, got {self.budget_clock!r}")
         if self.checkpoint_minutes is not None and self.checkpoint_minutes <= 0:
             raise ValueError(f"checkpoint_minutes must be > 0, got {self.checkpoint_minutes}")
 
@@ -74,7 +81,8 @@ class TrainSettings(Settings):
     @property
     def schedule(self) -> dict:
         """The settings a resumed run must share with the checkpoint to continue bit for bit."""
-        return {k: v for k, v in asdict(self).items() if k not in ("minutes", "checkpoint_every", "checkpoint_minutes")}
+        run_only = ("minutes", "checkpoint_every", "checkpoint_minutes", "budget_clock")
+        return {k: v for k, v in asdict(self).items() if k not in run_only}
 
 
 @dataclass
@@ -131,7 +139,7 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
     every_seconds = settings.checkpoint_minutes * 60 if settings.checkpoint_minutes else None
     checkpoints = Checkpoints(held_out, save, every_steps=settings.checkpoint_every, every_seconds=every_seconds)
     state = TrainingLoop(optimizer, batch_loss, settings.lr_schedule, budget, show_progress=progress,
-                         checkpoints=checkpoints).run(state)
+                         checkpoints=checkpoints, clock=CLOCKS[settings.budget_clock]).run(state)
     module.eval()
     report = {
         "steps": state.step,
