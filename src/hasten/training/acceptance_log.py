@@ -64,8 +64,9 @@ class AcceptanceLog:
             ax.set_title(f"{method}: tau {entries[-1]['tau']:.2f}")
             ax.grid(alpha=0.3)
             right = ax.twinx()
-            right.plot(tokens, [e["tau"] for e in entries], color="black", linestyle="--", label="tau")
-            right.set_ylabel("tau (chain)")
+            right.plot(tokens, [e["tau"] for e in entries], color="black", linestyle="--", marker="x", label="tau")
+            right.set_ylabel("tau (chain, dashed)")
+            right.set_ylim(1, 1 + len(entries[-1]["acceptance"]))  # tau runs from 1 to 1 + depth
             ax.legend(fontsize=7, loc="upper left")
         figure.tight_layout()
         temporary = Path(png).with_suffix(".tmp.png")
