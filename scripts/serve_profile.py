@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import hashlib
 import json
 import statistics
 import time
@@ -62,6 +63,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--max-batch", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default=None, help="as hasten.load's (default: its rule, bfloat16 on a CPU with it)")
     parser.add_argument("--max-prefill-tokens", type=int, default=2048, help="as hasten serve's (its default)")
     parser.add_argument("--kv-cache-mib", type=int, default=1024, help="as hasten serve's (its default); 0: a "
                         "store that grows, as a library batch's")
@@ -70,7 +72,7 @@ def main() -> None:
     parser.add_argument("--out", help="append the result as a JSON line here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    engine = hasten.load(args.model, args.method, draft_size=args.draft_size, threads=args.threads)
+    engine = hasten.load(args.model, args.method, draft_size=args.draft_size, threads=args.threads, dtype=args.dtype)
     prompts = [engine.encode_chat(m)[0].tolist() for m in spec_bench_messages(5)]
     scheduler = scheduler_factory(engine, args.max_batch, max_prefill_tokens=args.max_prefill_tokens,
                                   kv_cache_bytes=args.kv_cache_mib << 20 if args.kv_cache_mib else None)()
@@ -98,6 +100,7 @@ def main() -> None:
     sent = tokens = steps = rows = 0
     in_flight: set[int] = set()
     submitted: dict[int, float] = {}  # row id -> when it was sent
+    answers: dict[int, list[int]] = {}  # row id -> its tokens, for a digest that two runs can compare
     first_token: list[float] = []  # seconds from sending to the first token, per request
     began = time.perf_counter()
     step_seconds = 0.0
@@ -107,6 +110,7 @@ def main() -> None:
             row_id = scheduler.submit(request)
             in_flight.add(row_id)
             submitted[row_id] = time.perf_counter()
+            answers[row_id] = []
             sent += 1
         clock = time.perf_counter()
         updates = scheduler.step()
@@ -114,17 +118,19 @@ def main() -> None:
         steps += 1
         rows += scheduler.last_step.batch_size if scheduler.last_step else 0
         for update in updates:
+            answers.get(update.row_id, []).extend(update.tokens)
             if update.tokens and update.row_id in submitted:
                 first_token.append(time.perf_counter() - submitted.pop(update.row_id))
             tokens += len(update.tokens)
             if update.finished:
                 in_flight.discard(update.row_id)
     wall = time.perf_counter() - began
+    digest = hashlib.sha1(json.dumps([answers[row] for row in sorted(answers)]).encode()).hexdigest()[:12]
     print(f"{args.model}, {args.method}, {args.clients} clients, {args.requests} requests of {args.max_tokens} "
           f"tokens, {args.threads} thread(s), batch path {target.__name__}")
     print(f"{tokens} tokens in {wall:.1f} s: {tokens / wall:.1f} tok/s; {steps} steps, {rows / max(steps, 1):.1f} rows "
           f"and {tokens / max(steps, 1):.2f} tokens per step, {sum(POSITIONS) / max(len(POSITIONS), 1):.2f} positions "
-          f"per forward; time to first token p50 {1000 * statistics.median(first_token):.0f} ms")
+          f"per forward; time to first token p50 {1000 * statistics.median(first_token):.0f} ms; answers' digest {digest}")
     accounted = sum(SPENT.values())
     for phase, seconds in SPENT.most_common():
         print(f"  {phase:24s} {seconds:7.2f} s  {100 * seconds / step_seconds:5.1f} %  ({CALLS[phase]} calls)")
@@ -135,7 +141,7 @@ def main() -> None:
             f.write(json.dumps({"method": args.method, "clients": args.clients, "requests": args.requests,
                                 "max_tokens": args.max_tokens, "warm": args.warm, "tokens": tokens,
                                 "seconds": round(wall, 3), "tokens_per_second": round(tokens / wall, 2), "steps": steps,
-                                "ttft_p50_ms": round(1000 * statistics.median(first_token), 1),
+                                "ttft_p50_ms": round(1000 * statistics.median(first_token), 1), "digest": digest,
                                 "phases": {k: round(v, 3) for k, v in SPENT.items()},
                                 "load": open("/proc/loadavg").read().split()[:3]}) + "\n")
 
