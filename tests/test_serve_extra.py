@@ -23,3 +23,21 @@ def test_the_serve_extra_brings_the_grammar_engine_and_the_lock_pins_it():
     for name in serve:
         assert re.search(rf"^{re.escape(name)}==\S+ \\$", lock, re.MULTILINE | re.IGNORECASE), name
         assert re.search(rf"^{re.escape(name)}==\S+ \\\n\s+--hash=sha256:", lock, re.MULTILINE | re.IGNORECASE), name
+
+
+def test_a_server_without_the_grammar_engine_says_what_to_install(monkeypatch):
+    """A server that would refuse response_format and tools does not start half-installed: the
+    one-line error names llguidance and the extra that brings it."""
+    import importlib.util
+
+    import pytest
+
+    from hasten.arguments import SERVE_EXTRA, UserError
+    from hasten.serve.cli import SERVER_MODULES
+    from hasten.arguments import require_serve_extra
+
+    found = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llguidance" else found(name, *a))
+    with pytest.raises(UserError, match=r"needs llguidance, which the serve extra installs") as refusal:
+        require_serve_extra("serve", SERVER_MODULES)
+    assert SERVE_EXTRA in str(refusal.value)

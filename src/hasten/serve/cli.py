@@ -16,7 +16,7 @@ from ..core import settings as settings_io
 from ..drafters.base import REGISTRY
 from .schema import DEFAULT_MAX_TOKENS
 
-SERVER_MODULES = ("starlette", "uvicorn", "prometheus_client")
+SERVER_MODULES = ("starlette", "uvicorn", "prometheus_client", "llguidance")  # llguidance: structured output and tools
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prompts up to ~500 tokens join in one step as before; longer ones in chunks
 
 
