@@ -247,3 +247,25 @@ def opinionated(module, seed: int):
             if parameter.ndim == 2:
                 torch.nn.init.normal_(parameter, std=1.0 / math.sqrt(parameter.shape[1]))
     return module
+
+
+CHAT_EOS = 2  # the tiny tokenizer's end of turn
+CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
+
+
+def chat_model(eos_bias: float, scale: float = 1.0, **overrides):
+    """A tiny random Llama that chats: its LM head's weights times ``scale`` (sharper choices) and
+    a bias of ``eos_bias`` on the end-of-turn token (so turns end), and a tokenizer with a chat
+    template. Returns (model, tokenizer)."""
+    model = tiny_model("llama", seed=1, **overrides)
+    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    with torch.no_grad():
+        head.weight.copy_(model.lm_head.weight * scale)
+        head.bias.zero_()
+        head.bias[CHAT_EOS] = eos_bias
+    model.lm_head = head
+    model.config.tie_word_embeddings = False
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return model, tokenizer

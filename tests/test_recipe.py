@@ -20,11 +20,8 @@ from hasten.training.features import FeatureSettings, FeatureStore, extract_feat
 from hasten.training.recipe import RECIPE_METHODS, RecipeSettings, run_recipe, stored_layers
 from hasten.training.selfgen import SelfGenSettings, generate_data, read_records, training_pairs
 from hasten.training.trainer import TrainSettings
-from helpers import tiny_model, tiny_tokenizer
+from helpers import chat_model
 
-EOS = 2
-TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 DATA = dict(seed=3, batch=4, chunk=4, user_tokens=40, answer_tokens=24, dtype="float32", followup_share=0.5)
 FEATURES = FeatureSettings(feature_dtype="float16", extract_batch=2, commit_minutes=60)
 HELD_OUT_EVERY = 2  # the tiny data has a dozen conversations: hold out half, so both sides have some
@@ -36,16 +33,7 @@ def chat():
     token favoured, so that some sampled user turns end and its greedy answers run on."""
     from hasten.api import load
 
-    model = tiny_model("llama", seed=1, num_hidden_layers=8)
-    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight * 15)
-        head.bias.zero_()
-        head.bias[EOS] = 2.0
-    model.lm_head = head
-    model.config.tie_word_embeddings = False
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = TEMPLATE
+    model, tokenizer = chat_model(eos_bias=2.0, scale=15, num_hidden_layers=8)
     return model, tokenizer, load(model, "autoregressive", tokenizer=tokenizer, threads=1)
 
 

@@ -7,14 +7,11 @@ import json
 import pytest
 import torch
 
-from helpers import tiny_model, tiny_tokenizer
+from helpers import CHAT_EOS as EOS, chat_model, tiny_tokenizer
 from hasten.training.selfgen import SelfGenSettings, generate_data, read_records, training_pairs
 from hasten.training.textcheck import NgramIndex, bench_overlap, bench_texts, degenerate
 from hasten.training.selfgen import BENCH_OVERLAP
 
-EOS = 2
-TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-            "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
 TINY = dict(seed=3, batch=4, chunk=4, user_tokens=40, answer_tokens=10, dtype="float32", followup_share=0.5)
 
 
@@ -24,16 +21,7 @@ def engine():
     that some of its user turns end and are kept."""
     from hasten.api import load
 
-    model = tiny_model("llama", seed=1)
-    head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight)
-        head.bias.zero_()
-        head.bias[EOS] = 0.8
-    model.lm_head = head
-    model.config.tie_word_embeddings = False
-    tokenizer = tiny_tokenizer()
-    tokenizer.chat_template = TEMPLATE
+    model, tokenizer = chat_model(eos_bias=0.8)
     return load(model, "autoregressive", tokenizer=tokenizer, threads=1)
 
 
