@@ -44,7 +44,6 @@ class RowPlan:
 
     rule: SizingRule
     state: Any
-    hindsight: bool
     evidence: int | None = None
     depth: int = 0
     watch: int = 0
@@ -110,7 +109,7 @@ class DraftPlanner:
         if drafter is None:
             return None
         rule = self.choice.for_request(not request.sampling.greedy, seeded=request.generator is not None)
-        return RowPlan(rule, rule.begin(cache, hindsight=drafter.hindsight_ok), drafter.hindsight_ok)
+        return RowPlan(rule, rule.begin(cache, hindsight=drafter.hindsight_ok))
 
     def plan(self, rows: list[PlannedRow]) -> None:
         """Before the step: grade every row's coming draft, plan each rule's rows together, and
@@ -135,6 +134,9 @@ class DraftPlanner:
             plan, limit = row.plan, row.depth_limit
             plan.depth = plan.rule.depth(plan.state, limit, plan.evidence) if limit > 0 else 0
             plan.watch = 0
+            # one watched chain at a time, the next where it ends: the drafts a drafter that always
+            # drafted would have had verified, each one trial (overlapping chains along one copied
+            # stretch would count it many times over)
             if plan.depth == 0 and limit > 0 and plan.watched is None:
                 plan.watch = plan.rule.watch(plan.state, limit)
 

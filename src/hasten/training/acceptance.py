@@ -28,6 +28,7 @@ from ..core.sampling import Sampling
 from ..core.settings import Settings, option
 from ..core.state import GrowingBuffer
 from ..drafters.base import Draft, DraftContext, Drafter, StepResult, TargetView
+from ..drafters.trained import at_least_one
 
 RIDER_ANCHORS = 128  # anchors whose rider logits one forward computes (each adds its riders to it)
 
@@ -39,8 +40,7 @@ class ProbeSettings(Settings):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.probe_depth < 1 or self.probe_positions < 1:
-            raise ValueError("probe_depth and probe_positions must be >= 1")
+        at_least_one(self, "probe_depth", "probe_positions")
 
 
 @dataclass(frozen=True)
