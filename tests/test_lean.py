@@ -30,32 +30,37 @@ class CountLean:
         monkeypatch.setattr(lean, "forward", counted)
 
 
-def run(model, prompt, blocks, use_lean: bool, monkeypatch) -> list[torch.Tensor]:
-    """The prefill's logits, then each (block, tree)'s logits after it, rolled back between blocks."""
+def run(model, prompt, blocks, use_lean: bool, monkeypatch, hidden: bool = False) -> list[torch.Tensor]:
+    """The prefill's logits, then each (block, tree)'s logits after it, rolled back between blocks;
+    ``hidden``: each forward's last hidden states (the features drafters read) after its logits."""
     monkeypatch.setenv("HASTEN_LEAN_FORWARD", "1" if use_lean else "0")
     adapter = ModelAdapter(model)
     assert (adapter._lean_modules is not None) == use_lean
-    adapter.start(prompt, logits=True)
-    results = [adapter.prompt_logits]
+    _, states = adapter.start(prompt, hidden=hidden, logits=True)
+    results = [adapter.prompt_logits, *([states] if hidden else [])]
     for block, tree in blocks:
-        results.append(adapter.forward(block, tree).logits)
+        out = adapter.forward(block, tree, hidden=hidden)
+        results += [out.logits, *([out.hidden] if hidden else [])]
         kv.crop(adapter.cache, prompt.shape[1] - 1)
     return results
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_every_forward_equals_the_models_own_bit_for_bit(arch, dtype, monkeypatch):
+@pytest.mark.parametrize("hidden", [False, True], ids=["logits", "with-hidden-states"])
+def test_every_forward_equals_the_models_own_bit_for_bit(arch, dtype, hidden, monkeypatch):
+    """Logits, and where asked the last hidden states (Medusa's, EAGLE's and Chimera's features)."""
     model = tiny_model(arch).to(getattr(torch, dtype))
     assert invariant.prepare(model)  # the lean forward runs on hasten's kernels (models/invariant.py)
     prompt = repetitive_prompt(40)
     root = int(prompt[0, -1])
     blocks = [([root], None), ([root, 5, 6, 7, 8, 9, 10], None), ([root, *range(10, 16)], TREE)]
     counter = CountLean(monkeypatch)
-    own = run(model, prompt, blocks, False, monkeypatch)
+    own = run(model, prompt, blocks, False, monkeypatch, hidden)
     assert counter.calls == 0
-    leaner = run(model, prompt, blocks, True, monkeypatch)
+    leaner = run(model, prompt, blocks, True, monkeypatch, hidden)
     assert counter.calls == 1 + len(blocks)  # the prefill and every block
+    assert len(own) == len(leaner) == (1 + len(blocks)) * (2 if hidden else 1)
     for a, b in zip(own, leaner):
         assert a.shape == b.shape and torch.equal(a, b)
 

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
+from ..core.runtime import Capability
 from ..core.settings import Settings, option
 from ..core.stats import allocated_bytes
 from ..models.layers import decoder_layers, num_layers
@@ -243,6 +244,7 @@ class Eagle3(TrainedDrafter):
     Settings = Eagle3Settings
     Module = Eagle3Layer
     Training = Eagle3Training  # how `hasten train eagle3` builds, trains and saves the layer
+    needs = TrainedDrafter.needs | {Capability.HOOKS}  # LayerTaps read the low, middle and high layers
 
     taps: LayerTaps | None = None
 

@@ -148,12 +148,14 @@ class ModelAdapter:
         kwargs.update(model_inputs or {})
         ids_key = "decoder_input_ids" if self.encoder_decoder else "input_ids"
         path = self.tree_attention if "attention_mask" in kwargs else MaskedTree()  # only tree blocks have a mask
-        if not hidden and not model_inputs and type(path) is MaskedTree and lean.usable(self.model, self._lean_modules):
+        if not model_inputs and type(path) is MaskedTree and lean.usable(self.model, self._lean_modules):
             with forwards.active():
-                logits = lean.forward(self.model, ids, self.cache, kwargs["position_ids"], kwargs.get("attention_mask"),
-                                      logits_to_keep)
+                kept = 0 if hidden else logits_to_keep  # features are every position's
+                states = lean.forward(self.model, ids, self.cache, kwargs["position_ids"], kwargs.get("attention_mask"),
+                                      kept)  # [Q or logits_to_keep, hidden]
+                logits = self.model.lm_head(states[-logits_to_keep:] if logits_to_keep else states)
             self._check_rollback()
-            return ForwardOutput(logits.float(), None)
+            return ForwardOutput(logits.float(), states if hidden else None)
         with path.active(self.model), kv_heads_in_place(self.model, len(block), past), forwards.active():
             out = self.model(
                 **{ids_key: ids}, **cache_argument(self.model, self.cache), use_cache=True, output_hidden_states=hidden, **kwargs

@@ -55,7 +55,8 @@ class HuggingFaceRuntime(Runtime):
         self.vocab_size = vocab_size(model)
         self.context_length = max_positions(model)
         self.device = model.device
-        capabilities = {Capability.FEATURES, Capability.MODULES, Capability.KV_READ, Capability.PROMPT_LOGITS}
+        capabilities = {Capability.FEATURES, Capability.MODULES, Capability.HOOKS, Capability.KV_READ,
+                        Capability.PROMPT_LOGITS}
         if not self.encoder_decoder:
             capabilities |= {Capability.TREES, Capability.RIDERS}
         if vlm.is_vision_language(model):
@@ -82,11 +83,12 @@ class HuggingFaceRuntime(Runtime):
     def batch(self, max_rows: int, needs: frozenset[Capability] = frozenset(),
               kv_cache_bytes: int | None = None) -> BatchAdapter | PackedBatch:
         """Rows packed along one token dimension on the lean forward where the model takes it
-        (models/packed_batch.py), unless the drafter reads the target's modules (it may hook
-        them, and only the model's own forward runs hooks): then padded rows through the
+        (models/packed_batch.py) and the drafter needs no more than it serves (features, the
+        borrowed LM head and embeddings, trees); a drafter that hooks the target's layers (only
+        the model's own forward runs hooks) or reads its KV cache gets padded rows through the
         model's own forward (models/batch.py; it pads, and ``kv_cache_bytes`` does not bound it).
         Decided once per batch."""
-        if lean.eligible(self.model) and Capability.MODULES not in needs:
+        if lean.eligible(self.model) and needs <= PackedBatch.serves:
             return PackedBatch(self.model, kv_cache_bytes)
         return BatchAdapter(self.model)
 

@@ -17,7 +17,8 @@ float16), in eval mode, on their attention, with a rotary
 embedding whose frequencies do not change with the input ("default", "linear", "llama3"), and
 with no forward hooks anywhere in the model (drafters that read the target's modules hook them;
 those forwards take the model's own path). Everything else, and any forward that asks for
-hidden states, riders or images, goes through the model as before. :func:`run` is the decoder
+riders or images, goes through the model as before; a forward that asks for the last hidden
+states (the feature drafters: Medusa, EAGLE, Chimera) gets them from here. :func:`run` is the decoder
 itself over tokens of one sequence or of several packed together (the batched decoder,
 ``models/packed_batch.py``: each row's numbers are its own, whatever the other rows).
 ``HASTEN_LEAN_FORWARD=0`` turns it off.
@@ -144,10 +145,11 @@ def run(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, atte
 @torch.no_grad()
 def forward(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, positions: torch.Tensor,
             mask: torch.Tensor | None, logits_to_keep: int = 0) -> torch.Tensor:
-    """One sequence: the model's logits for ``ids`` ([1, Q]) at ``positions`` ([1, Q]) after
-    the cached entries, which ``cache`` gains: [Q, vocab], or the last ``logits_to_keep`` rows.
-    ``mask``: a tree block's 4D additive mask [1, 1, Q, past + Q] (what transformers is
-    given), or None for causal order."""
+    """One sequence: the model's last-layer states (the final norm's output, which the LM head
+    turns into logits and transformers reports as its last hidden states) for ``ids`` ([1, Q])
+    at ``positions`` ([1, Q]) after the cached entries, which ``cache`` gains: [Q, hidden], or
+    the last ``logits_to_keep`` rows. ``mask``: a tree block's 4D additive mask
+    [1, 1, Q, past + Q] (what transformers is given), or None for causal order."""
     length = ids.shape[1]
     past = cache.get_seq_length()
     lists = invariant.key_lists(mask, length, past + length, True, 1, ids.device)[0]  # each row's own keys, in order
@@ -157,7 +159,7 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, positions: 
         return invariant.attend(q, keys[0], values[0], lists, scale)  # [Q, H, D]
 
     keep = torch.arange(length - logits_to_keep, length, device=ids.device) if logits_to_keep else None
-    return model.lm_head(run(model, ids[0], positions[0], attend, keep))  # [Q or logits_to_keep, vocab]
+    return run(model, ids[0], positions[0], attend, keep)  # [Q or logits_to_keep, hidden]
 
 
 def _attention_inputs(attention: nn.Module, h: torch.Tensor, heads: int, kv_heads: int, head_dim: int,

@@ -14,8 +14,8 @@ kernels.
 A row is a :class:`PackedRow`: the same ``cache_length`` / ``commit`` / ``crop`` interface as a
 single sequence's :class:`~hasten.models.adapter.ModelAdapter`, so the decode step does not know
 which one it drives. A tree's accepted path is moved into place lazily, every row's at once,
-before the next forward. Other architectures, and drafters that read (and may hook) the
-target's modules (their needs hold ``Capability.MODULES``), use
+before the next forward. Other architectures, and drafters that need more than
+:attr:`PackedBatch.serves` (the layers' hooks, ``Capability.HOOKS``; the KV cache as tensors), use
 :class:`~hasten.models.batch.BatchAdapter` (the model's own forward, padded rows); the runtime
 picks one of the two per batch. Should a hook appear anyway (a user's, a profiler's), each row
 runs the model's own forward over its entries, with the same numbers, one row at a time.
@@ -45,6 +45,7 @@ from .arena import KVArena
 from .batch import RowOfBatch
 from .layers import model_name
 from .prefix_cache import PrefixCache
+from ..core.runtime import Capability
 from ..core.tree import TokenTree
 from ..kernels import ops
 
@@ -104,6 +105,9 @@ class PackedBatch:
     encoder_decoder = False
     kv_readable = False
     packed_rows = True  # rows end to end, unpadded: what draft sizing prices a step by
+    # what a drafter may need of it: every row's last hidden states, the target's LM head and
+    # embeddings lent (not hooked), tree blocks
+    serves = frozenset({Capability.FEATURES, Capability.MODULES, Capability.TREES})
 
     def __init__(self, model: PreTrainedModel, kv_cache_bytes: int | None = None):
         """``kv_cache_bytes``: the KV store's fixed size, allocated now (None: it grows with
