@@ -107,11 +107,50 @@ def test_the_taps_leave_the_model_with_the_drafter_and_skip_forwards_with_riders
         taps.remove()
 
 
-def test_drafts_come_from_the_tapped_features_after_the_first_prompt(target, tmp_path, monkeypatch):
-    """The first prompt is recomputed (its prefill ran before the drafter met the target);
-    every later row is found among the target's tapped forwards."""
-    from hasten.drafters import eagle3 as module
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_lean_forward_taps_what_the_models_own_forward_hooks_bit_for_bit(dtype, monkeypatch):
+    """The lean forward (models/lean.py) calls the taps itself, with the same rows the hooks
+    see on the model's own forward: a prefill, then a tree block after it."""
+    from hasten.core.tree import TokenTree
+    from hasten.drafters.eagle3 import LayerTaps
+    from hasten.models import cache as kv
+    from hasten.models import invariant, lean
+    from hasten.models.adapter import ModelAdapter
 
+    model = tiny_model("llama", num_hidden_layers=8).to(dtype)
+    assert invariant.prepare(model)
+    prompt = repetitive_prompt(20, seed=3)
+    runs = {}
+    for use_lean in ("1", "0"):
+        monkeypatch.setenv("HASTEN_LEAN_FORWARD", use_lean)
+        taps = LayerTaps(model, (1, 4, 6))
+        try:
+            adapter = ModelAdapter(model)
+            assert lean.usable(model, adapter._lean_modules) == (use_lean == "1")  # the taps' hooks leave it on
+            _, states = adapter.start(prompt, hidden=True)
+            out = adapter.forward([int(prompt[0, -1]), 5, 6, 7], TokenTree((-1, 0, 0)), hidden=True)
+            runs[use_lean] = [(last.clone(), aux.clone()) for last, aux, _ in taps.records]
+            assert torch.equal(runs[use_lean][0][0], states) and torch.equal(runs[use_lean][1][0], out.hidden)
+        finally:
+            taps.remove()
+        assert getattr(model, lean.TAPS) == ()
+    assert len(runs["1"]) == len(runs["0"]) == 2
+    for (last, aux), (own_last, own_aux) in zip(runs["1"], runs["0"]):
+        assert aux.shape == (last.shape[0], 3 * model.config.hidden_size)
+        assert torch.equal(last, own_last) and torch.equal(aux, own_aux)
+
+
+@pytest.mark.parametrize("use_lean", ["1", "0"], ids=["lean-forward", "models-own-forward"])
+def test_drafts_come_from_the_tapped_features_after_the_first_prompt(target, tmp_path, monkeypatch, use_lean):
+    """The first prompt is recomputed (its prefill ran before the drafter met the target);
+    every later row is found among the target's tapped forwards, on either forward."""
+    from hasten.drafters import eagle3 as module
+    from hasten.models import lean
+
+    monkeypatch.setenv("HASTEN_LEAN_FORWARD", use_lean)
+    lean_runs = []
+    real_run = lean.run
+    monkeypatch.setattr(lean, "run", lambda *a, **k: lean_runs.append(1) or real_run(*a, **k))
     randomised(Eagle3Layer.for_target(target)).save(tmp_path)
     misses = []
     found = module.LayerTaps.features
@@ -129,6 +168,7 @@ def test_drafts_come_from_the_tapped_features_after_the_first_prompt(target, tmp
         hasten.generate(target, repetitive_prompt(20, seed=seed), drafter=drafter, max_new_tokens=NEW,
                         draft_size="fixed")
     assert misses == [19]  # the first prompt's 19 features, once
+    assert bool(lean_runs) == (use_lean == "1")
 
 
 def test_sampled_continuations_follow_the_target_three_deep(tmp_path):

@@ -28,7 +28,6 @@ class Capability(str, Enum):
     TREES = "tree verification"  # a tree draft in one forward (else the loop verifies its main chain)
     FEATURES = "hidden states"  # the target's last-layer hidden states of every verified position
     MODULES = "torch modules"  # the target's own modules: LM head, embeddings, rotary, layers
-    HOOKS = "forward hooks"  # hooks on the target's layers see every forward (only the model's own forward runs them)
     KV_READ = "KV read-back"  # the target's cached keys and values, readable as tensors
     QUERY_CAPTURE = "query capture"  # the attention queries of a forward, recorded per layer
     RIDERS = "riders"  # extra placeholder positions on a verification forward (hidden transfer)

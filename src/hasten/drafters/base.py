@@ -98,8 +98,6 @@ class TargetView:
     Always lent: ``vocab_size``, ``encoder_decoder``, ``source`` (where the model was loaded
     from) and ``cache_length`` (the committed tokens the target has cached: all but the root).
     ``Capability.MODULES``: ``modules``, the target's own torch model (LM head, embeddings, rotary, layers).
-    ``Capability.HOOKS`` with it: the drafter hooks the target's layers, so every forward must be
-    the model's own (a batch pads its rows; the lean and packed forwards run no hooks).
     ``Capability.FEATURES``: ``prompt_embeds``, what an image prefill fed the language model, and
     ``encoder_states``, an encoder-decoder's encoder output over the source.
     ``Capability.KV_READ``: ``read_kv`` and ``read_all_kv``, where ``kv_readable``.

@@ -1,9 +1,10 @@
 """EAGLE-3 (Li et al. 2025) in hasten's loop, and ``hasten train eagle3``.
 
 The layer (:mod:`.eagle3_layer`) reads three of the target's layers, where hasten's loop
-keeps only the last one (``ctx.features``). :class:`LayerTaps` adds forward hooks to the
-target that keep, for its latest forwards, the residual stream entering the ``aux_layers``
-and the last hidden state of every row. A committed feature row of ``ctx.features`` is a
+keeps only the last one (``ctx.features``). :class:`LayerTaps` keeps, for the target's latest
+forwards, the residual stream entering the ``aux_layers`` and the last hidden state of every
+row: forward hooks on the model's own forward, and a tap the lean forward calls (models/lean.py),
+so EAGLE-3 runs on the lean and packed forwards like the other feature drafters. A committed feature row of ``ctx.features`` is a
 copy of one such last-hidden row (prefill or accepted draft node), so its three-layer
 features are found by matching it exactly; the hooks change nothing the target computes.
 Rows that cannot be found (the prompt of the first generation, whose prefill ran before the
@@ -34,9 +35,9 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from ..core.runtime import Capability
 from ..core.settings import Settings, option
 from ..core.stats import allocated_bytes
+from ..models import lean
 from ..models.layers import decoder_layers, num_layers
 from .base import Draft, DraftContext, EMPTY_DRAFT, register
 from .eagle3_layer import Eagle3Layer, default_aux_layers
@@ -52,36 +53,57 @@ class MissingFeatures(LookupError):
     """A committed row's three-layer features are no longer among the tapped forwards."""
 
 
-class LayerTaps:
-    """Forward hooks on ``model``: for each of its latest forwards, the last hidden state and
-    the residual stream entering each of ``layers`` (concatenated), every row flattened."""
+class LayerTaps(lean.LayerTap):
+    """For each of ``model``'s latest forwards, the last hidden state and the residual stream
+    entering each of ``layers`` (concatenated), every row flattened: forward hooks on the model's
+    own forward, and the same records from the lean forward (models/lean.py), which calls this
+    tap itself (its hooks are marked as mirrored, so they leave the lean forward on)."""
 
     def __init__(self, model: PreTrainedModel, layers: tuple[int, ...]):
         self.records: deque[tuple[torch.Tensor, torch.Tensor, dict]] = deque(maxlen=KEPT_FORWARDS)
+        self.layers = tuple(layers)
         self._inputs: dict[int, torch.Tensor] = {}
+        self._model = model
         blocks = decoder_layers(model)
 
         def tap(layer: int):
             def hook(module, args, kwargs):
-                self._inputs[layer] = args[0] if args else kwargs["hidden_states"]  # [B, T, H]
+                self.layer_input(layer, args[0] if args else kwargs["hidden_states"])  # [B, T, H]
+            setattr(hook, lean.MIRRORED, True)
             return hook
 
         def close(module, args, output):
             last = output[0] if isinstance(output, tuple) else output.last_hidden_state  # [B, T, H]
-            # a forward whose layers saw other rows than it returns (another drafter's riders
-            # join mid-way) is not one the committed rows can come from: not recorded
-            if len(self._inputs) == len(set(layers)) and \
-                    all(x.shape[:-1] == last.shape[:-1] for x in self._inputs.values()):
-                aux = torch.cat([self._inputs[k] for k in layers], -1)  # [B, T, 3H] low, mid, high
-                self.records.append((last.reshape(-1, last.shape[-1]), aux.reshape(-1, aux.shape[-1]), {}))
-            self._inputs = {}
+            self._record(last, None)
 
+        setattr(close, lean.MIRRORED, True)
         self.handles = [blocks[k].register_forward_pre_hook(tap(k), with_kwargs=True) for k in set(layers)]
         self.handles.append(model.base_model.register_forward_hook(close))
+        lean.add_tap(model, self)
+
+    def layer_input(self, layer: int, x: torch.Tensor) -> None:
+        self._inputs[layer] = x
+
+    def close(self, states: torch.Tensor, keep: torch.Tensor | None) -> None:
+        self._record(states, keep)
+
+    def _record(self, last: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """``last`` [..., H]: a forward's last-layer states, at the rows ``keep`` of its layers' inputs."""
+        inputs = {k: x.reshape(-1, x.shape[-1]) for k, x in self._inputs.items()}  # [N, H] each
+        if keep is not None:
+            inputs = {k: x.index_select(0, keep) for k, x in inputs.items()}
+        last = last.reshape(-1, last.shape[-1])
+        # a forward whose layers saw other rows than it returns (another drafter's riders
+        # join mid-way) is not one the committed rows can come from: not recorded
+        if len(inputs) == len(set(self.layers)) and all(x.shape[0] == last.shape[0] for x in inputs.values()):
+            aux = torch.cat([inputs[k] for k in self.layers], -1)  # [rows, 3H] low, mid, high
+            self.records.append((last, aux, {}))
+        self._inputs = {}
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+        lean.remove_tap(self._model, self)
 
     def features(self, last: torch.Tensor) -> torch.Tensor:
         """[m, H] committed last-layer rows -> their [m, 3H] features (newest forwards first)."""
@@ -244,7 +266,6 @@ class Eagle3(TrainedDrafter):
     Settings = Eagle3Settings
     Module = Eagle3Layer
     Training = Eagle3Training  # how `hasten train eagle3` builds, trains and saves the layer
-    needs = TrainedDrafter.needs | {Capability.HOOKS}  # LayerTaps read the low, middle and high layers
 
     taps: LayerTaps | None = None
 

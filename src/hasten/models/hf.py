@@ -55,8 +55,7 @@ class HuggingFaceRuntime(Runtime):
         self.vocab_size = vocab_size(model)
         self.context_length = max_positions(model)
         self.device = model.device
-        capabilities = {Capability.FEATURES, Capability.MODULES, Capability.HOOKS, Capability.KV_READ,
-                        Capability.PROMPT_LOGITS}
+        capabilities = {Capability.FEATURES, Capability.MODULES, Capability.KV_READ, Capability.PROMPT_LOGITS}
         if not self.encoder_decoder:
             capabilities |= {Capability.TREES, Capability.RIDERS}
         if vlm.is_vision_language(model):
@@ -84,10 +83,11 @@ class HuggingFaceRuntime(Runtime):
               kv_cache_bytes: int | None = None) -> BatchAdapter | PackedBatch:
         """Rows packed along one token dimension on the lean forward where the model takes it
         (models/packed_batch.py) and the drafter needs no more than it serves (features, the
-        borrowed LM head and embeddings, trees); a drafter that hooks the target's layers (only
-        the model's own forward runs hooks) or reads its KV cache gets padded rows through the
-        model's own forward (models/batch.py; it pads, and ``kv_cache_bytes`` does not bound it).
-        Decided once per batch."""
+        lent LM head and embeddings, trees); a drafter that reads the target's KV cache or its
+        attention queries gets padded rows through the model's own forward (models/batch.py; it
+        pads, and ``kv_cache_bytes`` does not bound it). Decided once per batch. (A hook on the
+        model that the lean forward does not mirror sends each packed row through the model's
+        own forward: the same numbers, slower; models/lean.py.)"""
         if lean.eligible(self.model) and needs <= PackedBatch.serves:
             return PackedBatch(self.model, kv_cache_bytes)
         return BatchAdapter(self.model)

@@ -63,9 +63,42 @@ def hooked(modules: list[nn.Module]) -> bool:
 def _inert(module: nn.Module) -> bool:
     """Whether every hook of ``module`` is transformers' own output capturing, which it installs
     for good at the first forward that asks for hidden states and which records nothing outside
-    such a forward (without this, one such forward turned the lean path off for the model's life)."""
+    such a forward (without this, one such forward turned the lean path off for the model's life),
+    or a hook whose :class:`LayerTap` this forward calls itself (:func:`add_tap`)."""
     hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
-    return all(getattr(hook, "__module__", None) == CAPTURING_HOOKS for hook in hooks)
+    return all(getattr(hook, "__module__", None) == CAPTURING_HOOKS or getattr(hook, MIRRORED, False)
+               for hook in hooks)
+
+
+MIRRORED = "mirrored_by_lean_taps"  # set on a torch hook whose work a LayerTap does on the lean forward
+
+
+class LayerTap:
+    """What a drafter reads of the target's residual stream on the lean forward, where no torch
+    hook runs: :func:`run` hands it the input of each of its ``layers`` and then the forward's
+    last-layer states. A drafter that also hooks the model's own forward (for the forwards the
+    lean one does not take) marks those hooks with :data:`MIRRORED`, so they do not turn the lean
+    forward off."""
+
+    layers: tuple[int, ...] = ()
+
+    def layer_input(self, layer: int, x: torch.Tensor) -> None:
+        """``x`` [N, hidden]: the residual stream entering decoder layer ``layer``, every packed row."""
+
+    def close(self, states: torch.Tensor, keep: torch.Tensor | None) -> None:
+        """``states`` [K, hidden]: the final norm's output at the rows ``keep`` ([K] indices into
+        the N rows; None: all of them)."""
+
+
+TAPS = "_hasten_lean_taps"  # the model's attribute listing its LayerTaps
+
+
+def add_tap(model: PreTrainedModel, tap: LayerTap) -> None:
+    setattr(model, TAPS, (*getattr(model, TAPS, ()), tap))
+
+
+def remove_tap(model: PreTrainedModel, tap: LayerTap) -> None:
+    setattr(model, TAPS, tuple(t for t in getattr(model, TAPS, ()) if t is not tap))
 
 
 def usable(model: PreTrainedModel, modules: list[nn.Module] | None) -> bool:
@@ -129,7 +162,11 @@ def run(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, atte
     cos = (angles.cos() * rope.attention_scaling).to(model.dtype)[:, None]  # [N, 1, head_dim]
     sin = (angles.sin() * rope.attention_scaling).to(model.dtype)[:, None]
     x = inner.embed_tokens(ids)  # [N, hidden]
+    taps = getattr(model, TAPS, ())
     for index, layer in enumerate(inner.layers):
+        for tap in taps:
+            if index in tap.layers:
+                tap.layer_input(index, x)
         attention = layer.self_attn
         h = _rms_norm(layer.input_layernorm, x)
         q, k, v = _attention_inputs(attention, h, heads, kv_heads, head_dim, cos, sin)
@@ -139,7 +176,10 @@ def run(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, atte
         x = _mlp(layer.mlp, h, x)
     if keep is not None:
         x = x.index_select(0, keep)  # [K, hidden]
-    return _rms_norm(inner.norm, x)
+    states = _rms_norm(inner.norm, x)
+    for tap in taps:
+        tap.close(states, keep)
+    return states
 
 
 @torch.no_grad()

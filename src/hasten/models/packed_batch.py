@@ -15,7 +15,7 @@ A row is a :class:`PackedRow`: the same ``cache_length`` / ``commit`` / ``crop``
 single sequence's :class:`~hasten.models.adapter.ModelAdapter`, so the decode step does not know
 which one it drives. A tree's accepted path is moved into place lazily, every row's at once,
 before the next forward. Other architectures, and drafters that need more than
-:attr:`PackedBatch.serves` (the layers' hooks, ``Capability.HOOKS``; the KV cache as tensors), use
+:attr:`PackedBatch.serves` (the KV cache as tensors, the attention queries), use
 :class:`~hasten.models.batch.BatchAdapter` (the model's own forward, padded rows); the runtime
 picks one of the two per batch. Should a hook appear anyway (a user's, a profiler's), each row
 runs the model's own forward over its entries, with the same numbers, one row at a time.
@@ -106,7 +106,8 @@ class PackedBatch:
     kv_readable = False
     packed_rows = True  # rows end to end, unpadded: what draft sizing prices a step by
     # what a drafter may need of it: every row's last hidden states, the target's LM head and
-    # embeddings lent (not hooked), tree blocks
+    # embeddings lent (a hook on its layers the lean forward does not mirror runs each row through
+    # the model's own forward), tree blocks
     serves = frozenset({Capability.FEATURES, Capability.MODULES, Capability.TREES})
 
     def __init__(self, model: PreTrainedModel, kv_cache_bytes: int | None = None):
