@@ -258,6 +258,12 @@ class Drafter:
     def propose(self, ctx: DraftContext) -> Draft:
         raise NotImplementedError
 
+    def deepest(self) -> int | None:
+        """The deepest draft token this drafter can ever propose (its chain length or tree depth
+        setting): the planner prices no deeper. None: no fixed bound (a copy runs as long as its
+        match)."""
+        return None
+
     def evidence(self, ctx: DraftContext) -> int | None:
         """How much this step's draft deserves trust, as a small class number, before
         proposing it (asked by cost-aware sizing, which keeps each class's acceptance apart:

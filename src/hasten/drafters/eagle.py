@@ -152,6 +152,10 @@ class Eagle(TrainedDrafter):
     Module = EagleLayer
     Training = EagleTraining  # how `hasten train eagle` builds, trains and saves the layer
 
+
+    def deepest(self) -> int:
+        return self.settings.depth
+
     def start(self, ctx: DraftContext) -> CommittedRun:
         # the layer over the committed pairs; its cache then holds the current tree's nodes
         return CommittedRun()

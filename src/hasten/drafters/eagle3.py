@@ -278,6 +278,9 @@ class Eagle3(TrainedDrafter):
     def start(self, ctx: DraftContext) -> CommittedRun:
         return CommittedRun()
 
+    def deepest(self) -> int:
+        return self.settings.depth
+
     def cache_bytes(self, state: CommittedRun) -> int:
         return allocated_bytes(state.cache.view())
 

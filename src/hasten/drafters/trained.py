@@ -222,6 +222,11 @@ class TopKTreeDrafter(TrainedDrafter):
     def setup(self, model: PreTrainedModel) -> None:
         self.tree = CombinationTree.choose(self.settings, self.module.config.accuracy, self.levels())
 
+    def deepest(self) -> int | None:
+        """The tree's depth, once chosen for a target (before: no bound yet)."""
+        tree = getattr(self, "tree", None)
+        return None if tree is None else tree.depth
+
     def draft(self, ctx: DraftContext) -> Draft:
         logits = self.level_logits(ctx, self.tree.depth)
         if logits is None:

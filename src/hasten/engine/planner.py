@@ -115,11 +115,12 @@ class DraftPlanner:
         """Before the step: grade every row's coming draft, plan each rule's rows together, and
         give each row its depth (and, on a plain step, its hindsight chain's depth)."""
         sized = [row for row in rows if row.plan is not None]
+        limits = {id(row): planned_limit(row) for row in sized}
         for row in rows:
             row.draft_began = row.clock()
             plan = row.plan
             if plan is not None:
-                asks = plan.rule.uses_evidence and row.depth_limit > 0
+                asks = plan.rule.uses_evidence and limits[id(row)] > 0
                 plan.evidence = row.drafter.evidence(row.ctx) if asks else None
         for row in sized:
             row.plan.rule.share(row.plan.state, len(rows))  # cost-aware sizing prices the shared forward
@@ -127,11 +128,11 @@ class DraftPlanner:
             for group in by_rule(sized):
                 rule = group[0].plan.rule
                 others = [row for row in rows if row.plan is None or row.plan.rule is not rule]
-                rule.plan([row.plan.state for row in group], [row.depth_limit for row in group],
+                rule.plan([row.plan.state for row in group], [limits[id(row)] for row in group],
                           [row.plan.evidence for row in group], len(others),
                           sum(row.cache.cache_length for row in others), [row.cache.cache_length for row in group])
         for row in sized:
-            plan, limit = row.plan, row.depth_limit
+            plan, limit = row.plan, limits[id(row)]
             plan.depth = plan.rule.depth(plan.state, limit, plan.evidence) if limit > 0 else 0
             plan.watch = 0
             # one watched chain at a time, the next where it ends: the drafts a drafter that always
@@ -161,6 +162,13 @@ class DraftPlanner:
                              outcome.verify_seconds if timed else 0.0)
             if plan.watched is not None:
                 settle_watched(plan, row.tokens)
+
+
+def planned_limit(row: PlannedRow) -> int:
+    """The deepest draft the planner prices for ``row`` this step: what its budget leaves, and no
+    deeper than its drafter can go (priced deeper, a step would hope for tokens it never drafts)."""
+    deepest = row.drafter.deepest()
+    return row.depth_limit if deepest is None else min(row.depth_limit, deepest)
 
 
 def settle_watched(plan: RowPlan, tokens: list[int]) -> None:
