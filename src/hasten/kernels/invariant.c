@@ -481,11 +481,14 @@ int hasten_linear_bf16_pairs(const uint16_t *x, int64_t sx, const uint16_t *w, i
 }
 
 /* ====================================== attention =========================================== */
-/* The work is scheduled for speed (keys 16 at a time, shared by every query head of a group and
+/* The work is scheduled for speed (keys KB at a time, shared by every query head of a group and
  * by every row that sees them; values shared by the heads of a group), but each number is the
  * contract's: a score is one key's sequential dot product, the exponential sum goes by lanes of
- * list position mod 16, and each output feature accumulates its row's keys in list order. */
-#define KB 16
+ * list position mod 16, and each output feature accumulates its row's keys in list order. KB is
+ * scheduling alone (no number depends on it): 32 keys give a row's three query heads six
+ * independent dot-product chains, enough to hide the FMA latency that 16 keys (three chains) left
+ * exposed. */
+#define KB 32
 
 static inline float lanes_sum(float *lanes) { /* pairwise, fixed: 16 -> 8 -> 4 -> 2 -> 1 */
     for (int width = LANES / 2; width >= 1; width /= 2)
@@ -537,17 +540,22 @@ static void exp_sum_generic(float *s, int64_t n, float best, float *lanes) {
 }
 
 #ifdef HASTEN_X86
-/* C queries at once (C independent chains hide the FMA latency), each a sequential fma over d */
+/* C queries at once against the KB = 32 keys (2C independent chains hide the FMA latency), each
+ * a sequential fma over d */
 #define DEFINE_SCORE_AVX512(C)                                                                                  \
     __attribute__((target("avx512f"))) static inline void score_chains_avx512_##C(                           \
         const float *qf, int64_t D, const float *kt, float *out) {                                           \
-        __m512 s[C];                                                                                         \
-        for (int c = 0; c < C; c++) s[c] = _mm512_setzero_ps();                                              \
+        __m512 s[C], u[C];                                                                                   \
+        for (int c = 0; c < C; c++) s[c] = u[c] = _mm512_setzero_ps();                                       \
         for (int64_t d = 0; d < D; d++) {                                                                    \
-            const __m512 k = _mm512_loadu_ps(kt + d * KB);                                                   \
-            for (int c = 0; c < C; c++) s[c] = _mm512_fmadd_ps(_mm512_set1_ps(qf[c * D + d]), k, s[c]);      \
+            const __m512 k = _mm512_loadu_ps(kt + d * KB), k2 = _mm512_loadu_ps(kt + d * KB + 16);           \
+            for (int c = 0; c < C; c++) {                                                                    \
+                const __m512 q = _mm512_set1_ps(qf[c * D + d]);                                              \
+                s[c] = _mm512_fmadd_ps(q, k, s[c]);                                                          \
+                u[c] = _mm512_fmadd_ps(q, k2, u[c]);                                                         \
+            }                                                                                                \
         }                                                                                                    \
-        for (int c = 0; c < C; c++) _mm512_storeu_ps(out + c * KB, s[c]);                                    \
+        for (int c = 0; c < C; c++) { _mm512_storeu_ps(out + c * KB, s[c]); _mm512_storeu_ps(out + c * KB + 16, u[c]); } \
     }
 DEFINE_SCORE_AVX512(1)
 DEFINE_SCORE_AVX512(2)
@@ -595,15 +603,16 @@ __attribute__((target("avx512f"))) static void exp_sum_avx512(float *s, int64_t 
 }
 __attribute__((target("avx2,fma"))) static void score_block_avx2(const float *qf, int nq, int64_t D, const float *kt,
                                                                  float *out) {
-    for (int a = 0; a < nq; a++) {
-        __m256 lo = _mm256_setzero_ps(), hi = lo;
-        for (int64_t d = 0; d < D; d++) {
-            const __m256 q = _mm256_set1_ps(qf[a * D + d]);
-            lo = _mm256_fmadd_ps(q, _mm256_loadu_ps(kt + d * KB), lo);
-            hi = _mm256_fmadd_ps(q, _mm256_loadu_ps(kt + d * KB + 8), hi);
+    for (int a = 0; a < nq; a++)
+        for (int h = 0; h < KB; h += 16) { /* 16 keys at a time */
+            __m256 lo = _mm256_setzero_ps(), hi = lo;
+            for (int64_t d = 0; d < D; d++) {
+                const __m256 q = _mm256_set1_ps(qf[a * D + d]);
+                lo = _mm256_fmadd_ps(q, _mm256_loadu_ps(kt + d * KB + h), lo);
+                hi = _mm256_fmadd_ps(q, _mm256_loadu_ps(kt + d * KB + h + 8), hi);
+            }
+            _mm256_storeu_ps(out + a * KB + h, lo); _mm256_storeu_ps(out + a * KB + h + 8, hi);
         }
-        _mm256_storeu_ps(out + a * KB, lo); _mm256_storeu_ps(out + a * KB + 8, hi);
-    }
 }
 #endif
 
@@ -761,7 +770,10 @@ __attribute__((target("avx512f"))) static float max_avx512(const float *s, int64
 /* dst[l] = finish_score(dots[l]) for l < count (the same multiply, 16 at once where it can) */
 static inline void finish_scores(const attention_args *a, const float *dots, int count, float *dst) {
 #ifdef HASTEN_X86
-    if (count == KB && a->softcap <= 0.0f && cpu_path() == 2) { scale16_avx512(dots, a->scale, dst); return; }
+    if (count == KB && a->softcap <= 0.0f && cpu_path() == 2) {
+        for (int h = 0; h < KB; h += 16) scale16_avx512(dots + h, a->scale, dst + h);
+        return;
+    }
 #endif
     for (int l = 0; l < count; l++) dst[l] = finish_score(a, dots[l]);
 }
@@ -776,15 +788,42 @@ static inline float scores_max(const float *s, int64_t n) {
     return best;
 }
 
+#ifdef HASTEN_X86
+/* dst[i * KB + l] = src[l * stride + i] for i, l < 16: a 16 x 16 transpose in registers (data
+ * movement only: the numbers the scores are computed from are the same) */
+__attribute__((target("avx512f"))) static void transpose16_avx512(const float *src, int64_t stride, float *dst) {
+    __m512 r[16], t[16];
+    for (int l = 0; l < 16; l++) r[l] = _mm512_loadu_ps(src + l * stride);
+    for (int l = 0; l < 16; l += 2) { t[l] = _mm512_unpacklo_ps(r[l], r[l + 1]); t[l + 1] = _mm512_unpackhi_ps(r[l], r[l + 1]); }
+    for (int l = 0; l < 16; l += 4) {
+        r[l] = _mm512_shuffle_ps(t[l], t[l + 2], 0x44); r[l + 1] = _mm512_shuffle_ps(t[l], t[l + 2], 0xEE);
+        r[l + 2] = _mm512_shuffle_ps(t[l + 1], t[l + 3], 0x44); r[l + 3] = _mm512_shuffle_ps(t[l + 1], t[l + 3], 0xEE);
+    }
+    for (int h = 0; h < 16; h += 8)
+        for (int j = 0; j < 4; j++) {
+            t[h + j] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0x88);
+            t[h + j + 4] = _mm512_shuffle_f32x4(r[h + j], r[h + j + 4], 0xDD);
+        }
+    for (int j = 0; j < 8; j++) {
+        _mm512_storeu_ps(dst + j * KB, _mm512_shuffle_f32x4(t[j], t[j + 8], 0x88));
+        _mm512_storeu_ps(dst + (j + 8) * KB, _mm512_shuffle_f32x4(t[j], t[j + 8], 0xDD));
+    }
+}
+#endif
+
 /* keys[0..count) of kv head kvh: transposed into kt [D][KB] (lanes past count zero) and values into vf [count][D] */
 static void load_block(const attention_args *a, int64_t kvh, const int64_t *keys, int count, scratch *w, int values) {
     const int64_t D = a->dim;
-    for (int l = 0; l < count; l++) {
-        float *row = w->vf + l * D;
-        load_row(a->k, kvh * a->kv_head + keys[l] * a->kv_pos, D, a->kv_dtype, row);
-        for (int64_t d = 0; d < D; d++) w->kt[d * KB + l] = row[d];
-    }
-    for (int l = count; l < KB; l++) for (int64_t d = 0; d < D; d++) w->kt[d * KB + l] = 0.0f;
+    for (int l = 0; l < count; l++) load_row(a->k, kvh * a->kv_head + keys[l] * a->kv_pos, D, a->kv_dtype, w->vf + l * D);
+    for (int l = count; l < KB; l++) memset(w->vf + l * D, 0, sizeof(float) * (size_t)D);
+#ifdef HASTEN_X86
+    if (cpu_path() == 2 && D % 16 == 0) {
+        for (int h = 0; h < KB; h += 16)
+            for (int64_t d = 0; d < D; d += 16) transpose16_avx512(w->vf + h * D + d, D, w->kt + d * KB + h);
+    } else
+#endif
+        for (int l = 0; l < KB; l++)
+            for (int64_t d = 0; d < D; d++) w->kt[d * KB + l] = w->vf[l * D + d];
     if (values)
         for (int l = 0; l < count; l++) load_row(a->v, kvh * a->kv_head + keys[l] * a->kv_pos, D, a->kv_dtype, w->vf + l * D);
 }
