@@ -84,9 +84,9 @@ def test_scripted_rows_equal_hf_greedy(arch_setup, mode):
 
 
 @pytest.mark.parametrize("drafter", [None, PromptLookup(num_tokens=DRAFT_LEN), Lookahead(), Medusa(num_heads=3),
-                                     "eagle", "chimera", "gad", Suffix()],
-                         ids=["plain", "prompt_lookup", "lookahead_tree", "medusa_tree_features", "eagle", "chimera",
-                              "gad", "suffix_tree"])
+                                     "eagle", "eagle3", "chimera", "gad", "mixed", Suffix()],
+                         ids=["plain", "prompt_lookup", "lookahead_tree", "medusa_tree_features", "eagle", "eagle3",
+                              "chimera", "gad", "mixed", "suffix_tree"])
 @pytest.mark.filterwarnings("ignore:no .* weights found")  # untrained feature drafters: exact, rarely right
 def test_drafters_rows_equal_hf_greedy(arch_setup, drafter):
     model, rows, references = arch_setup

@@ -79,6 +79,28 @@ class Draft:
             path.append(node)
         return self._subset(path)
 
+    def union(self, other: "Draft") -> "Draft":
+        """This draft's tree with ``other``'s paths added after it, one node per distinct path
+        (where the two agree they share nodes): both deterministic, as copies and trained
+        drafters' guesses are. A drafted distribution cannot be merged: then this draft, or
+        ``other`` where this one is empty."""
+        if not len(other) or not len(self) or self.probs is not None or other.probs is not None \
+                or self.riders is not None or other.riders is not None:
+            return self if len(self) else other
+        tokens, parents = list(self.tokens), list(self.tree.parents)
+        children = {(parent, token): i for i, (parent, token) in enumerate(zip(parents, tokens))}
+        placed: list[int] = []  # other's node -> its node here
+        for token, parent in zip(other.tokens, other.tree.parents):
+            under = -1 if parent < 0 else placed[parent]
+            node = children.get((under, token))
+            if node is None:
+                node = len(tokens)
+                tokens.append(token)
+                parents.append(under)
+                children[(under, token)] = node
+            placed.append(node)
+        return Draft(tuple(tokens), TokenTree(tuple(parents)))
+
     def __len__(self) -> int:
         return len(self.tokens)
 
@@ -296,7 +318,7 @@ class Drafter:
 # the modules of hasten's own drafters, imported by the registry the first time it is read: importing one
 # drafter (hasten.vllm imports those that need no model) then never imports the others and their model code
 BUILT_IN = ("chimera", "draft_model", "eagle", "eagle3", "eagle_vlm", "easyspec", "gad", "hidden_transfer", "iad",
-            "lookahead", "longspec", "medusa", "prompt_lookup", "suffix", "triforce")
+            "lookahead", "longspec", "medusa", "mixed", "prompt_lookup", "suffix", "triforce")
 
 
 class Registry(dict):

@@ -1,0 +1,126 @@
+"""The mixed drafter (drafters/mixed.py): a copy and a trained drafter's guess in one tree,
+lossless (greedy equality alone and in a packed batch, the sampling law three deep), each step
+graded by the copy's match, and only the pairs it can run accepted."""
+import pytest
+import torch
+
+import hasten
+from hasten.core.request import Request
+from hasten.core.runtime import Capability
+from hasten.core.sampling import Sampling
+from hasten.core.tree import TokenTree
+from hasten.drafters import Draft
+from hasten.drafters.base import DraftContext, TargetView
+from hasten.drafters.eagle3_layer import Eagle3Layer
+from hasten.drafters.mixed import PREDICTOR_ONLY, Mixed
+from hasten.drafters.prompt_lookup import PromptLookup
+from hasten.engine.batch import Scheduler
+from hasten.models.packed_batch import PackedBatch
+
+from helpers import hf_greedy, repetitive_prompt, tiny_model
+from test_eagle3 import randomised
+from test_sampling_distribution import DEEP_LAW_SAMPLING, PROMPT, TARGET, deep_tv
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama", num_hidden_layers=8)
+
+
+@pytest.fixture(scope="module")
+def weights(target, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("eagle3")
+    randomised(Eagle3Layer.for_target(target)).save(directory)
+    return str(directory)
+
+
+class Trees:
+    """The trees the drafter proposed (a spy on Mixed.propose)."""
+
+    def __init__(self, monkeypatch):
+        self.seen: list[TokenTree] = []
+        real = Mixed.propose
+
+        def spied(drafter, ctx):
+            draft = real(drafter, ctx)
+            self.seen.append(draft.tree)
+            return draft
+
+        monkeypatch.setattr(Mixed, "propose", spied)
+
+
+def test_union_shares_the_paths_both_drafts_hold():
+    copy = Draft.chain([5, 6, 7])
+    guess = Draft.chain([5, 6, 9])  # agrees for two tokens, then branches
+    merged = copy.union(guess)
+    assert merged.tokens == (5, 6, 7, 9) and merged.tree.parents == (-1, 0, 1, 1)
+    other = Draft.chain([8, 6])  # agrees on nothing: a second branch from the root
+    assert copy.union(other).tokens == (5, 6, 7, 8, 6) and copy.union(other).tree.parents == (-1, 0, 1, -1, 3)
+    assert copy.union(copy) == copy  # the same path once
+    empty = Draft.chain([])
+    assert empty.union(guess) is guess and copy.union(empty) is copy
+    sampled = Draft.chain([4], probs=torch.full((1, 10), 0.1))
+    assert sampled.union(copy) is sampled  # a drafted law cannot be merged: the first draft stays
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_output_is_the_targets_with_copies_and_guesses_in_one_tree(target, weights, dtype, monkeypatch):
+    model = target.to(dtype)
+    trees = Trees(monkeypatch)
+    drafter = Mixed(weights=weights)
+    try:
+        for seed in (1, 2):
+            prompt = repetitive_prompt(24, seed=seed)
+            reference = hf_greedy(model, prompt, NEW) if dtype == torch.float32 else \
+                hasten.generate(model, prompt, max_new_tokens=NEW).sequences  # plain decoding, same kernels
+            out = hasten.generate(model, prompt, drafter=drafter, max_new_tokens=NEW, draft_size="fixed")
+            assert out.sequences.tolist() == reference.tolist()
+    finally:
+        target.float()
+    assert any(not tree.is_chain for tree in trees.seen)  # a copy and a guess that disagreed: two branches
+
+
+def test_rows_of_a_packed_batch_equal_each_row_alone(target, weights):
+    drafter = Mixed(weights=weights)
+    prompts = [repetitive_prompt(16 + 4 * i, seed=i)[0].tolist() for i in range(3)]
+    alone = [hasten.generate(target, torch.tensor([p]), drafter=drafter, max_new_tokens=NEW).sequences[0].tolist()
+             for p in prompts]
+    scheduler = Scheduler(target, drafter, max_batch=3)
+    ids = [scheduler.submit(Request(p, NEW)) for p in prompts]
+    assert isinstance(scheduler.target, PackedBatch)  # the predictor's features come from the packed forward
+    results = scheduler.run()
+    for i, row_id in enumerate(ids):
+        assert prompts[i] + results[row_id].tokens == alone[i], f"row {i}"
+
+
+def test_each_step_is_graded_by_the_copys_match(target, weights):
+    """No match: the predictor's grade; a match: prompt lookup's grade, one up."""
+    drafter, lookup = Mixed(weights=weights), PromptLookup()
+
+    class Row:
+        vocab_size, encoder_decoder, model = target.config.vocab_size, False, target
+
+    def context(tokens):
+        view = TargetView(Row(), frozenset({Capability.FEATURES, Capability.MODULES}))
+        return DraftContext(list(tokens), 4, Sampling(), None, view)
+
+    for tokens in ([1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 1, 2, 3]):
+        ctx, plain = context(tokens), context(tokens)
+        ctx.state, plain.state = drafter.begin(ctx), lookup.begin(plain)
+        expected = lookup.evidence(plain)
+        assert drafter.evidence(ctx) == (PREDICTOR_ONLY if expected == 0 else expected + 1)
+    assert expected > 0  # the second sequence repeats "1 2 3"
+
+
+def test_sampled_continuations_follow_the_target_three_deep(tmp_path):
+    randomised(Eagle3Layer.for_target(TARGET), seed=3, scale=3.0).save(tmp_path)
+    tv, limit = deep_tv(Mixed(weights=str(tmp_path)), DEEP_LAW_SAMPLING, samples=600)
+    assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
+
+
+@pytest.mark.parametrize("settings", [dict(retrieval="eagle3"), dict(predictor="prompt_lookup")])
+def test_only_a_copier_and_a_trained_predictor_pair_up(settings):
+    with pytest.raises(ValueError, match="mixed: "):
+        Mixed(**settings)
