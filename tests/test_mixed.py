@@ -124,3 +124,34 @@ def test_sampled_continuations_follow_the_target_three_deep(tmp_path):
 def test_only_a_copier_and_a_trained_predictor_pair_up(settings):
     with pytest.raises(ValueError, match="mixed: "):
         Mixed(**settings)
+
+
+def test_a_sure_copy_is_drafted_alone_without_the_predictors_cost(target, weights, monkeypatch):
+    """Copies graded ``guess_below`` or higher skip the predictor; below it, both draft."""
+    from hasten.drafters.eagle3 import Eagle3
+
+    calls = {"mixed": 0, "predictor": 0}
+    real_mixed, real_predictor = Mixed.propose, Eagle3.propose
+
+    def mixed(drafter, ctx):
+        calls["mixed"] += 1
+        return real_mixed(drafter, ctx)
+
+    def predictor(drafter, ctx):
+        calls["predictor"] += 1
+        return real_predictor(drafter, ctx)
+
+    monkeypatch.setattr(Mixed, "propose", mixed)
+    monkeypatch.setattr(Eagle3, "propose", predictor)
+    prompt = repetitive_prompt(32, seed=4)
+    outputs = {}
+    for guess_below in (0, 99):  # 0: every copy alone; 99: the predictor beside every copy
+        calls.update(mixed=0, predictor=0)
+        drafter = Mixed(weights=weights, guess_below=guess_below)
+        outputs[guess_below] = hasten.generate(target, prompt, drafter=drafter, max_new_tokens=NEW,
+                                               draft_size="fixed").sequences.tolist()
+        if guess_below == 0:
+            assert 0 < calls["predictor"] < calls["mixed"]  # steps without a copy still guess
+        else:
+            assert calls["predictor"] == calls["mixed"]
+    assert outputs[0] == outputs[99] == hf_greedy(target, prompt, NEW).tolist()

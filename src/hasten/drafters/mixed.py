@@ -10,9 +10,10 @@ Hu et al. 2024: retrieval where a suffix of the text matches, a trained drafter 
   hidden states.
 
 Each step the retrieval grades its match (its evidence). Without a match the draft is the
-predictor's alone, graded 1; with one, the copy is the tree's first branch and the predictor's
-guess the second, merged where they agree (:meth:`Draft.union`), graded by the match (2 and
-up). The draft planner keeps each grade's acceptance apart, so it learns what the predictor's
+predictor's alone, graded 1; with a short one (graded below ``guess_below``), the copy is the
+tree's first branch and the predictor's guess the second, merged where they agree
+(:meth:`Draft.union`); a longer match, whose copy is accepted far more often, is drafted alone,
+without the predictor's cost. A step with a copy is graded by the match, one up (2 and up). The draft planner keeps each grade's acceptance apart, so it learns what the predictor's
 guesses are worth on their own (math, QA, open conversation) separately from copies (RAG,
 summaries, edits), and sizes each step by its grade. Both drafts are deterministic (point
 masses), so the verifier's recursive rejection over the tree keeps sampling exact.
@@ -36,6 +37,9 @@ class MixedSettings(Settings):
     predictor: str = "eagle3"  # a trained feature drafter (eagle3, eagle, medusa, chimera)
     weights: str | None = None  # the predictor's weights directory (None: beside the target, or shipped in the zoo)
     require_weights: bool = False  # True: a predictor without weights is an error, not an untrained drafter
+    # the predictor guesses beside copies the retrieval grades below this (prompt lookup: 0 no match, 1 a
+    # short one, 2 medium, 3 long); a copy graded this or higher is drafted alone, where it is surest
+    guess_below: int = 2
 
 
 @dataclass
@@ -85,7 +89,10 @@ class Mixed(Drafter):
     def propose(self, ctx: DraftContext) -> Draft:
         state = ctx.state
         with acting(ctx, state.retrieval):
+            grade = self.retrieval.evidence(ctx)  # remembered by the retrieval for these tokens: cheap
             copy = self.retrieval.propose(ctx)
+        if grade is not None and grade >= self.settings.guess_below and len(copy):
+            return copy
         with acting(ctx, state.predictor):
             guess = self.predictor.propose(ctx)
         return copy.union(guess)

@@ -33,6 +33,7 @@ from .. import zoo
 from ..core.errors import HastenWarning
 from ..core.runtime import Capability
 from ..core.settings import Settings
+from ..models import forwards, invariant
 from ..models.adapter import model_name
 from .base import EMPTY_DRAFT, Draft, DraftContext, Drafter
 from .candidates import CombinationTree
@@ -171,7 +172,7 @@ class TrainedDrafter(Drafter):
         return self.start(ctx)
 
     def propose(self, ctx: DraftContext) -> Draft:
-        with torch.no_grad():
+        with torch.no_grad(), forwards.active():  # the module's and the lent LM head's products on hasten's kernels
             return self.draft(ctx)
 
     def _prepare(self, model: PreTrainedModel) -> None:
@@ -180,6 +181,8 @@ class TrainedDrafter(Drafter):
         self.module.check_fits(model)
         self.lm_head, self.embed = model.get_output_embeddings(), model.get_input_embeddings()
         self.module.to(device=self.lm_head.weight.device, dtype=self.lm_head.weight.dtype).eval()
+        if invariant.is_prepared(model) and self.lm_head.weight.device.type == "cpu":
+            invariant.use_kernels(self.module)  # a target on hasten's kernels: its drafter's products too
         self.setup(model)
         self._target = model
 

@@ -243,13 +243,11 @@ def prepare(model: PreTrainedModel) -> bool:
     still run the kernel."""
     if not eligible(model):
         return False
-    swaps = {nn.Linear: InvariantLinear, Conv1D: InvariantConv1D}
-    for module in model.modules():
-        if type(module) in swaps:
-            module.__class__ = swaps[type(module)]
-            module._packed, module._packed_of = None, None
-        elif type(module).__name__ in NORM_CLASSES and model.device.type == "cuda":
-            module.__class__ = _invariant_norm_class(type(module))
+    use_kernels(model)
+    if model.device.type == "cuda":
+        for module in model.modules():
+            if type(module).__name__ in NORM_CLASSES:
+                module.__class__ = _invariant_norm_class(type(module))
     if not is_prepared(model) and getattr(type(model), "_supports_attention_backend", False):
         register()
         try:
@@ -257,6 +255,19 @@ def prepare(model: PreTrainedModel) -> bool:
         except (ValueError, NotImplementedError):  # this architecture picks its attention otherwise
             return False
     return is_prepared(model)
+
+
+def use_kernels(module: nn.Module) -> None:
+    """``module``'s linear layers become :class:`InvariantLinear` (GPT-2's Conv1D
+    :class:`InvariantConv1D`): inside hasten's forwards (:mod:`.forwards`) they run the kernel on a
+    packed copy of their weight, outside them PyTorch's, so training them is unchanged. A drafter's
+    own module takes them too (drafters/trained.py): at one row the kernel costs a half to a third
+    of oneDNN's product on the model's shapes (docs/cpu.md)."""
+    swaps = {nn.Linear: InvariantLinear, Conv1D: InvariantConv1D}
+    for layer in module.modules():
+        if type(layer) in swaps:
+            layer.__class__ = swaps[type(layer)]
+            layer._packed, layer._packed_of = None, None
 
 
 def is_prepared(model: nn.Module) -> bool:
