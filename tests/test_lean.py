@@ -90,6 +90,12 @@ def test_fused_rms_norm_and_the_formula_transformers_writes_agree_bit_for_bit(hi
         x = torch.randn(1, rows, hidden) * 3
         written = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
         assert torch.equal(lean._rms_norm(norm, x), written)
+        for half in (torch.bfloat16, torch.float16):  # computed in float32, then rounded and weighted
+            norm.weight = norm.weight.to(half)
+            h = x.to(half).float()
+            written = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(half)
+            assert torch.equal(lean._rms_norm(norm, x.to(half)), written)
+            norm.weight = norm.weight.float()
 
 
 def prepared(arch: str):

@@ -122,9 +122,13 @@ def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     computed in float32, the product with the weight in the input's dtype, each row alone
     (models/invariant.py). On float32 CPU input PyTorch's fused ``rms_norm`` computes it alike
     (tests/test_lean.py compares both with the model's own forward bit for bit)."""
-    if x.dtype == torch.float32 and not x.is_cuda:
+    if x.is_cuda:
+        return invariant.rms_norm(norm, x)
+    if x.dtype == torch.float32:
         return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-    return invariant.rms_norm(norm, x)
+    # half precision: the same fused product on the float32 values, then rounded and weighted as
+    # transformers does (tests/test_lean.py: bit for bit its formula)
+    return norm.weight * F.rms_norm(x.float(), norm.weight.shape, None, norm.variance_epsilon).to(x.dtype)
 
 
 def _add_linear(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
