@@ -180,6 +180,23 @@ def test_cost_curve_interpolates_and_extrapolates():
     assert curve(0) == 1.0
 
 
+def test_a_curve_and_a_batch_cost_price_an_array_as_they_price_each_size():
+    """The batch plan prices every row's options at once: the same numbers, bit for bit, as one
+    size at a time, below the first point, between points, on them, past the last, and on a
+    curve that dips."""
+    import numpy as np
+
+    from hasten.core.cost import BatchCost
+
+    sizes = np.array([0.0, 0.5, 1.0, 1.7, 2.0, 3.3, 4.0, 7.9, 64.0, 101.5])
+    for curve in (CostCurve((1, 2, 4), (1.0, 2.0, 3.0)), CostCurve((3,), (0.7,)),
+                  CostCurve((1, 4, 5, 8), (1.0, 1.0, 1.6, 0.9)), CPU_BATCH):
+        assert curve(sizes).tolist() == [curve(float(size)) for size in sizes]
+        price = BatchCost(CostCurve((1, 8, 32), (1.1, 1.5, 4.0)), 0.0005, 96).pricer(curve, 6)
+        keys = sizes * 150.0
+        assert price(sizes, keys).tolist() == [price(float(p), float(k)) for p, k in zip(sizes, keys)]
+
+
 def test_sizing_rule_names():
     assert isinstance(sizing_rule("fixed"), FixedSize)
     assert isinstance(sizing_rule("auto"), CostAwareSize)
@@ -654,9 +671,8 @@ def test_the_packed_plans_ceiling_skips_only_searches_that_would_end_in_plain_de
     """The packed plan skips its search where even its ceiling (every row's best gain at its
     best gain per position, for the forward those positions cost) cannot beat plain decoding by
     the margin: over batches of many sizes, acceptances and cache lengths, on a rising curve and
-    one that dips (llama.cpp's four-row kernels), the plans with the skip (and with rows skipped
-    in the search by their own ceiling) equal the plans searched in full; a heavy batch of rows
-    right half the time is not searched at all."""
+    one that dips (llama.cpp's four-row kernels), the plans with the skip equal the plans
+    searched in full, and some batches are not searched at all."""
     import math
     import random
 
@@ -695,7 +711,7 @@ def test_the_packed_plans_ceiling_skips_only_searches_that_would_end_in_plain_de
                     assert caps == full_caps, (rows, acceptances)
                     skips += priced < full_priced
                     drafted += any(caps)
-    assert skips >= 5 and drafted >= 10  # both kinds of batch were planned
+    assert skips >= 3 and drafted >= 10  # both kinds of batch were planned
     caps, priced = plan_of(CPU_BATCH, [0.5] * 32, [0] * 32, None, search_all=False)
     assert caps == [0] * 32
     assert priced < 2 * 32  # plain's price, the ceiling's few, the step and each row's probe wait; a search prices 32 x 8

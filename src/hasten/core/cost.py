@@ -10,6 +10,8 @@ from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class CostCurve:
@@ -22,9 +24,22 @@ class CostCurve:
         if not self.sizes or len(self.sizes) != len(self.seconds) or list(self.sizes) != sorted(set(self.sizes)):
             raise ValueError(f"CostCurve needs increasing sizes, one time each: {self.sizes}, {self.seconds}")
 
-    def __call__(self, positions: float) -> float:
-        """Linear interpolation; linear extrapolation from the last two points past the end."""
+    def __call__(self, positions: float | np.ndarray) -> float | np.ndarray:
+        """Linear interpolation; linear extrapolation from the last two points past the end (at
+        each of an array's sizes: the same arithmetic, element by element)."""
+        if isinstance(positions, np.ndarray):
+            return self.interpolate_many(positions)
         return _interpolate(self, positions)  # memoised: the sizing rule prices the same sizes every step
+
+    def interpolate_many(self, positions: np.ndarray) -> np.ndarray:
+        """:meth:`interpolate` at every element of ``positions``, bit for bit."""
+        sizes, seconds = np.array(self.sizes, dtype=float), np.array(self.seconds)
+        if len(sizes) == 1:
+            return np.full(positions.shape, seconds[0])
+        i = np.clip(np.searchsorted(sizes, positions, side="left"), 1, len(sizes) - 1)
+        x0, x1, y0, y1 = sizes[i - 1], sizes[i], seconds[i - 1], seconds[i]
+        line = np.where(positions <= sizes[0], seconds[0], y0 + (y1 - y0) * (positions - x0) / (x1 - x0))
+        return np.maximum(line, seconds[0])
 
     def interpolate(self, positions: float) -> float:
         return max(self.line(positions), self.seconds[0])
@@ -70,8 +85,10 @@ class BatchCost:
         extra_rows = max(self.rows(rows) - curve(rows), 0.0)
         per_key, context = self.per_key, self.context
 
-        def seconds(positions: float, keys: float) -> float:
-            return curve(positions) + extra_rows + per_key * max(keys - context * positions, 0.0)
+        def seconds(positions: float | np.ndarray, keys: float | np.ndarray) -> float | np.ndarray:
+            beyond = keys - context * positions
+            beyond = np.maximum(beyond, 0.0) if isinstance(beyond, np.ndarray) else max(beyond, 0.0)
+            return curve(positions) + extra_rows + per_key * beyond
 
         return seconds
 
