@@ -103,6 +103,26 @@ def test_one_early_failure_does_not_silence_a_good_drafter_where_exploring_is_ch
         assert min(explored[4:]) >= 8  # exploratory drafts soon find the drafter is right
 
 
+def test_exploration_backs_off_from_a_drafter_that_is_never_right():
+    """Where a failed draft costs little (a flat curve, drafting 3% of a step a level), the
+    optimistic draws would keep choosing drafts of a drafter that is never right (drafting 6% of
+    a step a level), each a small loss: 96 of 250 steps before the back-off. Each failed
+    exploratory draft doubles the wait for the next, so only a handful are drafted (a drafter
+    right at once still drafts on nearly every step)."""
+    def drafted_steps(right: bool) -> int:
+        rule = CostAwareSize(FLAT)
+        state = rule.begin(None)
+        depths = []
+        for _ in range(300):
+            depth = rule.depth(state, 6)
+            depths.append(depth)
+            rule.observe(state, TokenTree.chain(depth), depth if right else 0, 0.06 * depth, 1.0)
+        return sum(1 for depth in depths[50:] if depth)
+
+    assert drafted_steps(right=False) <= 10
+    assert drafted_steps(right=True) >= 240
+
+
 def test_no_exploration_where_a_failed_draft_costs_more_than_a_plain_step():
     rule = CostAwareSize(CHUNKED)  # llama.cpp Q4_0 on one CPU core: a block of 2 costs 2.04 steps
     state = known_state(CHUNKED, 0.5, depth=15)

@@ -142,6 +142,11 @@ class SizingState:
     # is measured on plain steps too, so the rule never pays for a probe
     hindsight: bool = False
     watch_asked: int = 0  # how deep the watched draft under way was asked for
+    # exploration backs off as probes do: a draft that exploration chose and that got nothing
+    # accepted doubles the steps before the next one may be chosen (reset by one that got some)
+    explored: bool = False  # this step's depth is exploration's choice
+    explore_gap: int = 0  # steps between explorations now
+    explore_wait: int = 0  # steps before exploration may choose again
 
 
 class CostAwareSize(SizingRule):
@@ -412,11 +417,13 @@ class CostAwareSize(SizingRule):
         rates = [t / s for t, s in zip(tokens, seconds)]
         best = max(range(len(rates)), key=lambda k: (rates[k], -k))
         draw, cap = self.exploring(state, seconds)
+        state.explored = False
         if draw:  # the optimistic (or pessimistic) view picks among depths a failure would not cost much
             hoped_tokens, _ = self.estimator.expected(state.counts, cap, draw)
             hopes = [t / s for t, s in zip(hoped_tokens, seconds)]
             hoped = max(range(len(hopes)), key=lambda k: (hopes[k], -k))
-            best = hoped if best <= cap and hopes[hoped] > hopes[best] else best  # a deeper best stays
+            if best <= cap and hopes[hoped] > hopes[best]:  # a deeper best stays
+                state.explored, best = hoped > best, hoped
         if best == 0:
             state.skipped += 1
             # now and then a probe re-measures acceptance, as shallow as could show a gain
@@ -438,8 +445,12 @@ class CostAwareSize(SizingRule):
         """This step's exploration draw (normal, ``explore_scale`` wide) and the deepest depth
         it may choose: the depths whose failure costs at most one plain step more than a plain
         step (``seconds[k]``: a step drafting k deep; none on llama.cpp's steep CPU curve:
-        then no draw, 0)."""
+        then no draw, 0). No draw either while the state backs off after explorations that got
+        nothing accepted (``SizingState.explore_wait``, counted down here)."""
         if not self.explore_scale:
+            return 0.0, 0
+        if state.explore_wait:  # backing off after explorations that got nothing
+            state.explore_wait -= 1
             return 0.0, 0
         cap = max((k for k in range(1, len(seconds)) if seconds[k] <= 2 * seconds[0]), default=0)
         return (state.draws.gauss(0.0, self.explore_scale), cap) if cap else (0.0, 0)
@@ -457,6 +468,10 @@ class CostAwareSize(SizingRule):
             self.forecasts = [expected * FORECAST_DECAY + state.forecast,
                               accepted_sum * FORECAST_DECAY + min(accepted, drafted)]
         state.forecast = None
+        if state.explored:  # exploration's draft: nothing accepted doubles the wait for the next one
+            state.explored = False
+            state.explore_gap = 0 if accepted else min(max(2 * state.explore_gap, 1), self.max_probe_gap)
+            state.explore_wait = state.explore_gap
         if state.chosen == 0 or drafted == 0:
             return
         state.skipped = 0
