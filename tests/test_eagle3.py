@@ -155,9 +155,9 @@ def test_drafts_come_from_the_tapped_features_after_the_first_prompt(target, tmp
     misses = []
     found = module.LayerTaps.features
 
-    def counted(self, last):
+    def counted(self, last, kept=()):
         try:
-            return found(self, last)
+            return found(self, last, kept)
         except module.MissingFeatures:
             misses.append(len(last))
             raise
@@ -169,6 +169,45 @@ def test_drafts_come_from_the_tapped_features_after_the_first_prompt(target, tmp
                         draft_size="fixed")
     assert misses == [19]  # the first prompt's 19 features, once
     assert bool(lean_runs) == (use_lean == "1")
+
+
+def test_a_draft_after_a_long_plain_stretch_finds_the_features_it_kept(target, tmp_path, monkeypatch):
+    """The taps hold the latest few forwards only; where the planner keeps many plain steps in a
+    row, the drafter keeps the committed rows' features as they come (Eagle3.observe), so a
+    draft after the stretch runs no forward of the target over the committed tokens again
+    (the first generation's prompt, prefilled before the drafter met the target, still is)."""
+    from hasten.core.sizing import FixedSize
+    from hasten.drafters import eagle3 as module
+
+    class EveryTenth(FixedSize):  # plain steps but every tenth
+        def begin(self, target, hindsight=False):
+            return [0]
+
+        def depth(self, state, limit, evidence=None):
+            state[0] += 1
+            return limit if state[0] % 10 == 0 else 0
+
+    monkeypatch.setattr(module, "KEPT_FORWARDS", 3)
+    randomised(Eagle3Layer.for_target(target)).save(tmp_path)
+    drafter = Eagle3(weights=str(tmp_path), depth=3)
+    misses = []
+    found = module.LayerTaps.features
+
+    def counted(self, last, kept=()):
+        try:
+            return found(self, last, kept)
+        except module.MissingFeatures:
+            misses.append(len(last))
+            raise
+
+    monkeypatch.setattr(module.LayerTaps, "features", counted)
+    for seed in (1, 2):
+        prompt = repetitive_prompt(20, seed=seed)
+        misses.clear()
+        out = hasten.generate(target, prompt, drafter=drafter, max_new_tokens=NEW, draft_size=EveryTenth())
+        assert torch.equal(out.sequences, hasten.generate(target, prompt, max_new_tokens=NEW).sequences)
+        assert out.stats.drafted_tokens > 0
+    assert misses == []  # the second generation: every row found, so none recomputed
 
 
 def test_sampled_continuations_follow_the_target_three_deep(tmp_path):

@@ -273,9 +273,9 @@ def test_eagle3_probe_reads_the_features_of_its_own_forward(chat, recipe, monkey
     root, _, _ = recipe
     misses, found = [], LayerTaps.features
 
-    def counted(self, last):
+    def counted(self, last, kept=()):
         try:
-            return found(self, last)
+            return found(self, last, kept)
         except MissingFeatures:
             misses.append(len(last))
             raise

@@ -28,6 +28,7 @@ sees). Each step is scored by cross-entropy against the target's greedy next tok
 from __future__ import annotations
 
 from collections import deque
+from itertools import chain
 import weakref
 from dataclasses import dataclass
 
@@ -51,6 +52,16 @@ KEPT_FORWARDS = 16  # forwards of the target whose taps are kept (a batch step i
 # ---- the target's low/mid/high features -------------------------------------------------------------
 class MissingFeatures(LookupError):
     """A committed row's three-layer features are no longer among the tapped forwards."""
+
+
+class Eagle3Run(CommittedRun):
+    """A generation's EAGLE-3 layer state, and the features of committed rows it has not run
+    yet, kept past the taps' window (records as :class:`LayerTaps` keeps them, the newest last)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: list[tuple[torch.Tensor, torch.Tensor, dict]] = []
+        self.kept_to = 0  # committed rows up to here are kept (or run by the layer)
 
 
 class LayerTaps(lean.LayerTap):
@@ -105,11 +116,12 @@ class LayerTaps(lean.LayerTap):
             handle.remove()
         lean.remove_tap(self._model, self)
 
-    def features(self, last: torch.Tensor) -> torch.Tensor:
-        """[m, H] committed last-layer rows -> their [m, 3H] features (newest forwards first)."""
+    def features(self, last: torch.Tensor, kept: list[tuple[torch.Tensor, torch.Tensor, dict]] = ()) -> torch.Tensor:
+        """[m, H] committed last-layer rows -> their [m, 3H] features (newest forwards first, then
+        ``kept``: records a row's drafter took from earlier forwards, :meth:`Eagle3.observe`)."""
         found: list[torch.Tensor | None] = [None] * len(last)
         keys = [tuple(row) for row in last[:, :4].tolist()]
-        for hidden, aux, index in reversed(self.records):
+        for hidden, aux, index in chain(reversed(self.records), reversed(kept)):
             if not index:  # built once per forward, on first use
                 index.update({tuple(row): i for i, row in enumerate(hidden[:, :4].tolist())})
             for j, key in enumerate(keys):
@@ -275,8 +287,26 @@ class Eagle3(TrainedDrafter):
         self.taps = LayerTaps(model, tuple(self.module.config.aux_layers))
         weakref.finalize(self, self.taps.remove)  # the hooks leave the user's model with the drafter
 
-    def start(self, ctx: DraftContext) -> CommittedRun:
-        return CommittedRun()
+    def start(self, ctx: DraftContext) -> "Eagle3Run":
+        return Eagle3Run()
+
+    def observe(self, ctx: DraftContext, result) -> None:
+        """Keep the features of the rows committed since the layer last caught up: the taps
+        hold only the latest ``KEPT_FORWARDS`` forwards, and a draft after a longer plain
+        stretch (the planner keeps plain steps where drafts do not pay) would otherwise run the
+        target again over every committed token (a 1,500-token prompt: about as long as its
+        prefill)."""
+        state: Eagle3Run = ctx.state
+        if self.taps is None or ctx.features is None:
+            return
+        count, start = len(ctx.features), max(state.cache.length + state.shift, state.kept_to)
+        if count > start:
+            rows = ctx.features[start:count].clone()  # [new, H] (the loop may write over its buffer)
+            try:
+                state.kept.append((rows, self.taps.features(rows), {}))
+            except MissingFeatures:  # not tapped (a prompt prefilled before the drafter met the target):
+                pass  # the layer's next catch-up runs the target over them once (Eagle3.features)
+            state.kept_to = count
 
     def deepest(self) -> int:
         return self.settings.depth
@@ -288,14 +318,14 @@ class Eagle3(TrainedDrafter):
     def features(self, ctx: DraftContext, start: int, end: int) -> torch.Tensor:
         """[end - start, 3H] the target's low/mid/high features at committed positions [start, end)."""
         try:
-            return self.taps.features(ctx.features[start:end])
+            return self.taps.features(ctx.features[start:end], getattr(ctx.state, "kept", ()))
         except MissingFeatures:  # one forward over the committed tokens, without the loop's cache
             ids = torch.tensor([ctx.tokens[:end]], device=self.module.fc.weight.device)
             hidden = self._target(ids, output_hidden_states=True, logits_to_keep=1).hidden_states
             return torch.cat([hidden[k][0, start:end] for k in self.module.config.aux_layers], -1)
 
     def draft(self, ctx: DraftContext) -> Draft:
-        state: CommittedRun = ctx.state
+        state: Eagle3Run = ctx.state
         module, device = self.module, self.module.fc.weight.device
 
         def pairs(start: int, end: int, *args) -> torch.Tensor:  # (aux_t, x_{t+1}) for t in [start, end)
@@ -303,6 +333,8 @@ class Eagle3(TrainedDrafter):
             return module(module.fuse(self.features(ctx, start, end))[None], embeds[None], *args)
 
         newest = state.catch_up(0 if ctx.features is None else len(ctx.features), pairs, device)  # [H] pre-norm
+        state.kept.clear()  # the layer has run every committed row: what was kept is spent
+        state.kept_to = 0
         if newest is None:  # no committed feature yet (one-token prompt)
             return EMPTY_DRAFT
         cache, tokens = state.cache, []
