@@ -35,7 +35,7 @@ from ..core.runtime import Capability
 from ..core.settings import Settings
 from ..models import forwards, invariant
 from ..models.adapter import model_name
-from .base import EMPTY_DRAFT, Draft, DraftContext, Drafter
+from .base import EMPTY_DRAFT, Draft, DraftContext, Drafter, TargetView
 from .candidates import CombinationTree
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -165,6 +165,16 @@ class TrainedDrafter(Drafter):
         raise NotImplementedError
 
     # ---- the protocol ------------------------------------------------------------------
+    def check_target(self, target: TargetView) -> None:
+        """Meet the target before its prompt is prefilled: the module is found (or its absence
+        refused, under ``require_weights``) and set up now, so a drafter that taps the target's
+        forwards (EAGLE-3) records the prefill too, and a fresh drafter per prompt does not run
+        the target over the prompt a second time."""
+        super().check_target(target)
+        model = target.modules
+        if model is not self._target:
+            self._prepare(model)
+
     def begin(self, ctx: DraftContext) -> Any:
         model = ctx.target.modules
         if model is not self._target:
