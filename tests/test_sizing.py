@@ -643,31 +643,6 @@ def test_draft_positions_on_a_long_cache_cost_their_attention():
     assert short > long
 
 
-def test_a_batch_plan_trusts_its_estimates_as_far_as_its_past_forecasts_came_true():
-    """Rows estimated right 90% of the time draft in a 4-row batch; when such drafts keep
-    failing, the rule's forecast factor falls to its floor, and new rows with the same
-    estimates run plain: the plan corrects estimates that its own choices showed too high."""
-    from hasten.core import sizing
-
-    rule = CostAwareSize(CPU_BATCH)
-
-    def plan_rows(states):
-        for state in states:
-            rule.share(state, len(states))
-        rule.plan(states, [8] * len(states), [None] * len(states), 0, 0, [0] * len(states))
-        return [state.cap for state in states]
-
-    assert any(plan_rows(packed_states([0.9] * 4))) and rule.forecast_factor() == 1.0
-    for _ in range(20):  # fresh rows each step, every draft rejected at its first token
-        states = packed_states([0.9] * 4)
-        for state, cap in zip(states, plan_rows(states)):
-            if cap:
-                depth = rule.depth(state, 8)
-                rule.observe(state, TokenTree.chain(depth), 0, 0.0, 0.0)
-    assert rule.forecast_factor() == sizing.FORECAST_BOUNDS[0]
-    assert plan_rows(packed_states([0.9] * 4)) == [0] * 4
-
-
 def test_the_packed_plan_never_drafts_when_drafts_are_never_right():
     assert plan(packed_states([0.0] * 4)) == [0] * 4
 

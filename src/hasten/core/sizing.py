@@ -60,11 +60,6 @@ FIRST_DEPTHS = 32
 # a batch drafts only where its plan beats batched plain decoding by more than this share: the
 # batch cost model's error (docs/cpu.md, "The measurements behind the code's choices")
 BATCH_MARGIN = 0.10
-# the batch plan's trust in its own estimates (CostAwareSize.forecast_factor): expected accepted
-# draft tokens before it corrects them, the bounds of the correction, and how fast old steps fade
-FORECAST_MIN = 20.0
-FORECAST_BOUNDS = (0.25, 1.5)
-FORECAST_DECAY = 0.995
 
 
 class SizingRule:
@@ -137,7 +132,6 @@ class SizingState:
     steep: bool | None = None  # a failed probe costs more than a plain step (set on the first step)
     chosen: int = 0  # the depth chosen for the step under way
     cap: int | None = None  # in a batch: the depth the batch's plan chose for this row
-    forecast: float | None = None  # in a batch: the draft tokens the plan expected this row's draft to get accepted
     # the loop checks unverified drafts against the committed tokens (SizingRule.watch): acceptance
     # is measured on plain steps too, so the rule never pays for a probe
     hindsight: bool = False
@@ -176,9 +170,6 @@ class CostAwareSize(SizingRule):
         self.explore_scale = explore_scale  # standard deviation of the exploration draw (0: none)
         self.probe_share = probe_share
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
-        # decayed sums of the draft tokens batch plans expected to be accepted and of those that
-        # were, over every row this rule planned (see forecast_factor)
-        self.forecasts = [0.0, 0.0]
 
     def begin(self, target: Any, hindsight: bool = False) -> SizingState:
         packed = bool(getattr(target, "packed_rows", False))
@@ -207,19 +198,6 @@ class CostAwareSize(SizingRule):
         extra = state.price.forward_seconds(nodes + 1) + fixed + per_depth * depth - plain
         miss = 1.0 - self.estimator.acceptances(state.counts, 1)[0]
         return min(int(extra * miss / (self.probe_share * plain)), self.max_probe_gap)
-
-    def forecast_factor(self) -> float:
-        """How far a batch plan's expected accepted draft tokens should be trusted: the accepted
-        tokens of the drafts batch plans chose, over what the plans expected of them (1 until
-        ``FORECAST_MIN`` tokens were expected, then within ``FORECAST_BOUNDS``). A plan picks the
-        rows whose estimates are highest, and estimates from a few steps are noisy, so the rows
-        it picks were, on average, estimated too high (on SmolLM2 at 8 clients, prompt lookup's
-        drafts got 61% of the tokens the plans expected): the factor takes that back out."""
-        expected, accepted = self.forecasts
-        if expected < FORECAST_MIN:
-            return 1.0
-        low, high = FORECAST_BOUNDS
-        return min(max(accepted / expected, low), high)
 
     # the rule ------------------------------------------------------------------------------------
     def plan(self, states: list[SizingState], limits: list[int], evidence: list[int | None], others: int = 0,
@@ -261,10 +239,8 @@ class CostAwareSize(SizingRule):
         :meth:`affordable_gap` prices one alone)."""
         rows = len(states) + others
         scale = sum(state.price.scale or 1.0 for state in states) / len(states)
-        estimated = [self.estimator.expected(state.counts, self.top(state, limit) if state.counts.reach is not None else min(limit, FIRST_DEPTHS))
-                     for state, limit in zip(states, limits)]  # a row that has not drafted: its prior's (the pool's)
-        factor = self.forecast_factor()  # what such estimates turned out to be worth
-        options = [([1.0 + factor * (t - 1.0) for t in tokens], nodes) for tokens, nodes in estimated]
+        options = [self.estimator.expected(state.counts, self.top(state, limit) if state.counts.reach is not None else min(limit, FIRST_DEPTHS))
+                   for state, limit in zip(states, limits)]  # a row that has not drafted: its prior's (the pool's)
         chosen = [0] * len(states)
         tokens_total, positions, draft_total = float(rows), float(rows), 0.0
         keys = float(others_keys + sum(contexts))
@@ -337,9 +313,8 @@ class CostAwareSize(SizingRule):
         if best_rate < plain_rate * (1 + BATCH_MARGIN):  # within the model's error of plain decoding: plain
             chosen = [0] * len(states)
             positions, keys = float(rows), float(others_keys + sum(contexts))
-        for state, depth, (tokens, _) in zip(states, chosen, estimated):
+        for state, depth in zip(states, chosen):
             state.cap = depth
-            state.forecast = tokens[depth] - 1.0 if depth else None
         step = price(positions, keys) * scale
         waits = [0] * len(states)
         for r, (state, context) in enumerate(zip(states, contexts)):
@@ -463,11 +438,6 @@ class CostAwareSize(SizingRule):
         if state.chosen and not drafted:  # no proposal (prompt lookup without a match): a plain step,
             # and the probe waits; but time passes, so old evidence fades as it would over a draft
             self.estimator.fade(state.counts)
-        if state.forecast is not None and state.price.rows > 1:  # a batch plan's draft: how its forecast fared
-            expected, accepted_sum = self.forecasts
-            self.forecasts = [expected * FORECAST_DECAY + state.forecast,
-                              accepted_sum * FORECAST_DECAY + min(accepted, drafted)]
-        state.forecast = None
         if state.explored:  # exploration's draft: nothing accepted doubles the wait for the next one
             state.explored = False
             state.explore_gap = 0 if accepted else min(max(2 * state.explore_gap, 1), self.max_probe_gap)
