@@ -140,6 +140,24 @@ def test_the_lean_forward_taps_what_the_models_own_forward_hooks_bit_for_bit(dty
         assert torch.equal(last, own_last) and torch.equal(aux, own_aux)
 
 
+def counted_misses(monkeypatch) -> list[int]:
+    """The rows of each lookup of the taps that missed (each miss runs the target over the
+    committed tokens again), as the test runs."""
+    from hasten.drafters import eagle3 as module
+
+    misses, found = [], module.LayerTaps.features
+
+    def counted(self, last, kept=()):
+        try:
+            return found(self, last, kept)
+        except module.MissingFeatures:
+            misses.append(len(last))
+            raise
+
+    monkeypatch.setattr(module.LayerTaps, "features", counted)
+    return misses
+
+
 @pytest.mark.parametrize("use_lean", ["1", "0"], ids=["lean-forward", "models-own-forward"])
 def test_drafts_come_from_the_tapped_features_the_first_prompts_too(target, tmp_path, monkeypatch, use_lean):
     """Every committed row, the prompts' too, is found among the target's tapped forwards, on
@@ -153,17 +171,7 @@ def test_drafts_come_from_the_tapped_features_the_first_prompts_too(target, tmp_
     real_run = lean.run
     monkeypatch.setattr(lean, "run", lambda *a, **k: lean_runs.append(1) or real_run(*a, **k))
     randomised(Eagle3Layer.for_target(target)).save(tmp_path)
-    misses = []
-    found = module.LayerTaps.features
-
-    def counted(self, last, kept=()):
-        try:
-            return found(self, last, kept)
-        except module.MissingFeatures:
-            misses.append(len(last))
-            raise
-
-    monkeypatch.setattr(module.LayerTaps, "features", counted)
+    misses = counted_misses(monkeypatch)
     drafter = Eagle3(weights=str(tmp_path), depth=3)
     for seed in (1, 2):
         hasten.generate(target, repetitive_prompt(20, seed=seed), drafter=drafter, max_new_tokens=NEW,
@@ -190,17 +198,7 @@ def test_a_draft_after_a_long_plain_stretch_finds_the_features_it_kept(target, t
     monkeypatch.setattr(module, "KEPT_FORWARDS", 3)
     randomised(Eagle3Layer.for_target(target)).save(tmp_path)
     drafter = Eagle3(weights=str(tmp_path), depth=3)
-    misses = []
-    found = module.LayerTaps.features
-
-    def counted(self, last, kept=()):
-        try:
-            return found(self, last, kept)
-        except module.MissingFeatures:
-            misses.append(len(last))
-            raise
-
-    monkeypatch.setattr(module.LayerTaps, "features", counted)
+    misses = counted_misses(monkeypatch)
     for seed in (1, 2):
         prompt = repetitive_prompt(20, seed=seed)
         out = hasten.generate(target, prompt, drafter=drafter, max_new_tokens=NEW, draft_size=EveryTenth())
