@@ -1,7 +1,11 @@
 """The draft planner decides as the code did before it was split out of the step: every
 scenario of ``planner_trace`` (one row and batches, packed and padded, a flat and a steep cost
 curve, auto and fixed sizing, three drafters) takes the same drafts, accepts the same tokens and
-spends the same simulated seconds as the traces recorded at commit afc13c7."""
+spends the same simulated seconds as the traces recorded at commit afc13c7, re-recorded once for
+a change of decisions: exploration's back-off (2026-12-07; simulated seconds of the four traces it
+changed: one-prompt_lookup-torch-auto 8.178 -> 8.092, one-lookahead-torch-auto 6.980 -> 7.113,
+batch-prompt_lookup-padded 2.952 -> 2.984, batch-lookahead-packed 3.225 -> 3.228). Re-record with
+``python tests/planner_trace.py`` only for a change meant to alter decisions."""
 import json
 
 import pytest
