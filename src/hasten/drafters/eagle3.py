@@ -40,7 +40,7 @@ from ..core.settings import Settings, option
 from ..core.stats import allocated_bytes
 from ..models import lean
 from ..models.layers import decoder_layers, num_layers
-from .base import Draft, DraftContext, EMPTY_DRAFT, register
+from .base import Draft, DraftContext, EMPTY_DRAFT, StepResult, register
 from .eagle3_layer import Eagle3Layer, default_aux_layers
 from .nn import CommittedRun
 from .trainable import Batch, TrainedTraining, rank_hits, valid_positions
@@ -287,10 +287,10 @@ class Eagle3(TrainedDrafter):
         self.taps = LayerTaps(model, tuple(self.module.config.aux_layers))
         weakref.finalize(self, self.taps.remove)  # the hooks leave the user's model with the drafter
 
-    def start(self, ctx: DraftContext) -> "Eagle3Run":
+    def start(self, ctx: DraftContext) -> Eagle3Run:
         return Eagle3Run()
 
-    def observe(self, ctx: DraftContext, result) -> None:
+    def observe(self, ctx: DraftContext, result: StepResult) -> None:
         """Keep the features of the rows committed since the layer last caught up: the taps
         hold only the latest ``KEPT_FORWARDS`` forwards, and a draft after a longer plain
         stretch (the planner keeps plain steps where drafts do not pay) would otherwise run the
