@@ -155,3 +155,48 @@ def test_a_sure_copy_is_drafted_alone_without_the_predictors_cost(target, weight
         else:
             assert calls["predictor"] == calls["mixed"]
     assert outputs[0] == outputs[99] == hf_greedy(target, prompt, NEW).tolist()
+
+
+# ---- the default method: mixed where trained EAGLE-3 weights are found -------------------------------
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Two copies of one tiny checkpoint: one with EAGLE-3 weights beside it, one without."""
+    from helpers import save_checkpoint
+    from hasten.loading import as_model
+
+    bare = save_checkpoint(tmp_path_factory.mktemp("bare"))
+    trained = save_checkpoint(tmp_path_factory.mktemp("trained"))
+    randomised(Eagle3Layer.for_target(as_model(trained, torch.float32, None))).save(f"{trained}/eagle3")
+    return bare, trained
+
+
+def test_the_default_is_mixed_for_a_model_with_eagle3_weights_and_copying_without(checkpoints):
+    bare, trained = checkpoints
+    prompt = "def add(a, b):\n    return a + b\n\ndef add("
+    plain = hasten.load(trained, "autoregressive", dtype="float32").generate(prompt, max_new_tokens=20)
+    chosen = {}
+    for path in (bare, trained):
+        engine = hasten.load(path, dtype="float32")  # no method named: the default
+        chosen[path] = engine.method
+        assert engine.generate(prompt, max_new_tokens=20).token_ids == plain.token_ids
+    assert chosen == {bare: "prompt_lookup", trained: "mixed"}
+    saved = Eagle3Layer.load(f"{trained}/eagle3").state_dict()
+    used = engine.drafter.predictor.module.state_dict()  # the trained path's engine: the saved weights guessed
+    assert saved.keys() == used.keys() and all(torch.equal(saved[k], used[k]) for k in saved)
+
+
+def test_settings_without_a_method_name_are_refused_before_loading(checkpoints):
+    with pytest.raises(ValueError, match="belong to a named method"):
+        hasten.load("/no/such/model", num_tokens=4)  # which method's num_tokens? never guessed
+    with pytest.raises(ValueError, match="takes no draft model"):
+        hasten.load("/no/such/model", draft="/no/such/draft")
+
+
+def test_generate_names_the_method_the_default_chose(checkpoints, cli):
+    bare, trained = checkpoints
+    for path, method in ((bare, "prompt_lookup"), (trained, "mixed")):
+        code, out, err = cli("generate", "--model", path, "--prompt", "def add(", "--max-new-tokens", "8",
+                             "--dtype", "float32")
+        assert code == 0 and f"[{method}]" in err, err
+    code, _, err = cli("generate", "--model", bare, "--prompt", "x", "--method-arg", "num_tokens=4")
+    assert code == 2 and "belong to a named method" in err

@@ -33,19 +33,45 @@ from .core.stats import DecodeStats
 from .core.threads import DEFAULT_THREADS, stepped_in_threads, thread_count, using_threads
 
 AUTOREGRESSIVE = "autoregressive"  # the plain baseline: the decode loop without a drafter
+# what load, generate and serve run unless told otherwise: copying and a trained drafter's guesses in one
+# tree (mixed) for a model whose EAGLE-3 weights are found, else copying alone (prompt_lookup)
+DEFAULT_METHOD = "default"
+PREDICTED, COPIED = "mixed", "prompt_lookup"  # what the default becomes, with and without trained weights
+METHOD_HELP = (f"acceleration method (default: {PREDICTED} for a model with trained EAGLE-3 weights beside it or "
+               f"shipped in the zoo, else {COPIED}; {AUTOREGRESSIVE} = plain decoding)")
 
 
-def check_method(method: str, has_draft: bool) -> None:
+def method_names() -> list[str]:
+    """Every name ``method=`` / ``--method`` takes."""
+    return [DEFAULT_METHOD, AUTOREGRESSIVE, *sorted(REGISTRY)]
+
+
+def check_method(method: str, has_draft: bool, has_settings: bool = False) -> None:
     """Raise ValueError unless ``method`` exists and gets a draft model exactly when it
     needs one; cheap, so callers check it before loading any model."""
+    if method == DEFAULT_METHOD:
+        if has_settings:
+            raise ValueError(f"method settings belong to a named method: name it (method= / --method; the default "
+                             f"runs {PREDICTED} for a model with trained EAGLE-3 weights, else {COPIED})")
+        method = COPIED  # a draft model is refused as the copier refuses it
     if method != AUTOREGRESSIVE and method not in REGISTRY:
-        raise ValueError(f"unknown method {method!r}; known: {', '.join([AUTOREGRESSIVE, *sorted(REGISTRY)])}")
+        raise ValueError(f"unknown method {method!r}; known: {', '.join(method_names())}")
     needs = method != AUTOREGRESSIVE and REGISTRY[method].needs_draft_model
     if needs and not has_draft:
         raise ValueError(f"method {method!r} needs a draft model: pass draft=PATH (--draft PATH)")
     if has_draft and not needs:
         takers = ", ".join(name for name, cls in sorted(REGISTRY.items()) if cls.needs_draft_model)
         raise ValueError(f"method {method!r} takes no draft model (draft= / --draft is for: {takers or 'none'})")
+
+
+def default_method(model: PreTrainedModel) -> str:
+    """What the default method is for ``model``: ``mixed`` when its mixed tree's predictor
+    (EAGLE-3) has trained weights for it, beside it or shipped in the zoo, else ``prompt_lookup``
+    (an untrained predictor would cost steps and rarely guess right)."""
+    predictor = REGISTRY[PREDICTED].Settings.predictor
+    if vlm.is_vision_language(model) or model.config.is_encoder_decoder:
+        return COPIED  # mixed reads a decoder-only text model's features
+    return PREDICTED if REGISTRY[predictor].weights_dir(model) is not None else COPIED
 
 
 def make_drafter(method: str, draft_model: PreTrainedModel | None = None, **method_kwargs) -> Drafter | None:
@@ -330,7 +356,7 @@ def _has_image_entries(messages) -> bool:
 
 def load(
     name_or_path: str | os.PathLike | PreTrainedModel,
-    method: str = "prompt_lookup",
+    method: str = DEFAULT_METHOD,
     *,
     draft: str | os.PathLike | PreTrainedModel | None = None,
     tokenizer=None,
@@ -356,8 +382,11 @@ def load(
     ``generate``'s exact tokens. A model passed in keeps its own dtype unless ``dtype`` is
     given (a draft passed in takes the target's). ``dtype="int8"`` runs the
     model (and a draft loaded here) with int8 linear layers on the CPU (docs/cpu.md).
-    ``method`` is ``"autoregressive"`` or a registered drafter name; ``method_kwargs``
-    are that drafter's settings, e.g. ``load(path, "prompt_lookup", num_tokens=8)``.
+    ``method`` is ``"autoregressive"``, a registered drafter name or ``"default"``: ``mixed``
+    (copying and EAGLE-3's guesses in one tree) for a model whose trained EAGLE-3 weights are
+    found beside it or shipped in the zoo (:func:`default_method`), else ``prompt_lookup``; on the
+    llama.cpp backend ``prompt_lookup``. ``engine.method`` names what was chosen. ``method_kwargs``
+    are a named method's settings, e.g. ``load(path, "prompt_lookup", num_tokens=8)``.
     ``draft_size``: ``"fixed"`` (each drafter's own depth) or ``"auto"`` (each step's depth
     chosen from this machine's measured forward cost and the drafter's measured acceptance;
     the cost is calibrated here, once per model and machine, and cached). Unset (None): auto,
@@ -372,7 +401,7 @@ def load(
     :mod:`hasten.core.threads`); 0 takes every core, None leaves torch's setting alone. With
     llama.cpp, its threads.
     """
-    check_method(method, draft is not None)  # before the seconds spent loading models
+    check_method(method, draft is not None, bool(method_kwargs))  # before the seconds spent loading models
     SizingChoice(draft_size)  # a bad draft_size fails before the seconds spent loading models
     if backend not in ("torch", "llama.cpp"):
         raise ValueError(f"backend must be 'torch' or 'llama.cpp', got {backend!r}")
@@ -404,6 +433,8 @@ def _load_torch(name_or_path, method, draft, tokenizer, dtype, device, draft_siz
             warn_if_tokenizers_differ(tokenizer, draft_tokenizer, str(draft))
     elif draft is not None:
         draft_model = as_model(draft, torch.float32 if dtype == INT8 else dtype, device)  # an object: not quantized
+    if method == DEFAULT_METHOD:
+        method = default_method(model)
     drafter = make_drafter(method, draft_model, **method_kwargs)
     if draft_size in ("auto", None) and drafter is not None:
         load_or_calibrate(model)  # now, at load, rather than inside the first generation
@@ -434,6 +465,8 @@ def _load_llama_cpp(name_or_path, method, draft, tokenizer, dtype, device, draft
         tokenizer = gguf_tokenizer(name_or_path)
     elif isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
+    if method == DEFAULT_METHOD:
+        method = COPIED  # the trained drafters read PyTorch features llama.cpp does not hand out
     drafter = make_drafter(method, None if draft is None else open_gguf(draft), **method_kwargs)
     if drafter is not None:
         drafter.check_runtime(model)  # now, not at the first generation

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .api import AUTOREGRESSIVE, check_method, load
+from .api import DEFAULT_METHOD, METHOD_HELP, check_method, load, method_names
 from .arguments import (
     Parser, UserError, add_draft_size_argument, add_model_arguments, add_runtime_arguments, add_sampling_arguments,
     apply_threads, at_least, checked_device, counted, method_settings, note_unused_sampling, one_line, readable_warnings,
@@ -43,10 +43,6 @@ USER_ERRORS = (UserError, ValueError, TypeError, ImportError, FileNotFoundError,
                NotADirectoryError, PermissionError)
 
 
-def methods() -> list[str]:
-    return [AUTOREGRESSIVE, *sorted(REGISTRY)]
-
-
 def checked_method_settings(method: str, pairs: list[str]) -> dict:
     """``--method-arg`` values typed and range-checked by the method's settings dataclass,
     so a bad value fails before any model is loaded."""
@@ -61,8 +57,8 @@ def checked_method_settings(method: str, pairs: list[str]) -> dict:
 def _add_generate(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument(
-        "--method", default="prompt_lookup", choices=methods(),
-        help="acceleration method (default prompt_lookup; autoregressive = plain decoding)",
+        "--method", default=DEFAULT_METHOD, choices=method_names(),
+        help=METHOD_HELP,
     )
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prompt", help="prompt text")
@@ -170,8 +166,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     constraint = _constraint(args)
     note_unused_sampling(args)
     at_least(args, 1, "max_new_tokens")  # as the server refuses max_tokens 0: nothing to generate
+    check_method(args.method, args.draft is not None, bool(args.method_arg))
     method_kwargs = checked_method_settings(args.method, args.method_arg)
-    check_method(args.method, args.draft is not None)
     device = checked_device(args.device)
     threads = apply_threads(args.threads)
     if args.backend == "llama.cpp" and (args.dtype not in ("float32", "auto") or device != "cpu"):
@@ -212,7 +208,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         pool.save(args.pool)
     if args.json:
         # finish_reason as the server names it: "stop" (EOS or a stop string) or "length"
-        record = {"model": args.model, "method": args.method, "chat": args.chat, "images": args.image,
+        record = {"model": args.model, "method": engine.method, "chat": args.chat, "images": args.image,
                   "text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason}
         draft_size = default_size(args.draft_size, args.temperature > 0, args.seed is not None)
         runtime = {"device": device, "dtype": args.dtype, "threads": threads, "draft_size": draft_size,
@@ -221,7 +217,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         return 0
     sys.stdout.write("\n")
     print(
-        f"[{args.method}] tau {stats.mean_accepted:.2f} | {stats.tokens_per_second:.1f} tok/s | "
+        f"[{engine.method}] tau {stats.mean_accepted:.2f} | {stats.tokens_per_second:.1f} tok/s | "
         f"{counted(stats.steps, 'step')} | {counted(stats.new_tokens, 'token')} | {counted(threads, 'thread')}"
         + (f" | forced {stats.forced_share:.0%}" if constraint is not None else ""),
         file=sys.stderr,

@@ -196,17 +196,27 @@ class TrainedDrafter(Drafter):
         self.setup(model)
         self._target = model
 
-    def find_module(self, model: PreTrainedModel) -> TrainedModule:
-        """The trained module for ``model``: beside it, or shipped in the zoo for a packaged model;
-        without one, MissingWeights under ``require_weights``, else an untrained module and a warning."""
+    @classmethod
+    def weights_dir(cls, model: PreTrainedModel) -> Path | None:
+        """The directory of this drafter's trained module for ``model``: beside it
+        (``<model dir>/<name>/``), or shipped in the zoo for a packaged model; None: none found."""
         source = model.config._name_or_path  # the directory the target was loaded from
-        beside = Path(source) / self.name if source else None
-        if beside is not None and not (beside / f"{self.name}.json").is_file():
+        if not source:
+            return None
+        beside = Path(source) / cls.name
+        if not (beside / f"{cls.name}.json").is_file():
             # a packaged zoo model (a GGUF dequantised into the cache) has its modules in the zoo
-            beside = zoo.real.shipped_drafter(source, self.name) or beside
-        if beside is not None and (beside / f"{self.name}.json").is_file():
-            return self.Module.load(beside)  # raises if the weights file next to the config is missing
-        where = f"looked in {beside}" if beside is not None else "the model was not loaded from a directory"
+            beside = zoo.real.shipped_drafter(source, cls.name)
+        return beside
+
+    def find_module(self, model: PreTrainedModel) -> TrainedModule:
+        """The trained module for ``model`` (:meth:`weights_dir`); without one, MissingWeights
+        under ``require_weights``, else an untrained module and a warning."""
+        found = self.weights_dir(model)
+        if found is not None:
+            return self.Module.load(found)  # raises if the weights file next to the config is missing
+        source = model.config._name_or_path
+        where = f"looked in {Path(source) / self.name}" if source else "the model was not loaded from a directory"
         missing = f"no {self.name} weights found for {model_name(model)!r} ({where})"
         train = f"train one with `hasten train {self.name}`"
         if self.settings.require_weights:

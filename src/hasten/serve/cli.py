@@ -7,7 +7,7 @@ import ipaddress
 import os
 import sys
 
-from ..api import AUTOREGRESSIVE, check_method
+from ..api import DEFAULT_METHOD, METHOD_HELP, check_method, method_names
 from ..arguments import (
     API_KEY_ENV, UserError, add_draft_size_argument, at_least, add_model_arguments, add_runtime_arguments, apply_threads,
     checked_device, method_settings, require_serve_extra, resolve_dtype, torch_dtype,
@@ -23,8 +23,7 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prompts up to ~500 tokens join in one st
 # ---- hasten serve ------------------------------------------------------------------------------
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--method", default="prompt_lookup", choices=[AUTOREGRESSIVE, *sorted(REGISTRY)],
-                        help="acceleration method (default prompt_lookup; autoregressive = plain decoding)")
+    parser.add_argument("--method", default=DEFAULT_METHOD, choices=method_names(), help=METHOD_HELP)
     parser.add_argument("--host", default="127.0.0.1",
                         help="address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 opens it to all)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -98,11 +97,11 @@ def run_serve(args: argparse.Namespace) -> int:
         args.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_batch)
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
+    check_method(args.method, args.draft is not None, bool(args.method_arg))
     settings_cls = getattr(REGISTRY.get(args.method), "Settings", None)
     method_kwargs = method_settings(args.method, settings_cls, args.method_arg)
     if method_kwargs:
         settings_io.build(settings_cls, **method_kwargs)  # a bad value fails before any model loads
-    check_method(args.method, args.draft is not None)
     device = checked_device(args.device)
     apply_threads(args.threads)
 
@@ -136,7 +135,7 @@ def run_serve(args: argparse.Namespace) -> int:
     if args.api_key is None and not is_loopback(args.host):
         print(f"hasten serve: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    print(f"hasten serve: model {name!r}, method {args.method}, max batch {args.max_batch}, "
+    print(f"hasten serve: model {name!r}, method {engine.method}, max batch {args.max_batch}, "
           f"{args.default_max_tokens} tokens at most for a request that sets no max_tokens; "
           f"OpenAI API at http://{args.host}:{args.port}/v1 (Ctrl-C stops)", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
