@@ -68,7 +68,7 @@ def test_engine_errors(checkpoint):
         engine.generate("")
     with pytest.raises(ValueError, match="needs a draft model"):
         hasten.load(checkpoint, "draft_model")
-    with pytest.raises(ValueError, match="unknown method 'telepathy'; known: autoregressive, "):
+    with pytest.raises(ValueError, match="unknown method 'telepathy'; known: default, autoregressive, "):
         hasten.load(checkpoint, "telepathy")
     for bad_seed in ("3", True, 1.5):
         with pytest.raises(TypeError, match="seed must be an int"):
@@ -244,7 +244,8 @@ def test_model_help_names_every_kind_of_model(cli):
         (["--prompt", "x", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),  # as the server's max_tokens
         (["--prompt", "x", "--method", "draft_model"], "needs a draft model"),
         (["--prompt-file", "/no/such/file"], "prompt-file"),
-        (["--prompt", "x", "--method-arg", "speed=9"], "KEY=VALUE"),
+        (["--prompt", "x", "--method", "prompt_lookup", "--method-arg", "speed=9"], "KEY=VALUE"),
+        (["--prompt", "x", "--method-arg", "num_tokens=4"], "belong to a named method"),
         (["--prompt", "x", "--method", "nonsense"], "invalid choice"),
         (["--prompt", "x", "--temperature", "nan"], "temperature"),
         (["--prompt", "x", "--temperature", "inf"], "temperature"),

@@ -49,6 +49,27 @@ def trained(target, tmp_path_factory):
     return train_briefly(training, data, root / "eagle3", steps=2), training
 
 
+def test_a_run_started_from_trained_weights_goes_on_from_them(target, trained, tmp_path):
+    """init_from: the module starts as the earlier run left it (its draft vocabulary too, though
+    other data would pick another one), and a module for another target is refused."""
+    from hasten.training.trainer import TrainSettings, train
+
+    directory, training = trained
+    data = distill_tiny(target, tmp_path / "work")
+    earlier = Eagle3Layer.load(directory)
+    settings = dict(steps=1, lr=1e-9, warmup_steps=1, batch_size=4)
+    went_on = train(training, data, TrainSettings(**settings, init_from=str(directory)), tmp_path / "on",
+                    progress=False).module
+    fresh = train(training, data, TrainSettings(**settings), tmp_path / "fresh", progress=False).module
+    assert went_on.config.draft_tokens == earlier.config.draft_tokens
+    for name, weight in earlier.state_dict().items():
+        assert torch.allclose(went_on.state_dict()[name], weight, atol=1e-6), name  # one step of lr 1e-9
+        assert name.endswith("norm.weight") or not torch.allclose(fresh.state_dict()[name], weight, atol=1e-3), name
+    wide = Eagle3Training(tiny_model("llama", num_hidden_layers=8, hidden_size=96), training.options)
+    with pytest.raises(ValueError, match="hidden size"):
+        train(wide, data, TrainSettings(**settings, init_from=str(directory)), tmp_path / "wide", progress=False)
+
+
 # ---- lossless in hasten's loop ---------------------------------------------------------------------
 def test_greedy_output_is_the_targets_untrained_at_several_depths(target):
     prompt = repetitive_prompt(20, seed=1)

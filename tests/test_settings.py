@@ -238,10 +238,10 @@ def test_one_flag_sets_every_class_that_has_the_field():
 
 
 @pytest.mark.parametrize("args, match", [
-    (["generate", "--prompt", "x", "--method-arg", "num_tokens=abc"], "PromptLookupSettings.num_tokens must be an"),
-    (["generate", "--prompt", "x", "--method-arg", "num_tokens=true"], "PromptLookupSettings.num_tokens must be an"),
-    (["generate", "--prompt", "x", "--method-arg", "num_tokens=0"], "num_tokens must be >= 1"),
-    (["generate", "--prompt", "x", "--method-arg", "num_tokens"], "expected KEY=VALUE"),
+    (["generate", "--prompt", "x", "--method", "prompt_lookup", "--method-arg", "num_tokens=abc"], "PromptLookupSettings.num_tokens must be an"),
+    (["generate", "--prompt", "x", "--method", "prompt_lookup", "--method-arg", "num_tokens=true"], "PromptLookupSettings.num_tokens must be an"),
+    (["generate", "--prompt", "x", "--method", "prompt_lookup", "--method-arg", "num_tokens=0"], "num_tokens must be >= 1"),
+    (["generate", "--prompt", "x", "--method", "prompt_lookup", "--method-arg", "num_tokens"], "expected KEY=VALUE"),
     (["generate", "--prompt", "x", "--method", "autoregressive", "--method-arg", "a=1"], "takes no --method-arg"),
     (["generate", "--prompt", "x", "--method", "draft_model", "--method-arg", "adaptive=maybe"],
      "DraftModelSettings.adaptive must be true or false"),

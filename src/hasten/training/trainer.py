@@ -52,6 +52,8 @@ class TrainSettings(Settings):
     budget_clock: str = option("wall", "what --minutes and --checkpoint-minutes count: wall (the clock) or cpu (this "
                                        "process's CPU time: on a shared machine, pauses and other jobs' load excluded)")
     seed: int = option(0, "seeds the prompt choice, the initialisation and the batch order")
+    init_from: str | None = option(None, "start from this trained module's directory (its config and weights, e.g. "
+                                         "an earlier run's output), not from scratch: go on training it on more data")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -105,7 +107,10 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
     target = trainable.target.requires_grad_(False).eval()
     trainable.prepare(data)
     torch.manual_seed(settings.seed)
-    module = trainable.build().to(device).train()
+    module = trainable.build()
+    if settings.init_from is not None:
+        module = started_from(module, Path(settings.init_from))
+    module = module.to(device).train()
     optimizer = adamw([{"params": [p for p in module.parameters() if p.requires_grad], "lr": settings.lr,
                         "weight_decay": settings.weight_decay}])
     sampler = torch.Generator().manual_seed(settings.seed)  # which rows form each batch
@@ -152,6 +157,24 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
         "settings": asdict(settings),
     }
     return TrainResult(module, report)
+
+
+def started_from(built: nn.Module, directory: Path) -> nn.Module:
+    """The trained module in ``directory``, in float32, in place of the freshly built ``built``:
+    the same class and target shapes, its own settings kept (EAGLE-3's draft vocabulary included,
+    which the loss reads from the module); ValueError when it cannot stand in."""
+    load = getattr(type(built), "load", None)
+    if load is None:
+        raise ValueError(f"init_from: a {type(built).__name__} cannot be loaded from a directory")
+    try:
+        module = load(directory).float()
+    except FileNotFoundError as err:
+        raise ValueError(f"init_from {directory}: no trained {type(built).__name__} there ({err})") from None
+    mine, theirs = built.config, module.config
+    if (mine.hidden_size, mine.vocab_size) != (theirs.hidden_size, theirs.vocab_size):
+        raise ValueError(f"init_from {directory}: trained for hidden size {theirs.hidden_size} and vocabulary "
+                         f"{theirs.vocab_size}, the target has {mine.hidden_size} and {mine.vocab_size}")
+    return module
 
 
 def resumed(checkpoint: Path, module: nn.Module, optimizer, sampler: torch.Generator,
