@@ -95,6 +95,43 @@ def test_rows_of_a_packed_batch_equal_each_row_alone(target, weights):
         assert prompts[i] + results[row_id].tokens == alone[i], f"row {i}"
 
 
+def test_a_server_row_prefills_in_the_steps_and_reuses_a_cached_prefix(target, weights, monkeypatch):
+    """The predictor drafts without the prompt's states (Drafter.drafts_without_prompt_features),
+    so a row joining a packed batch is never prefilled alone: its prompt runs in the steps beside
+    the other rows (its states reported), and a prompt a finished row began reuses its entries.
+    Every answer is still its text alone, the predictor guesses, and the target never runs again
+    for missing features."""
+    from test_eagle3 import counted_misses
+
+    drafter = Mixed(weights=weights)
+    prompts = [repetitive_prompt(20, seed=seed)[0].tolist() for seed in (3, 4)]
+    alone = [hasten.generate(target, torch.tensor([p]), drafter=drafter, max_new_tokens=NEW).sequences[0].tolist()
+             for p in prompts]
+    misses, hidden_asked, guesses = counted_misses(monkeypatch), [], []
+    add, guess = PackedBatch.add, drafter.predictor.draft
+
+    def spied_add(batch, tokens, hidden=False, **options):
+        hidden_asked.append(hidden)
+        return add(batch, tokens, hidden=hidden, **options)
+
+    def spied_guess(ctx):
+        draft = guess(ctx)
+        guesses.append(len(draft))
+        return draft
+
+    monkeypatch.setattr(PackedBatch, "add", spied_add)
+    monkeypatch.setattr(drafter.predictor, "draft", spied_guess)
+    scheduler = Scheduler(target, drafter, max_batch=2)
+    first = [scheduler.submit(Request(p, NEW)) for p in prompts]
+    results = scheduler.run()
+    again = scheduler.submit(Request(prompts[0], NEW))  # the same prompt: a finished row left its entries
+    results.update(scheduler.run())
+    assert hidden_asked and not any(hidden_asked) and scheduler.target.reused_tokens > 0
+    for row_id, prompt, reference in zip([*first, again], [*prompts, prompts[0]], [*alone, alone[0]]):
+        assert prompt + results[row_id].tokens == reference
+    assert misses == [] and max(guesses) > 0
+
+
 def test_each_step_is_graded_by_the_copys_match(target, weights):
     """No match: the predictor's grade; a match: prompt lookup's grade, one up."""
     drafter, lookup = Mixed(weights=weights), PromptLookup()

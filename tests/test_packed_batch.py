@@ -355,3 +355,25 @@ def test_a_row_cropped_before_its_deferred_prompt_runs_keeps_the_rest_of_it():
     got = batch.forward_rows([row], [[shorter[-1], 3, 4]], [None], False)[0].logits
     assert torch.equal(got, alone(model, shorter, [([shorter[-1], 3, 4], None, ())])[0])
     assert not row.deferred and row.length == 23
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_deferred_prompt_reports_its_states_with_the_rows_first_block(dtype):
+    """With hidden states asked for, a row whose prompt runs in the step (deferred) gets the
+    prompt's states too, bit for bit those of a prefill alone, and its block's logits and states
+    are unchanged by them (the LM head reads the blocks' rows alone)."""
+    model = prepared("llama", dtype)
+    prompts = [repetitive_prompt(18, seed=7)[0].tolist(), repetitive_prompt(25, seed=8)[0].tolist()]
+    blocks, trees = [[prompts[0][-1], 3, 4], [prompts[1][-1], 5]], [None, None]
+    alone = PackedBatch(model)
+    added = [alone.add(p, hidden=True) for p in prompts]  # prefilled alone, their states returned
+    want = alone.forward_rows([row for row, _ in added], blocks, trees, True)
+    deferred = PackedBatch(model)
+    rows = [deferred.add(p, defer=True)[0] for p in prompts]
+    got = deferred.forward_rows(rows, blocks, trees, True)
+    for (_, states), a, b in zip(added, got, want):
+        assert torch.equal(a.prompt_hidden, states)  # [T - 1, hidden]
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+    assert all(out.prompt_hidden is None for out in want)
+    plain = deferred.forward_rows(rows, [[6], [7]], [None, None], False)  # nothing deferred left, no states asked
+    assert all(out.prompt_hidden is None and out.hidden is None for out in plain)

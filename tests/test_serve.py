@@ -706,7 +706,7 @@ def test_serve_flags_and_defaults(cli):
     (["--threads", "-1"], "--threads must be >= 0"),
     (["--port", "70000"], "--port must be in"),
     (["--method", "prompt_lookup", "--method-arg", "num_tokens=zero"], "num_tokens"),
-    (["--method-arg", "num_tokens=3"], "belong to a named method"),
+    (["--method", "default", "--method-arg", "num_tokens=3"], "belong to a named method"),
     (["--method", "draft_model"], "needs a draft model"),
 ])
 def test_serve_errors_are_one_line_before_loading(cli, args, match):

@@ -39,6 +39,9 @@ class ForwardOutput:
     hidden: torch.Tensor | None  # [block, hidden] last layer, when asked for
     riders: torch.Tensor | None = None  # [block, count, vocab] rider logits, when riders were given
     embeds: torch.Tensor | None = None  # [block, embed] the inputs the language model read (an image prefill's)
+    # [n, hidden] last layer at the row's deferred prompt tokens this forward ran before its block (its prompt's
+    # last n), when hidden states were asked for; None when it ran none
+    prompt_hidden: torch.Tensor | None = None
 
 
 class RowCache(Protocol):

@@ -268,6 +268,15 @@ class Drafter:
         """Whether the loop must collect the target's hidden states for this drafter."""
         return Capability.FEATURES in cls.needs
 
+    def drafts_without_prompt_features(self) -> bool:
+        """Whether this drafter (one that reads features) still drafts when some of a prompt's
+        rows of ``ctx.features`` are rows of zeros, the target's states there unknown, and while
+        ``ctx.features`` is None before the row's first step: then a server reuses a cached prefix
+        of the prompt and prefills the rest in its steps beside the other rows (the states of
+        what a step runs are reported). False (the default): the prompt is prefilled alone, with
+        its states at every position."""
+        return False
+
     def check_target(self, target: TargetView) -> None:
         """Raise ValueError if this drafter cannot serve this particular ``target`` (a
         vocabulary or an architecture it cannot read); what the runtime can do at all is

@@ -116,9 +116,11 @@ class LayerTaps(lean.LayerTap):
             handle.remove()
         lean.remove_tap(self._model, self)
 
-    def features(self, last: torch.Tensor, kept: list[tuple[torch.Tensor, torch.Tensor, dict]] = ()) -> torch.Tensor:
-        """[m, H] committed last-layer rows -> their [m, 3H] features (newest forwards first, then
-        ``kept``: records a row's drafter took from earlier forwards, :meth:`Eagle3.observe`)."""
+    def lookup(self, last: torch.Tensor, kept: list[tuple[torch.Tensor, torch.Tensor, dict]] = ()
+               ) -> list[torch.Tensor | None]:
+        """[m, H] committed last-layer rows -> each one's [3H] features, or None where no record
+        holds it (newest forwards first, then ``kept``: records a row's drafter took from earlier
+        forwards, :meth:`Eagle3.observe`)."""
         found: list[torch.Tensor | None] = [None] * len(last)
         keys = [tuple(row) for row in last[:, :4].tolist()]
         for hidden, aux, index in chain(reversed(self.records), reversed(kept)):
@@ -129,8 +131,22 @@ class LayerTaps(lean.LayerTap):
                 if found[j] is None and i is not None and torch.equal(hidden[i], last[j]):
                     found[j] = aux[i]
             if all(row is not None for row in found):
-                return torch.stack(found)
-        raise MissingFeatures(f"{sum(row is None for row in found)} of {len(last)} rows not tapped")
+                break
+        return found
+
+    def features(self, last: torch.Tensor, kept: list[tuple[torch.Tensor, torch.Tensor, dict]] = ()) -> torch.Tensor:
+        """[m, H] committed last-layer rows -> their [m, 3H] features (:meth:`lookup`);
+        MissingFeatures when a row is in no record."""
+        found = self.lookup(last, kept)
+        missing = sum(row is None for row in found)
+        if missing:
+            raise MissingFeatures(f"{missing} of {len(last)} rows not tapped")
+        return torch.stack(found) if found else last.new_zeros(0, 0)
+
+
+def after_untapped(found: list[torch.Tensor | None]) -> int:
+    """The index after the last row ``lookup`` found no features for (0: every row found)."""
+    return next((j + 1 for j in range(len(found) - 1, -1, -1) if found[j] is None), 0)
 
 
 # ---- training (``hasten train eagle3``) ---------------------------------------------------------------
@@ -302,11 +318,28 @@ class Eagle3(TrainedDrafter):
         count, start = len(ctx.features), max(state.cache.length + state.shift, state.kept_to)
         if count > start:
             rows = ctx.features[start:count].clone()  # [new, H] (the loop may write over its buffer)
-            try:
-                state.kept.append((rows, self.taps.features(rows), {}))
-            except MissingFeatures:  # not tapped (a prompt prefilled before the drafter met the target):
-                pass  # the layer's next catch-up runs the target over them once (Eagle3.features)
+            found = self.taps.lookup(rows, state.kept)
+            first = after_untapped(found)
+            if first and self._starts_after_untapped(state, start + first):
+                found, rows = found[first:], rows[first:]
+            elif first:  # not tapped in the middle of what the layer runs: its catch-up runs the target once
+                found = []
+            if found:
+                state.kept.append((rows, torch.stack(found), {}))
             state.kept_to = count
+
+    @staticmethod
+    def _starts_after_untapped(state: Eagle3Run, position: int) -> bool:
+        """Start the layer at committed ``position`` when the rows before it have no features
+        (a server's prompt whose states were not reported: Drafter.drafts_without_prompt_features)
+        and the layer has run nothing yet; False when it has (those rows must be run)."""
+        if state.cache.length or state.kept:
+            return False
+        state.shift = max(state.shift, position)
+        return True
+
+    def drafts_without_prompt_features(self) -> bool:
+        return True  # it starts after the prompt's untapped rows (observe, draft)
 
     def deepest(self) -> int:
         return self.settings.depth
@@ -332,7 +365,13 @@ class Eagle3(TrainedDrafter):
             embeds = self.embed(torch.tensor(ctx.tokens[start + 1 : end + 1], device=device))  # [new, H]
             return module(module.fuse(self.features(ctx, start, end))[None], embeds[None], *args)
 
-        newest = state.catch_up(0 if ctx.features is None else len(ctx.features), pairs, device)  # [H] pre-norm
+        count = 0 if ctx.features is None else len(ctx.features)
+        first = ctx.features[state.shift:state.shift + 1] if count > state.shift else None  # [1, H]
+        if first is not None and not state.cache.length and not state.kept and self.taps.lookup(first)[0] is None:
+            # nothing run yet and its first row untapped: the layer starts after the untapped rows
+            self._starts_after_untapped(state, state.shift + after_untapped(
+                self.taps.lookup(ctx.features[state.shift:count])))
+        newest = state.catch_up(count, pairs, device)  # [H] pre-norm
         state.kept.clear()  # the layer has run every committed row: what was kept is spent
         state.kept_to = 0
         if newest is None:  # no committed feature yet (one-token prompt)

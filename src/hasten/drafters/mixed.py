@@ -111,6 +111,9 @@ class Mixed(Drafter):
         with acting(ctx, state.predictor):
             self.predictor.end(ctx)
 
+    def drafts_without_prompt_features(self) -> bool:
+        return self.predictor.drafts_without_prompt_features()
+
     def deepest(self) -> int | None:
         depths = (self.retrieval.deepest(), self.predictor.deepest())
         return None if None in depths else max(depths)

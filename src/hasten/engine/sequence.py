@@ -74,10 +74,13 @@ class Sequence:
         self.rules: LogitRules | None = None  # the request's logit rules, from the first step
         self.want_features = drafter is not None and drafter.reads_features()
         features = None
+        self.unfeatured = 0  # prompt rows whose features the first step fills in (_features_of_prompt)
         if self.want_features:
             features = GrowingBuffer()
             if prefilled is not None:
                 features.extend(prefilled)
+            else:  # a prompt prefilled without its states (Drafter.drafts_without_prompt_features)
+                self.unfeatured = len(tokens) - 1
         view = TargetView(cache, drafter.needs if drafter else frozenset(), model_source)
         self.ctx = DraftContext(tokens, 0, sampling, generator, view, source, features, acceptance=acceptance,
                                 use_pool=request.pool)
@@ -167,6 +170,19 @@ class Sequence:
             logits = self.constraint.mask(logits, self.ruled)
         return RowCheck(draft.tree, tuple(draft.tokens), logits, draft.probs, ctx.sampling, ctx.generator)
 
+    def _features_of_prompt(self, out: ForwardOutput) -> None:
+        """The prompt's rows of the features, at the row's first step: the target's states at the
+        prompt tokens that step ran (a deferred prefill), zeros where it ran none (entries reused
+        from a cached prefix, chunks fed in earlier steps): rows no drafter finds, which one that
+        drafts without them skips."""
+        ran = out.prompt_hidden  # [n, hidden] the prompt's last n, or None
+        count = 0 if ran is None else min(len(ran), self.unfeatured)
+        if self.unfeatured > count:
+            self.ctx.feature_buffer.extend(out.hidden.new_zeros(self.unfeatured - count, out.hidden.shape[-1]))
+        if count:
+            self.ctx.feature_buffer.extend(ran[len(ran) - count:])
+        self.unfeatured = 0
+
     def settle(self, draft: Draft, out: ForwardOutput, check: RowCheck, verdict: Verdict) -> StepOutcome:
         """Commit this sequence's verdict and apply the stop rules; returns what the step did
         (its ``committed`` tokens, and what the planner learns from)."""
@@ -177,6 +193,8 @@ class Sequence:
         cache.commit(start, draft.tree, verdict.accepted)
         kept_blocks = [0, *(node + 1 for node in verdict.accepted)]  # the root and the accepted path
         if ctx.feature_buffer is not None:
+            if self.unfeatured:
+                self._features_of_prompt(out)
             ctx.feature_buffer.extend(out.hidden[kept_blocks])
 
         new = [draft.tokens[node] for node in verdict.accepted] + [verdict.next_token]

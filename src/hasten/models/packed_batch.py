@@ -318,8 +318,11 @@ class PackedBatch:
 
         for row in fed:
             place(row, row.deferred[:row.fed], None, row.length)  # a chunk of a deferred prompt: a chain
+        reported = []  # per row: its deferred prompt tokens whose states it gets (with hidden states)
         for row, block, tree in zip(rows, blocks, trees):
             place(row, row.deferred, None, row.length)  # a deferred prefill: a chain before the block
+            reported.append(len(row.deferred) if hidden else 0)
+            kept.extend(range(len(ids) - reported[-1], len(ids)))
             place(row, block, tree, row.cache_length)
             kept.extend(range(len(ids) - len(block), len(ids)))
             self.pending[id(row)] = len(block)
@@ -337,17 +340,27 @@ class PackedBatch:
         keep = None if len(kept) == len(ids) else torch.tensor(kept, **index)  # [M] where prompt tokens ran too
         with forwards.active():
             states = lean.run(self.model, torch.tensor(ids, **index), torch.tensor(positions, **index), attend,
-                              keep)  # [M, hidden] the final norm's output at the blocks' positions
-            logits = self.model.lm_head(states).float() if scored and kept else None  # [M, vocab]
+                              keep)  # [M, hidden] the final norm's output at the kept positions
+            scoring = states
+            if any(reported):  # the LM head reads the blocks' rows alone (each row's logits its own alone)
+                at, blocks_at = 0, []
+                for count, block in zip(reported, blocks):
+                    blocks_at.extend(range(at + count, at + count + len(block)))
+                    at += count + len(block)
+                scoring = states[blocks_at]  # [blocks' tokens, hidden]
+            logits = self.model.lm_head(scoring).float() if scored and kept else None  # [blocks' tokens, vocab]
         for row in rows:
             self._cached_deferred(row)
         for row in fed:
             self._cached_deferred(row, row.fed)
-        outs, at = [], 0
-        for block in blocks:
-            outs.append(ForwardOutput(None if logits is None else logits[at:at + len(block)],
-                                      states[at:at + len(block)] if hidden else None))
+        outs, at, scored_at = [], 0, 0
+        for count, block in zip(reported, blocks):
+            prompt_hidden = states[at:at + count] if count else None
+            at += count
+            outs.append(ForwardOutput(None if logits is None else logits[scored_at:scored_at + len(block)],
+                                      states[at:at + len(block)] if hidden else None, prompt_hidden=prompt_hidden))
             at += len(block)
+            scored_at += len(block)
         return outs
 
     @staticmethod
