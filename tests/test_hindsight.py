@@ -86,18 +86,18 @@ def test_watched_drafts_that_are_right_start_deep_drafts_without_a_failed_probe(
 
 def test_a_step_with_nothing_to_propose_is_plain_and_priced_at_no_depth(monkeypatch):
     rule = CostAwareSize(CHUNKED)
-    state = rule.begin(None, hindsight=True)
+    state = rule.begin(None, hindsight=0)
     monkeypatch.setattr(rule.estimator, "expected", lambda *args: pytest.fail("priced a step with nothing to propose"))
     assert rule.depth(state, 10, evidence=0) == 0 and rule.watch(state, 10) == 0
 
 
 def test_a_drafter_watched_deeper_than_it_goes_is_priced_only_as_deep_as_it_goes():
     rule = CostAwareSize(CHUNKED)
-    state = rule.begin(None, hindsight=True)
+    state = rule.begin(None, hindsight=0)
     assert rule.depth(state, 40, evidence=1) == 0 and rule.watch(state, 40) == 32  # asked 32 deep
     rule.watched(state, 1, 10, 0.0)  # it gave 10: that is how deep it goes
     assert rule.top(state, 40) == 10
-    near_the_end = rule.begin(None, hindsight=True)
+    near_the_end = rule.begin(None, hindsight=0)
     rule.depth(near_the_end, 12, evidence=1)
     assert rule.watch(near_the_end, 12) == 12
     rule.watched(near_the_end, 1, 10, 0.0)  # asked only 12 deep: it may go deeper, as a verified draft may
@@ -148,3 +148,22 @@ def test_the_bench_keeps_one_sizing_rule_for_all_of_a_methods_runs(module, monke
         with pytest.raises(Captured):
             method.run(torch.tensor([[1, 2, 3]]), 4)
     assert len(rules) == 2 and rules[0] is rules[1] and isinstance(rules[0], CostAwareSize)
+
+
+def test_hindsight_from_a_grade_watches_there_and_probes_below():
+    """A drafter whose proposals are cheap lookups only from some grade up (mixed: a copy drafted
+    alone) is watched there; below, where a proposal runs its predictor, the rule probes instead."""
+    rule = CostAwareSize(CHUNKED)
+    state = rule.begin(None, hindsight=3)
+    assert rule.depth(state, 40, evidence=3) == 0 and rule.watch(state, 40) == 32  # nothing drafted yet: watch
+    below = rule.begin(None, hindsight=3)
+    first = rule.depth(below, 40, evidence=1)  # the prior's best, at least a probe's depth: drafted, not watched
+    assert first > 0 and rule.watch(below, 40) == 0
+
+
+def test_mixed_is_watched_where_it_copies_alone():
+    from hasten.drafters.mixed import Mixed
+
+    assert PromptLookup().hindsight_from() == 0 and Mixed().hindsight_from() == 3  # prompt lookup's grade 2 and up
+    assert Mixed(guess_below=1).hindsight_from() == 2
+    assert Mixed(retrieval="suffix").hindsight_from() is None  # suffix decoding's proposals are not lookups alone

@@ -4,7 +4,10 @@ curve, auto and fixed sizing, three drafters) takes the same drafts, accepts the
 spends the same simulated seconds as the traces recorded at commit afc13c7, re-recorded once for
 a change of decisions: exploration's back-off (2026-12-07; simulated seconds of the four traces it
 changed: one-prompt_lookup-torch-auto 8.178 -> 8.092, one-lookahead-torch-auto 6.980 -> 7.113,
-batch-prompt_lookup-padded 2.952 -> 2.984, batch-lookahead-packed 3.225 -> 3.228). Re-record with
+batch-prompt_lookup-padded 2.952 -> 2.984, batch-lookahead-packed 3.225 -> 3.228), and again for drafting
+seconds priced per grade of evidence, each grade's first proposal left out (2026-12-07; twelve traces
+change, simulated seconds -3.9% (batch-lookahead-packed 3.228 -> 3.102) to +1.6%
+(batch-prompt_lookup_4_2-padded 2.838 -> 2.883), the rest within 0.7%). Re-record with
 ``python tests/planner_trace.py`` only for a change meant to alter decisions."""
 import json
 

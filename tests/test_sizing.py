@@ -193,6 +193,21 @@ def test_drafting_cost_is_fitted_as_fixed_plus_per_depth():
     assert state.price.draft_cost() == pytest.approx((0.3, 0.1))
 
 
+def test_drafting_cost_is_fitted_per_grade_each_grades_first_proposal_left_out():
+    """A mixed drafter copies at some grades (cheap) and runs a predictor at others: each grade is
+    priced by its own proposals once it has some, else by all of them; the first proposal at a
+    grade (a predictor catching up with the whole prompt) is not a step's cost."""
+    rule = CostAwareSize(FLAT)
+    state = rule.begin(None)
+    for grade, seconds in ((3, 0.5), (1, 9.0), (3, 0.4), (1, 2.0), (3, 0.4), (1, 2.0)):
+        rule.depth(state, 4, evidence=grade)
+        rule.observe(state, TokenTree.chain(4), 0, seconds, 1.0)
+    assert state.price.draft_cost(3) == pytest.approx((0.0, 0.1))  # its own: 0.4 s for 4 deep
+    assert state.price.draft_cost(1) == pytest.approx((0.0, 0.5))  # 2.0 s, the first 9.0 s left out
+    assert state.price.draft_cost(2)[1] == pytest.approx(state.price.draft_cost()[1])  # not seen: every grade's
+    assert 0.1 < state.price.draft_cost()[1] < 0.5
+
+
 def test_cost_curve_interpolates_and_extrapolates():
     curve = CostCurve((1, 2, 4), (1.0, 2.0, 3.0))
     assert curve(3) == pytest.approx(2.5)

@@ -56,6 +56,9 @@ class StepPrice:
     # drafting seconds ~ fixed + per_depth * depth, fitted by decayed least squares over
     # (depth drafted, seconds) of the steps that proposed: [weight, sum k, sum k^2, sum t, sum k t]
     draft_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    # the same sums for each grade of evidence alone (a mixed drafter copies at some grades, in well under a
+    # millisecond, and runs a trained predictor at others); a grade not seen yet is priced by the pooled sums
+    graded_sums: dict[int | None, list[float]] = field(default_factory=dict)
     scale: float | None = None  # observed verify seconds / calibrated forward seconds
     rows: int = 1  # sequences sharing the target's forward (a batch): its cost is split among them
     timed: bool = False  # a step's verify time has been seen (the first is not used: see observe_forward)
@@ -137,17 +140,19 @@ class StepPrice:
             self.scale = ratio if self.scale is None else 0.8 * self.scale + 0.2 * ratio
         self.timed = True
 
-    def add_drafting(self, depth: int, seconds: float) -> None:
-        """A proposal ``depth`` deep took ``seconds``."""
-        sums = self.draft_sums
-        for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
-            sums[i] = sums[i] * self.decay + value
+    def add_drafting(self, depth: int, seconds: float, grade: int | None = None) -> None:
+        """A proposal ``depth`` deep, graded ``grade``, took ``seconds``."""
+        for sums in (self.draft_sums, self.graded_sums.setdefault(grade, [0.0] * 5)):
+            for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
+                sums[i] = sums[i] * self.decay + value
 
-    def draft_cost(self) -> tuple[float, float]:
-        """(fixed seconds, seconds per depth) of one proposal. Until depths have varied,
-        all of it is charged per depth (a guess that errs towards shallower drafts, which
-        then vary the depth and reveal the fixed part)."""
-        weight, k, kk, t, kt = self.draft_sums
+    def draft_cost(self, grade: int | None = None) -> tuple[float, float]:
+        """(fixed seconds, seconds per depth) of one proposal graded ``grade`` (its own
+        proposals' fit once it has one, else every grade's). Until depths have varied, all of
+        it is charged per depth (a guess that errs towards shallower drafts, which then vary
+        the depth and reveal the fixed part)."""
+        sums = self.graded_sums.get(grade)
+        weight, k, kk, t, kt = sums if sums is not None and sums[0] > 0 else self.draft_sums
         if weight <= 0:
             return 0.0, 0.0
         spread = weight * kk - k * k
@@ -157,6 +162,6 @@ class StepPrice:
             return fixed, slope
         return 0.0, t / k
 
-    def drafting_seconds(self, depth: int) -> float:
-        fixed, per_depth = self.draft_cost()
+    def drafting_seconds(self, depth: int, grade: int | None = None) -> float:
+        fixed, per_depth = self.draft_cost(grade)
         return fixed + per_depth * depth if depth else 0.0

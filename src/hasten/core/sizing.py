@@ -23,8 +23,9 @@ curve a class of evidence graded above every class drafted so far is tried at on
 copy stretch is worth a probe); on a steep one, where a failed probe costs more than a plain step,
 it waits for the probes like any other, and probes may take 1% of the time.
 
-Hindsight: a drafter whose proposal is cheap and changes nothing (``Drafter.hindsight_ok``:
-prompt lookup) is asked for a draft on the steps the rule keeps plain too; the draft is not
+Hindsight: a drafter whose proposal is cheap and changes nothing (``Drafter.hindsight_from``:
+prompt lookup at every grade, mixed where it copies alone) is asked for a draft on the steps the
+rule keeps plain too, at those grades; the draft is not
 verified but compared with the tokens committed next (:meth:`SizingRule.watch`), which is what
 verification would have accepted. One such draft at a time, the next where it ends, as a drafter
 that always drafted would have been verified. The rule then measures acceptance on every step
@@ -68,9 +69,10 @@ class SizingRule:
     name: str = "fixed"
     uses_evidence: bool = False  # asks the drafter's evidence (Drafter.evidence) before each step
 
-    def begin(self, target: Any, hindsight: bool = False) -> Any:
-        """``hindsight``: the loop checks the drafter's unverified drafts against what gets
-        committed (:meth:`watch`), so the rule can learn without verifying drafts."""
+    def begin(self, target: Any, hindsight: int | None = None) -> Any:
+        """``hindsight``: from this grade of evidence up (0: every grade; None: none), the loop
+        checks the drafter's unverified drafts against what gets committed (:meth:`watch`), so
+        the rule can learn without verifying drafts (``Drafter.hindsight_from``)."""
         return None
 
     def depth(self, state: Any, limit: int, evidence: int | None = None) -> int:
@@ -134,13 +136,22 @@ class SizingState:
     cap: int | None = None  # in a batch: the depth the batch's plan chose for this row
     # the loop checks unverified drafts against the committed tokens (SizingRule.watch): acceptance
     # is measured on plain steps too, so the rule never pays for a probe
-    hindsight: bool = False
+    hindsight: int | None = None  # from this grade of evidence up (0: every grade; None: none)
     watch_asked: int = 0  # how deep the watched draft under way was asked for
     # exploration backs off as probes do: a draft that exploration chose and that got nothing
     # accepted doubles the steps before the next one may be chosen (reset by one that got some)
     explored: bool = False  # this step's depth is exploration's choice
     explore_gap: int = 0  # steps between explorations now
     explore_wait: int = 0  # steps before exploration may choose again
+    drafted_grades: set = field(default_factory=set)  # grades of evidence proposed at so far
+
+
+def watches(state: SizingState) -> bool:
+    """Whether the rule learns this step's grade by hindsight (SizingState.hindsight), not probes."""
+    evidence = state.counts.evidence
+    if state.hindsight is None:
+        return False
+    return state.hindsight == 0 if evidence is None else evidence >= state.hindsight
 
 
 class CostAwareSize(SizingRule):
@@ -171,7 +182,7 @@ class CostAwareSize(SizingRule):
         self.probe_share = probe_share
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
 
-    def begin(self, target: Any, hindsight: bool = False) -> SizingState:
+    def begin(self, target: Any, hindsight: int | None = None) -> SizingState:
         packed = bool(getattr(target, "packed_rows", False))
         price = StepPrice(self.costs.curve_for(target), self.decay, packed=packed,
                           batch_cost=self.costs.batch_cost_for(target) if packed else None)
@@ -184,7 +195,7 @@ class CostAwareSize(SizingRule):
 
     def seconds_of(self, state: SizingState, nodes: list[float]) -> list[float]:
         """Seconds of a step drafting k = 0 .. len(nodes) - 1 deep (``nodes[k]`` draft nodes)."""
-        fixed, per_depth = state.price.draft_cost()
+        fixed, per_depth = state.price.draft_cost(state.counts.evidence)
         return [state.price.forward_seconds(count + 1) + (fixed + per_depth * d if d else 0.0)
                 for d, count in enumerate(nodes)]
 
@@ -192,7 +203,7 @@ class CostAwareSize(SizingRule):
         """Plain steps between probes ``depth`` deep such that failed probes cost at most
         ``probe_share`` of the time (a probe whose first token is accepted is no loss, so
         the extra cost is weighed by the estimated chance that it is not)."""
-        fixed, per_depth = state.price.draft_cost()
+        fixed, per_depth = state.price.draft_cost(state.counts.evidence)
         plain = state.price.forward_seconds(1)
         nodes = min(sum(state.counts.width[:depth]) + max(depth - len(state.counts.width), 0), max(state.counts.most_nodes, depth))
         extra = state.price.forward_seconds(nodes + 1) + fixed + per_depth * depth - plain
@@ -227,7 +238,7 @@ class CostAwareSize(SizingRule):
             state.probing = False
             if state.cap == 0:  # now and then a probe re-measures acceptance (a failed one doubles the wait)
                 state.skipped += 1
-                if state.skipped > max(state.probe_gap, wait) and limit > 0 and not state.hindsight:
+                if state.skipped > max(state.probe_gap, wait) and limit > 0 and not watches(state):
                     state.cap, state.probing = 1, True
 
     def _plan_packed(self, states: list[SizingState], limits: list[int], others: int, others_keys: int,
@@ -286,7 +297,8 @@ class CostAwareSize(SizingRule):
             by_depth = np.zeros((3, len(states), depths))  # tokens, nodes, drafting seconds: [3, rows, depths]
             for r, (state, (tokens, nodes)) in enumerate(zip(states, options)):
                 valid[r, :len(tokens)] = True
-                by_depth[:, r, :len(tokens)] = (tokens, nodes, [state.price.drafting_seconds(d) for d in range(len(tokens))])
+                by_depth[:, r, :len(tokens)] = (tokens, nodes, [state.price.drafting_seconds(d, state.counts.evidence)
+                                                          for d in range(len(tokens))])
             row_tokens, row_nodes, row_costs = by_depth
             row_contexts = np.array(contexts, dtype=float)[:, None]  # [rows, 1]
             deeper = np.arange(depths)[None, :]  # [1, depths]
@@ -336,7 +348,7 @@ class CostAwareSize(SizingRule):
         for depth in range(top + 1):
             tokens = others + sum(row_tokens[min(depth, len(row_tokens) - 1)] for row_tokens, _ in per_row)
             widest = max(row_nodes[min(depth, len(row_nodes) - 1)] for _, row_nodes in per_row)
-            drafting = sum(state.price.drafting_seconds(depth) for state in states)
+            drafting = sum(state.price.drafting_seconds(depth, state.counts.evidence) for state in states)
             rate = tokens / (curve(rows * (widest + 1)) * scale + drafting)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = depth, rate
@@ -384,7 +396,7 @@ class CostAwareSize(SizingRule):
             first = min(limit, FIRST_DEPTHS)
             rates = self.rates(state, first)
             best = max(range(len(rates)), key=lambda k: (rates[k], -k))
-            state.chosen = best if state.hindsight else max(best, self.probe_depth(state, first))
+            state.chosen = best if watches(state) else max(best, self.probe_depth(state, first))
             return state.chosen
         top = self.top(state, limit)
         tokens, nodes = self.estimator.expected(state.counts, top)
@@ -402,7 +414,7 @@ class CostAwareSize(SizingRule):
         if best == 0:
             state.skipped += 1
             # now and then a probe re-measures acceptance, as shallow as could show a gain
-            probe = self.probe_depth(state, top) if top and not state.hindsight else 0
+            probe = self.probe_depth(state, top) if top and not watches(state) else 0
             if probe and state.skipped > max(state.probe_gap, self.affordable_gap(state, probe)):
                 best, state.probing = probe, True
         state.chosen = best
@@ -455,7 +467,7 @@ class CostAwareSize(SizingRule):
             self.estimator.tally(state.counts, state.counts.evidence, depth, accepted >= depth)
 
     def watch(self, state: SizingState, limit: int) -> int:
-        if not state.hindsight or state.chosen or state.counts.evidence == 0:
+        if not watches(state) or state.chosen or state.counts.evidence == 0:
             return 0
         state.watch_asked = min(limit, FIRST_DEPTHS)
         return state.watch_asked
@@ -477,7 +489,10 @@ class CostAwareSize(SizingRule):
         drafting costs."""
         if not nodes:
             return
-        first = state.counts.reach is None  # a drafter's first proposal may catch up with the whole
-        self.estimator.drafted(state.counts, evidence, nodes)  # prompt: not a step's drafting cost
+        # a drafter's first proposal at a grade may catch up with the whole prompt (mixed's predictor
+        # first runs at its grade): not a step's drafting cost
+        first = evidence not in state.drafted_grades
+        state.drafted_grades.add(evidence)
+        self.estimator.drafted(state.counts, evidence, nodes)
         if not first:
-            state.price.add_drafting(len(nodes), draft_seconds)
+            state.price.add_drafting(len(nodes), draft_seconds, evidence)

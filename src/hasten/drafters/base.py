@@ -263,6 +263,12 @@ class Drafter:
         if missing:
             raise MissingCapability(cls.name, runtime.name, missing, batched)
 
+    def hindsight_from(self) -> int | None:
+        """The lowest grade of evidence (:meth:`evidence`) at which ``propose`` is a cheap
+        lookup that changes nothing (``hindsight_ok`` for every grade: 0), so cost-aware sizing
+        may learn that grade's acceptance from unverified drafts; None: at none."""
+        return 0 if self.hindsight_ok else None
+
     @classmethod
     def reads_features(cls) -> bool:
         """Whether the loop must collect the target's hidden states for this drafter."""

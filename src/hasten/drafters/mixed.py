@@ -111,6 +111,11 @@ class Mixed(Drafter):
         with acting(ctx, state.predictor):
             self.predictor.end(ctx)
 
+    def hindsight_from(self) -> int | None:
+        """A copy drafted alone (graded ``guess_below`` + 1 and up) is the retrieval's lookup: cheap;
+        below, a proposal runs the predictor."""
+        return self.settings.guess_below + 1 if self.retrieval.hindsight_from() == 0 else None
+
     def drafts_without_prompt_features(self) -> bool:
         return self.predictor.drafts_without_prompt_features()
 

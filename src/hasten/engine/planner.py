@@ -109,7 +109,7 @@ class DraftPlanner:
         if drafter is None:
             return None
         rule = self.choice.for_request(not request.sampling.greedy, seeded=request.generator is not None)
-        return RowPlan(rule, rule.begin(cache, hindsight=drafter.hindsight_ok))
+        return RowPlan(rule, rule.begin(cache, hindsight=drafter.hindsight_from()))
 
     def plan(self, rows: list[PlannedRow]) -> None:
         """Before the step: grade every row's coming draft, plan each rule's rows together, and
