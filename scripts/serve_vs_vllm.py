@@ -73,6 +73,8 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="every server's dtype (vLLM's CPU default is bfloat16 where the CPU has bf16 instructions)")
     parser.add_argument("--start-timeout", type=float, default=600)
+    parser.add_argument("--long-prompt", type=int, help="serve-bench's: in each level one more client sends a "
+                        "prompt of about this many tokens once the streams run (its ITL effect, its own TTFT)")
     parser.add_argument("--out", default="bench-out/serve")
     args = parser.parse_args()
     out = Path(args.out)
@@ -101,6 +103,8 @@ def main() -> int:
         bench = [sys.executable, "-m", "hasten", "serve-bench", "--chat", "--prompts", args.prompts, "--max-tokens",
                  str(args.max_tokens), "--concurrency", args.concurrency, "--requests", str(args.requests),
                  "--out", str(out / "serve-bench.json"), "--chart", str(out / "serve-bench.png")]
+        if args.long_prompt:
+            bench += ["--long-prompt", str(args.long_prompt)]
         for url in urls:
             bench += ["--url", url]
         with open(out / "uptime-before.txt", "w") as f:
