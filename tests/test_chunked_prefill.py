@@ -264,7 +264,7 @@ def test_the_server_flag_sets_the_budget(tmp_path, cli, monkeypatch):
     path = save_checkpoint(tmp_path / "ckpt")
     fixed = ("--draft-size", "fixed", "--kv-cache-mib", "1")  # (no calibration of the batch's cost; a small store)
     assert cli("serve", "--model", path, "--max-batch", "4", *fixed)[0] == 0
-    assert seen["app"].state.service.worker.scheduler.max_num_batched_tokens == 512  # the default
+    assert seen["app"].state.service.worker.scheduler.max_num_batched_tokens == 256  # the default
     code, _, err = cli("serve", "--model", path, "--max-batch", "600", "--max-num-batched-tokens", "600", *fixed)
     assert code == 0, err
     assert seen["app"].state.service.worker.scheduler.max_num_batched_tokens == 600

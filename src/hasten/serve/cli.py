@@ -17,7 +17,7 @@ from ..drafters.base import REGISTRY
 from .schema import DEFAULT_MAX_TOKENS
 
 SERVER_MODULES = ("starlette", "uvicorn", "prometheus_client", "llguidance")  # llguidance: structured output and tools
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 512  # prompts up to ~500 tokens join in one step as before; longer ones in chunks
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 256  # longer prompts join in chunks: a step with 512 prompt tokens stalled 8 streams 0.8 s
 
 
 # ---- hasten serve ------------------------------------------------------------------------------
