@@ -66,7 +66,7 @@ def test_a_run_started_from_trained_weights_goes_on_from_them(target, trained, t
         assert torch.allclose(went_on.state_dict()[name], weight, atol=1e-6), name  # one step of lr 1e-9
         assert name.endswith("norm.weight") or not torch.allclose(fresh.state_dict()[name], weight, atol=1e-3), name
     wide = Eagle3Training(tiny_model("llama", num_hidden_layers=8, hidden_size=96), training.options)
-    with pytest.raises(ValueError, match="hidden size"):
+    with pytest.raises(ValueError, match="do not fit"):
         train(wide, data, TrainSettings(**settings, init_from=str(directory)), tmp_path / "wide", progress=False)
 
 

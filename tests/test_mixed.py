@@ -132,6 +132,28 @@ def test_a_server_row_prefills_in_the_steps_and_reuses_a_cached_prefix(target, w
     assert misses == [] and max(guesses) > 0
 
 
+def test_a_batch_that_prefills_at_once_still_gives_the_prompts_states(target, weights, monkeypatch):
+    """Where the batch prefills a joining prompt at once (a padded batch: ``defers_prompts`` False),
+    the row still asks for the prompt's states: skipping them would only lose the predictor its context."""
+    drafter = Mixed(weights=weights)
+    hidden_asked, add = [], PackedBatch.add
+
+    def spied_add(batch, tokens, hidden=False, **options):
+        hidden_asked.append(hidden)
+        return add(batch, tokens, hidden=hidden, **options)
+
+    monkeypatch.setattr(PackedBatch, "add", spied_add)
+    monkeypatch.setattr(PackedBatch, "defers_prompts", False)
+    scheduler = Scheduler(target, drafter, max_batch=2)
+    prompt = repetitive_prompt(20, seed=5)[0].tolist()
+    row_id = scheduler.submit(Request(prompt, NEW))
+    hidden_asked.clear()  # what calibration added
+    tokens = scheduler.run()[row_id].tokens
+    assert hidden_asked == [True]
+    alone = hasten.generate(target, torch.tensor([prompt]), drafter=drafter, max_new_tokens=NEW).sequences[0].tolist()
+    assert prompt + tokens == alone
+
+
 def test_each_step_is_graded_by_the_copys_match(target, weights):
     """No match: the predictor's grade; a match: prompt lookup's grade, one up."""
     drafter, lookup = Mixed(weights=weights), PromptLookup()

@@ -143,7 +143,7 @@ class SizingState:
     explored: bool = False  # this step's depth is exploration's choice
     explore_gap: int = 0  # steps between explorations now
     explore_wait: int = 0  # steps before exploration may choose again
-    drafted_grades: set = field(default_factory=set)  # grades of evidence proposed at so far
+    drafted_grades: set[int | None] = field(default_factory=set)  # grades of evidence proposed at so far
 
 
 def watches(state: SizingState) -> bool:

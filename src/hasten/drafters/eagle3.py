@@ -141,7 +141,7 @@ class LayerTaps(lean.LayerTap):
         missing = sum(row is None for row in found)
         if missing:
             raise MissingFeatures(f"{missing} of {len(last)} rows not tapped")
-        return torch.stack(found) if found else last.new_zeros(0, 0)
+        return torch.stack(found)
 
 
 def after_untapped(found: list[torch.Tensor | None]) -> int:
@@ -318,7 +318,7 @@ class Eagle3(TrainedDrafter):
         count, start = len(ctx.features), max(state.cache.length + state.shift, state.kept_to)
         if count > start:
             rows = ctx.features[start:count].clone()  # [new, H] (the loop may write over its buffer)
-            found = self.taps.lookup(rows, state.kept)
+            found = self.taps.lookup(rows)
             first = after_untapped(found)
             if first and self._starts_after_untapped(state, start + first):
                 found, rows = found[first:], rows[first:]
@@ -365,13 +365,8 @@ class Eagle3(TrainedDrafter):
             embeds = self.embed(torch.tensor(ctx.tokens[start + 1 : end + 1], device=device))  # [new, H]
             return module(module.fuse(self.features(ctx, start, end))[None], embeds[None], *args)
 
-        count = 0 if ctx.features is None else len(ctx.features)
-        first = ctx.features[state.shift:state.shift + 1] if count > state.shift else None  # [1, H]
-        if first is not None and not state.cache.length and not state.kept and self.taps.lookup(first)[0] is None:
-            # nothing run yet and its first row untapped: the layer starts after the untapped rows
-            self._starts_after_untapped(state, state.shift + after_untapped(
-                self.taps.lookup(ctx.features[state.shift:count])))
-        newest = state.catch_up(count, pairs, device)  # [H] pre-norm
+        # rows without features (a server's prompt: observe moved the layer's start past them) are not run
+        newest = state.catch_up(0 if ctx.features is None else len(ctx.features), pairs, device)  # [H] pre-norm
         state.kept.clear()  # the layer has run every committed row: what was kept is spent
         state.kept_to = 0
         if newest is None:  # no committed feature yet (one-token prompt)

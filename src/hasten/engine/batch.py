@@ -315,9 +315,9 @@ class Scheduler:
         keep_logits = request.prompt_logprobs is not None  # else a packed batch prefills in the row's first step
 
         def prefill(features: bool):
-            # a drafter that drafts without the prompt's states lets the prompt reuse a cached prefix and run
-            # in the steps (the states of what the steps run are reported to the row, models/packed_batch.py)
-            features = features and not self.drafter.drafts_without_prompt_features()
+            # a drafter that drafts without the prompt's states lets a packed batch's prompt reuse a cached prefix
+            # and run in the steps (the states of what the steps run are reported to the row, models/packed_batch.py)
+            features = features and not (self.target.defers_prompts and self.drafter.drafts_without_prompt_features())
             row, prefilled = self.target.add(request.input_ids, hidden=features, room=reserved,
                                              **({"logits": True} if keep_logits else {"defer": True}))
             return row, list(request.input_ids), prefilled

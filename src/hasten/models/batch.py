@@ -92,6 +92,7 @@ class BatchAdapter:
     encoder_decoder = False
     kv_readable = False  # the rows share one padded cache: no row's entries can be read alone
     packed_rows = False  # every row's block is padded to the widest (what draft sizing prices a step by)
+    defers_prompts = False  # add() prefills a prompt at once, even when asked to defer it
     kv_entries = None  # its cache grows with the rows (no fixed store to admit rows by)
 
     def __init__(self, model: PreTrainedModel):

@@ -452,6 +452,7 @@ class LlamaCppBatch:
     encoder_decoder = False
     kv_readable = False  # llama.cpp's KV cells are not exposed
     packed_rows = False  # priced as padded rows (its batch path is not calibrated)
+    defers_prompts = False  # a joining prompt is prefilled at once
     kv_entries = None  # its KV cache is llama.cpp's, sized by the context
     device = torch.device("cpu")
 

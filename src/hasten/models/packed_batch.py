@@ -105,6 +105,7 @@ class PackedBatch:
     encoder_decoder = False
     kv_readable = False
     packed_rows = True  # rows end to end, unpadded: what draft sizing prices a step by
+    defers_prompts = True  # add(defer=True) runs a prompt in the steps that follow, beside the other rows
     # what a drafter may need of it: every row's last hidden states, the target's LM head and
     # embeddings lent (a hook on its layers the lean forward does not mirror runs each row through
     # the model's own forward), tree blocks

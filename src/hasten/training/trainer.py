@@ -109,7 +109,7 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
     torch.manual_seed(settings.seed)
     module = trainable.build()
     if settings.init_from is not None:
-        module = started_from(module, Path(settings.init_from))
+        module = started_from(module, Path(settings.init_from), target)
     module = module.to(device).train()
     optimizer = adamw([{"params": [p for p in module.parameters() if p.requires_grad], "lr": settings.lr,
                         "weight_decay": settings.weight_decay}])
@@ -159,21 +159,19 @@ def train(trainable: Trainable, data, settings: TrainSettings, work_dir: Path, *
     return TrainResult(module, report)
 
 
-def started_from(built: nn.Module, directory: Path) -> nn.Module:
+def started_from(built: nn.Module, directory: Path, target) -> nn.Module:
     """The trained module in ``directory``, in float32, in place of the freshly built ``built``:
-    the same class and target shapes, its own settings kept (EAGLE-3's draft vocabulary included,
-    which the loss reads from the module); ValueError when it cannot stand in."""
+    the same class, fitting ``target`` (``TrainedModule.check_fits``), its own settings kept
+    (EAGLE-3's draft vocabulary included, which the loss reads from the module); ValueError when
+    it cannot stand in."""
     load = getattr(type(built), "load", None)
     if load is None:
         raise ValueError(f"init_from: a {type(built).__name__} cannot be loaded from a directory")
     try:
-        module = load(directory).float()
+        module = load(directory)  # float32
     except FileNotFoundError as err:
         raise ValueError(f"init_from {directory}: no trained {type(built).__name__} there ({err})") from None
-    mine, theirs = built.config, module.config
-    if (mine.hidden_size, mine.vocab_size) != (theirs.hidden_size, theirs.vocab_size):
-        raise ValueError(f"init_from {directory}: trained for hidden size {theirs.hidden_size} and vocabulary "
-                         f"{theirs.vocab_size}, the target has {mine.hidden_size} and {mine.vocab_size}")
+    module.check_fits(target)
     return module
 
 
