@@ -530,3 +530,13 @@ def test_hf_baselines_attend_to_prompt_tokens_equal_to_the_pad_id():
     reference, _, _ = hasten_method(AUTOREGRESSIVE, model).run(ids, 12)
     for name in ("hf_generate", "hf_prompt_lookup"):
         assert hf_method(name, model).run(ids, 12)[0] == reference, name
+
+
+def test_hugging_face_baselines_must_match_in_float32_and_are_counted_below_it(models):
+    """hasten equals Hugging Face's generate in float32; in bfloat16 each engine rounds its own way,
+    so `hasten bench --dtype bfloat16` counts a differing hf_generate instead of stopping."""
+    import copy
+
+    model, _ = models
+    assert hf_method("hf_generate", model).exact
+    assert not hf_method("hf_generate", copy.deepcopy(model).to(torch.bfloat16)).exact

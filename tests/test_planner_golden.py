@@ -7,7 +7,10 @@ changed: one-prompt_lookup-torch-auto 8.178 -> 8.092, one-lookahead-torch-auto 6
 batch-prompt_lookup-padded 2.952 -> 2.984, batch-lookahead-packed 3.225 -> 3.228), and again for drafting
 seconds priced per grade of evidence, each grade's first proposal left out (2026-12-07; twelve traces
 change, simulated seconds -3.9% (batch-lookahead-packed 3.228 -> 3.102) to +1.6%
-(batch-prompt_lookup_4_2-padded 2.838 -> 2.883), the rest within 0.7%). Re-record with
+(batch-prompt_lookup_4_2-padded 2.838 -> 2.883), the rest within 0.7%), and again for drafting prices and the
+back-off of probes and explorations carried from one generation to the next (2026-12-07, evening; twelve traces
+change, simulated seconds -0.9% (batch-lookahead-padded 3.476 -> 3.446) to +1.4% (batch-prompt_lookup-packed
+2.897 -> 2.939), the rest within 0.7%). Re-record with
 ``python tests/planner_trace.py`` only for a change meant to alter decisions."""
 import json
 

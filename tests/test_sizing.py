@@ -208,6 +208,40 @@ def test_drafting_cost_is_fitted_per_grade_each_grades_first_proposal_left_out()
     assert 0.1 < state.price.draft_cost()[1] < 0.5
 
 
+def test_a_new_generation_prices_drafting_at_what_it_cost_in_the_ones_before():
+    """A server's rows are short: were each generation's drafting priced at nothing until timed
+    (its first proposal is not), a drafter that does not pay would draft again at every new row."""
+    rule = CostAwareSize(FLAT)
+    earlier = rule.begin(None)
+    for depth, seconds in ((4, 9.0), (1, 0.4), (2, 0.5), (3, 0.6), (1, 0.4)):  # the first read the whole prompt
+        rule.drafted(earlier, None, [1] * depth, seconds)
+    later = rule.begin(None)
+    assert later.price.draft_cost() == pytest.approx((0.3, 0.1))  # the same fit, before any proposal of its own
+    assert later.price.draft_sums[0] == pytest.approx(1.0)  # worth one proposal: its own soon outweigh it
+    assert CostAwareSize(FLAT).begin(None).price.draft_cost() == (0.0, 0.0)  # a rule with no history: nothing known
+
+
+def test_probes_and_explorations_back_off_across_generations():
+    """A drafter that was never right in the generations before is not probed and explored afresh
+    at every new one: a new generation starts from the back-off the latest one reached."""
+    rule = CostAwareSize(FLAT, probe_gap=2)
+
+    def drafted_steps(state, steps=40):
+        drafted = 0
+        for _ in range(steps):
+            depth = rule.depth(state, 10)
+            drafted += depth > 0
+            rule.observe(state, TokenTree.chain(depth), 0, 0.2 * depth, 1.0)
+        return drafted
+
+    first = drafted_steps(rule.begin(None))
+    for _ in range(5):
+        drafted_steps(rule.begin(None))
+    later = rule.begin(None)
+    assert later.probe_gap > 2 and later.explore_wait == later.explore_gap > 0
+    assert drafted_steps(later) < first
+
+
 def test_cost_curve_interpolates_and_extrapolates():
     curve = CostCurve((1, 2, 4), (1.0, 2.0, 3.0))
     assert curve(3) == pytest.approx(2.5)

@@ -59,8 +59,8 @@ class Method:
     run: RunFn
     settings: dict = field(default_factory=dict)  # recorded in results.json
     draft_size: str | None = None  # hasten drafters: "fixed" or "auto" (recorded too)
-    # False for another engine's kernels (vLLM), whose rounding may flip a near-tie: its
-    # outputs that differ from the reference are counted (``identical``), not fatal
+    # False for another engine's kernels (vLLM; Hugging Face below float32), whose rounding may flip
+    # a near-tie: its outputs that differ from the reference are counted (``identical``), not fatal
     exact: bool = True
     close: Callable[[], None] | None = None  # frees what the method holds (a worker process)
 
@@ -142,7 +142,9 @@ def hf_method(name: str, model, draft=None) -> Method:
         return new, DecodeStats(steps=len(forwards), new_tokens=len(new)), seconds
 
     settings = {k: ("draft" if k == "assistant_model" else v) for k, v in kwargs.items()}
-    return Method(name, "hf", run, settings)
+    # hasten's outputs equal Hugging Face's in float32; in a lower precision each engine rounds its
+    # own way (hasten is exact to its own plain decoding there), so a differing output is counted
+    return Method(name, "hf", run, settings, exact=model.dtype == torch.float32)
 
 
 def sum_stats(parts: list[DecodeStats]) -> DecodeStats:

@@ -143,8 +143,15 @@ class StepPrice:
     def add_drafting(self, depth: int, seconds: float, grade: int | None = None) -> None:
         """A proposal ``depth`` deep, graded ``grade``, took ``seconds``."""
         for sums in (self.draft_sums, self.graded_sums.setdefault(grade, [0.0] * 5)):
-            for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
-                sums[i] = sums[i] * self.decay + value
+            _accumulate(sums, depth, seconds, self.decay)
+
+    def start_from(self, pool: "DraftingPool") -> None:
+        """Begin with what drafting cost in earlier generations (``pool``), worth one proposal per
+        grade: the first proposals of a generation are then priced at what they cost before, not
+        at nothing (its very first, which may catch up with the whole prompt, is not timed:
+        core/sizing.py), and its own proposals soon outweigh the pool's."""
+        self.draft_sums = _one_proposal(pool.sums)
+        self.graded_sums = {grade: _one_proposal(sums) for grade, sums in pool.graded.items()}
 
     def draft_cost(self, grade: int | None = None) -> tuple[float, float]:
         """(fixed seconds, seconds per depth) of one proposal graded ``grade`` (its own
@@ -165,3 +172,28 @@ class StepPrice:
     def drafting_seconds(self, depth: int, grade: int | None = None) -> float:
         fixed, per_depth = self.draft_cost(grade)
         return fixed + per_depth * depth if depth else 0.0
+
+
+@dataclass
+class DraftingPool:
+    """Drafting seconds by depth, pooled over a sizing rule's generations (the same drafter on the
+    same model): the decayed least-squares sums of :class:`StepPrice`, overall and per grade."""
+
+    decay: float = 0.9
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    graded: dict[int | None, list[float]] = field(default_factory=dict)
+
+    def add(self, depth: int, seconds: float, grade: int | None = None) -> None:
+        for sums in (self.sums, self.graded.setdefault(grade, [0.0] * 5)):
+            _accumulate(sums, depth, seconds, self.decay)
+
+
+def _accumulate(sums: list[float], depth: int, seconds: float, decay: float) -> None:
+    """Fold one proposal into decayed least-squares sums [weight, sum k, sum k^2, sum t, sum k t]."""
+    for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
+        sums[i] = sums[i] * decay + value
+
+
+def _one_proposal(sums: list[float]) -> list[float]:
+    """Sums rescaled to a weight of one (the same fit, as sure as one proposal); zeros stay."""
+    return [value / sums[0] for value in sums] if sums[0] > 0 else [0.0] * 5

@@ -10,9 +10,11 @@ picks the depth ``k`` that maximises expected tokens per second::
 from two separate objects: an acceptance estimate (:mod:`hasten.core.estimate`: ``a_d``, per
 depth and per class of the drafter's own evidence, pooled across generations, fed by verified and
 watched drafts) and a step price (:mod:`hasten.core.pricing`: the target's forward cost per block
-size *on this machine*, a packed batch's cost, the drafter's measured drafting seconds). ``k = 0``
-(a plain step, no proposal at all) is allowed when drafting does not pay; a small probe now and
-then re-measures acceptance.
+size *on this machine*, a packed batch's cost, the drafter's measured drafting seconds, which a new
+generation takes over from the ones before it). ``k = 0`` (a plain step, no proposal at all) is
+allowed when drafting does not pay; a small probe now and then re-measures acceptance, less often
+after each one that fails, and a new generation keeps the back-off the latest one reached (a drafter
+whose drafts did not pay is not tried afresh on every new request).
 
 Exploring: a single early failure must not silence a drafter for a whole generation. So among the
 depths whose failure costs at most one plain step more than a plain step (on a flat or nearly flat
@@ -52,7 +54,7 @@ import numpy as np
 
 from .cost import CostCurve
 from .estimate import AcceptanceCounts, AcceptanceEstimator
-from .pricing import KnownCosts, StepCosts, StepPrice
+from .pricing import DraftingPool, KnownCosts, StepCosts, StepPrice
 from .tree import TokenTree
 
 # depths priced before a drafter has drafted (a drafter with no match proposes nothing, so this
@@ -177,16 +179,24 @@ class CostAwareSize(SizingRule):
         # what drafts get accepted; it pools what every generation this rule sized measured (a
         # server's rows are short, and the ones before them saw the same drafter on the same model)
         self.estimator = AcceptanceEstimator(prior, prior_weight, decay, pool_decay)
+        # what drafting cost in those generations: a new one starts from it (StepPrice.start_from)
+        self.drafting = DraftingPool(decay)
         self.decay = decay  # how fast a generation's measured drafting seconds fade
         self.explore_scale = explore_scale  # standard deviation of the exploration draw (0: none)
         self.probe_share = probe_share
         self.first_probe_gap, self.max_probe_gap = probe_gap, max_probe_gap
+        # the back-off of probes and explorations where the latest generation left it: a drafter whose
+        # drafts did not pay in the generations before is not tried afresh at every new one
+        self.gaps = (probe_gap, 0)  # (probe_gap, explore_gap)
 
     def begin(self, target: Any, hindsight: int | None = None) -> SizingState:
         packed = bool(getattr(target, "packed_rows", False))
         price = StepPrice(self.costs.curve_for(target), self.decay, packed=packed,
                           batch_cost=self.costs.batch_cost_for(target) if packed else None)
-        return SizingState(self.estimator.begin(), price, probe_gap=self.first_probe_gap, hindsight=hindsight)
+        price.start_from(self.drafting)
+        probe_gap, explore_gap = self.gaps
+        return SizingState(self.estimator.begin(), price, probe_gap=probe_gap, hindsight=hindsight,
+                           explore_gap=explore_gap, explore_wait=explore_gap)
 
     def rates(self, state: SizingState, deepest: int, optimism: float = 0.0) -> list[float]:
         """Expected tokens per second when drafting k = 0 .. ``deepest`` deep."""
@@ -454,11 +464,13 @@ class CostAwareSize(SizingRule):
             state.explored = False
             state.explore_gap = 0 if accepted else min(max(2 * state.explore_gap, 1), self.max_probe_gap)
             state.explore_wait = state.explore_gap
+            self.gaps = (self.gaps[0], state.explore_gap)
         if state.chosen == 0 or drafted == 0:
             return
         state.skipped = 0
         if state.probing:  # a failed probe doubles the wait for the next one
             state.probe_gap = self.first_probe_gap if accepted else min(2 * state.probe_gap, self.max_probe_gap)
+            self.gaps = (state.probe_gap, self.gaps[1])
         nodes = [0] * drafted
         for depth in depths:
             nodes[depth - 1] += 1
@@ -496,3 +508,4 @@ class CostAwareSize(SizingRule):
         self.estimator.drafted(state.counts, evidence, nodes)
         if not first:
             state.price.add_drafting(len(nodes), draft_seconds, evidence)
+            self.drafting.add(len(nodes), draft_seconds, evidence)
