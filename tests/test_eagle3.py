@@ -349,15 +349,15 @@ def test_exported_eagle3_drafts_in_vllms_layout_what_hasten_drafts(target, train
 def hasten_chain(target, drafter, tokens: list[int]) -> list[int]:
     """The first chain hasten's drafter proposes after the prompt ``tokens`` (its last token is the root)."""
     captured = []
-    propose = drafter.propose
+    propose = drafter.propose_rows
 
-    def spy(ctx):
-        draft = propose(ctx)
+    def spy(ctxs):
+        drafts = propose(ctxs)
         if not captured:
-            captured.append(list(draft.tokens))
-        return draft
+            captured.append(list(drafts[0].tokens))
+        return drafts
 
-    drafter.propose = spy
+    drafter.propose_rows = spy
     hasten.generate(target, torch.tensor([tokens]), drafter=drafter, max_new_tokens=8, draft_size="fixed")
     return captured[0]
 

@@ -37,18 +37,18 @@ def weights(target, tmp_path_factory):
 
 
 class Trees:
-    """The trees the drafter proposed (a spy on Mixed.propose)."""
+    """The trees the drafter proposed (a spy on Mixed.propose_rows, which the step calls)."""
 
     def __init__(self, monkeypatch):
         self.seen: list[TokenTree] = []
-        real = Mixed.propose
+        real = Mixed.propose_rows
 
-        def spied(drafter, ctx):
-            draft = real(drafter, ctx)
-            self.seen.append(draft.tree)
-            return draft
+        def spied(drafter, ctxs):
+            drafts = real(drafter, ctxs)
+            self.seen.extend(draft.tree for draft in drafts)
+            return drafts
 
-        monkeypatch.setattr(Mixed, "propose", spied)
+        monkeypatch.setattr(Mixed, "propose_rows", spied)
 
 
 def test_union_shares_the_paths_both_drafts_hold():
@@ -95,6 +95,44 @@ def test_rows_of_a_packed_batch_equal_each_row_alone(target, weights):
         assert prompts[i] + results[row_id].tokens == alone[i], f"row {i}"
 
 
+def test_a_batch_drafts_its_rows_together_and_each_row_what_it_drafts_alone(target, weights, monkeypatch):
+    """The step asks the drafter for all of its rows at once (Drafter.propose_rows): EAGLE-3 runs its
+    layer once for every row's catch-up and once per depth for every row's chain, and on hasten's
+    row-invariant kernels each row's chain is the one it drafts alone, after the same tokens."""
+    from hasten.drafters.eagle3 import Eagle3
+
+    chains, calls = {}, []
+    real = Eagle3.draft_rows
+
+    def spied(drafter, ctxs):
+        drafts = real(drafter, ctxs)
+        calls.append(len(ctxs))
+        for ctx, draft in zip(ctxs, drafts):
+            chains.setdefault(tuple(ctx.tokens), []).append(list(draft.tokens))
+        return drafts
+
+    monkeypatch.setattr(Eagle3, "draft_rows", spied)
+    prompts = [repetitive_prompt(16 + 4 * i, seed=i)[0].tolist() for i in range(3)]
+
+    def served(rows: int) -> dict:
+        """Every chain drafted, by the tokens it followed, the prompts served ``rows`` at a time (the
+        predictor beside every copy, guess_below=99, as deep as it goes: fixed)."""
+        chains.clear()
+        scheduler = Scheduler(target, Mixed(weights=weights, guess_below=99), max_batch=rows, draft_size="fixed")
+        for prompt in prompts:
+            scheduler.submit(Request(prompt, NEW))
+        scheduler.run()
+        return dict(chains)
+
+    alone = served(1)
+    assert set(calls) == {1}
+    calls.clear()
+    together = served(3)
+    assert max(calls) == 3 and sum(calls) > 3 * NEW // 4  # the rows drafted together, step after step
+    assert any(chain for drafted in together.values() for chain in drafted)
+    assert all(alone.get(tokens) == drafted for tokens, drafted in together.items())
+
+
 def test_a_server_row_prefills_in_the_steps_and_reuses_a_cached_prefix(target, weights, monkeypatch):
     """The predictor drafts without the prompt's states (Drafter.drafts_without_prompt_features),
     so a row joining a packed batch is never prefilled alone: its prompt runs in the steps beside
@@ -108,19 +146,19 @@ def test_a_server_row_prefills_in_the_steps_and_reuses_a_cached_prefix(target, w
     alone = [hasten.generate(target, torch.tensor([p]), drafter=drafter, max_new_tokens=NEW).sequences[0].tolist()
              for p in prompts]
     misses, hidden_asked, guesses = counted_misses(monkeypatch), [], []
-    add, guess = PackedBatch.add, drafter.predictor.draft
+    add, guess = PackedBatch.add, drafter.predictor.draft_rows
 
     def spied_add(batch, tokens, hidden=False, **options):
         hidden_asked.append(hidden)
         return add(batch, tokens, hidden=hidden, **options)
 
-    def spied_guess(ctx):
-        draft = guess(ctx)
-        guesses.append(len(draft))
-        return draft
+    def spied_guess(ctxs):
+        drafts = guess(ctxs)
+        guesses.extend(len(draft) for draft in drafts)
+        return drafts
 
     monkeypatch.setattr(PackedBatch, "add", spied_add)
-    monkeypatch.setattr(drafter.predictor, "draft", spied_guess)
+    monkeypatch.setattr(drafter.predictor, "draft_rows", spied_guess)
     scheduler = Scheduler(target, drafter, max_batch=2)
     first = [scheduler.submit(Request(p, NEW)) for p in prompts]
     results = scheduler.run()
@@ -190,18 +228,18 @@ def test_a_sure_copy_is_drafted_alone_without_the_predictors_cost(target, weight
     from hasten.drafters.eagle3 import Eagle3
 
     calls = {"mixed": 0, "predictor": 0}
-    real_mixed, real_predictor = Mixed.propose, Eagle3.propose
+    real_mixed, real_predictor = Mixed.propose_rows, Eagle3.propose_rows
 
-    def mixed(drafter, ctx):
-        calls["mixed"] += 1
-        return real_mixed(drafter, ctx)
+    def mixed(drafter, ctxs):
+        calls["mixed"] += len(ctxs)
+        return real_mixed(drafter, ctxs)
 
-    def predictor(drafter, ctx):
-        calls["predictor"] += 1
-        return real_predictor(drafter, ctx)
+    def predictor(drafter, ctxs):
+        calls["predictor"] += len(ctxs)
+        return real_predictor(drafter, ctxs)
 
-    monkeypatch.setattr(Mixed, "propose", mixed)
-    monkeypatch.setattr(Eagle3, "propose", predictor)
+    monkeypatch.setattr(Mixed, "propose_rows", mixed)
+    monkeypatch.setattr(Eagle3, "propose_rows", predictor)
     prompt = repetitive_prompt(32, seed=4)
     outputs = {}
     for guess_below in (0, 99):  # 0: every copy alone; 99: the predictor beside every copy

@@ -239,11 +239,12 @@ def test_probe_matches_the_loop_for_every_trained_drafter(chat, recipe, method):
     reference = hasten.generate(model, prompt, max_new_tokens=40, eos_token_id=[]).sequences[0].tolist()
     weights = str(root / "out" / method)
     looped, verdicts = REGISTRY[method](weights=weights), []
-    propose, last = looped.propose, {}
+    propose, last = looped.propose_rows, {}
 
-    def recording_propose(ctx):
+    def recording_propose(ctxs):
+        (ctx,) = ctxs  # one row
         last["step"] = (len(ctx.tokens) - 1, ctx.max_depth)
-        return propose(ctx)
+        return propose(ctxs)
 
     observe = looped.observe
 
@@ -251,7 +252,7 @@ def test_probe_matches_the_loop_for_every_trained_drafter(chat, recipe, method):
         verdicts.append((*last["step"], result.accepted))
         observe(ctx, result)
 
-    looped.propose, looped.observe = recording_propose, recording_observe
+    looped.propose_rows, looped.observe = recording_propose, recording_observe
     hasten.generate(model, prompt, drafter=looped, max_new_tokens=40, draft_size="fixed", eos_token_id=[])
     probed = {r.root: r for r in teacher_forced(REGISTRY[method](weights=weights), model, reference,
                                                 prompt.shape[1] - 1, depth)}

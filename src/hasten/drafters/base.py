@@ -295,6 +295,12 @@ class Drafter:
     def propose(self, ctx: DraftContext) -> Draft:
         raise NotImplementedError
 
+    def propose_rows(self, ctxs: list[DraftContext]) -> list[Draft]:
+        """The proposals of a batch step's rows that this drafter drafts for, each row's as
+        :meth:`propose` would make it alone (one by one here; a drafter whose model can run the
+        rows together overrides it)."""
+        return [self.propose(ctx) for ctx in ctxs]
+
     def deepest(self) -> int | None:
         """The deepest draft token this drafter can ever propose (its chain length or tree depth
         setting): the planner prices no deeper. None: no fixed bound (a copy runs as long as its

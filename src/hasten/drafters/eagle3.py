@@ -42,7 +42,7 @@ from ..models import lean
 from ..models.layers import decoder_layers, num_layers
 from .base import Draft, DraftContext, EMPTY_DRAFT, StepResult, register
 from .eagle3_layer import Eagle3Layer, default_aux_layers
-from .nn import CommittedRun
+from .nn import CommittedRun, causal
 from .trainable import Batch, TrainedTraining, rank_hits, valid_positions
 from .trained import TrainedDrafter, WeightsSetting, at_least_one
 
@@ -358,25 +358,60 @@ class Eagle3(TrainedDrafter):
             return torch.cat([hidden[k][0, start:end] for k in self.module.config.aux_layers], -1)
 
     def draft(self, ctx: DraftContext) -> Draft:
-        state: Eagle3Run = ctx.state
+        return self.draft_rows([ctx])[0]
+
+    def draft_rows(self, ctxs: list[DraftContext]) -> list[Draft]:
+        """Every row's chain, the layer run once for all the rows' catch-ups and once per depth for
+        their chains, each row over its own cache (:meth:`Eagle3Layer.forward_rows`): on hasten's
+        row-invariant kernels a row drafts in a batch exactly what it drafts alone."""
         module, device = self.module, self.module.fc.weight.device
+        self._catch_up(ctxs, device)
+        depths = [min(self.settings.depth, ctx.max_depth) if ctx.state.newest is not None else 0 for ctx in ctxs]
+        live = [r for r, depth in enumerate(depths) if depth > 0]  # rows still drafting
+        chains: list[list[int]] = [[] for _ in ctxs]
+        if live:
+            hidden = torch.stack([ctxs[r].state.newest for r in live])[None]  # [1, R, H] pre-norm
+        d = 0
+        while live:
+            if d:  # feed (pre-norm output, guessed token) back at position r + d - 1, after each chain so far
+                caches = [ctxs[r].state.cache for r in live]
+                rows = [(cache, cache.length + d - 1, 1, None) for cache in caches]
+                positions = torch.tensor([[start for _, start, _, _ in rows]], device=device)  # [1, R]
+                embeds = self.embed(torch.tensor([[chains[r][-1] for r in live]], device=device))  # [1, R, H]
+                hidden = module.forward_rows(hidden, embeds, positions, rows)  # [1, R, H]
+            guesses = module.to_target(module.logits(hidden[0]).argmax(-1)).tolist()  # [R] target ids
+            for r, token in zip(live, guesses):
+                chains[r].append(token)
+            d += 1
+            going = [j for j, r in enumerate(live) if d < depths[r]]
+            live, hidden = [live[j] for j in going], hidden[:, going]
+        return [Draft.chain(chain) if chain else EMPTY_DRAFT for chain in chains]
 
-        def pairs(start: int, end: int, *args) -> torch.Tensor:  # (aux_t, x_{t+1}) for t in [start, end)
-            embeds = self.embed(torch.tensor(ctx.tokens[start + 1 : end + 1], device=device))  # [new, H]
-            return module(module.fuse(self.features(ctx, start, end))[None], embeds[None], *args)
-
-        # rows without features (a server's prompt: observe moved the layer's start past them) are not run
-        newest = state.catch_up(0 if ctx.features is None else len(ctx.features), pairs, device)  # [H] pre-norm
-        state.kept.clear()  # the layer has run every committed row: what was kept is spent
-        state.kept_to = 0
-        if newest is None:  # no committed feature yet (one-token prompt)
-            return EMPTY_DRAFT
-        cache, tokens = state.cache, []
-        hidden = newest[None, None]  # [1, 1, H]
-        for d in range(min(self.settings.depth, ctx.max_depth)):
-            if d:  # feed (pre-norm output, guessed token) back at position r + d - 1, after the chain so far
-                position = torch.tensor([[cache.length + d - 1]], device=device)
-                hidden = module(hidden, self.embed(torch.tensor([[tokens[-1]]], device=device)), position, None,
-                                cache, cache.length + d - 1)
-            tokens.append(int(module.to_target(module.logits(hidden[0, -1]).argmax(-1))))
-        return Draft.chain(tokens)
+    def _catch_up(self, ctxs: list[DraftContext], device) -> None:
+        """Run the layer over every row's committed positions it has not run, all rows in one call
+        (rows without features, a server's prompt whose states were not reported, were moved past
+        by observe and are not run)."""
+        module = self.module
+        features, tokens, positions, rows, runs = [], [], [], [], []
+        for ctx in ctxs:
+            state: Eagle3Run = ctx.state
+            count = 0 if ctx.features is None else len(ctx.features)
+            start = state.pending(count)
+            if start is not None:  # (aux_t, x_{t+1}) for t in [start, count)
+                entry = state.cache.length
+                features.append(self.features(ctx, start, count))  # [n, 3H]
+                tokens.extend(ctx.tokens[start + 1 : count + 1])
+                positions.append(torch.arange(entry, count - state.shift, device=device))  # [n]
+                rows.append((state.cache, entry, count - start, causal(count - start, entry, device)))
+                runs.append((state, count))
+            state.kept.clear()  # the layer runs every committed row now: what was kept is spent
+            state.kept_to = 0
+        if not rows:
+            return
+        hidden = module.fuse(torch.cat(features))[None]  # [1, N, H]
+        embeds = self.embed(torch.tensor(tokens, device=device))[None]  # [1, N, H]
+        out = module.forward_rows(hidden, embeds, torch.cat(positions)[None], rows)  # [1, N, H]
+        at = 0
+        for (state, count), (_, _, n, _) in zip(runs, rows):
+            at += n
+            state.ran(count, out[0, at - 1])

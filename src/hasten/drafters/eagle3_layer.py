@@ -113,6 +113,25 @@ class Eagle3Layer(TrainedModule):
         return self.attend_and_mix(hidden, token_embeds, positions, lambda q, k, v: self._attend(q, k, v, visible,
                                                                                                    cache, start))
 
+    def forward_rows(self, hidden: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
+                     rows: list[tuple[KVCache, int, int, torch.Tensor | None]]) -> torch.Tensor:
+        """Several generations' positions packed along one token dimension: hidden, token_embeds
+        [1, N, H] and positions [1, N], each generation's ``(cache, start, n, visible)`` in order (n
+        of its positions, keys and values into its cache at ``start``, visible as in
+        :meth:`forward`, [1, n, start + n] or None), the n summing to N -> [1, N, H]. Each attends
+        over its own cache alone, and its outputs are what :meth:`forward` gives it alone where
+        the layer's products are row-invariant (hasten's kernels)."""
+        def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # [1, heads, N, hd] ...
+            outs, at = [], 0
+            for cache, start, n, visible in rows:
+                part = slice(at, at + n)
+                outs.append(self._attend(q[:, :, part].contiguous(), k[:, :, part].contiguous(),
+                                         v[:, :, part].contiguous(), visible, cache, start))  # [1, heads, n, hd]
+                at += n
+            return torch.cat(outs, 2)
+
+        return self.attend_and_mix(hidden, token_embeds, positions, attend)
+
     def attend_and_mix(self, hidden: torch.Tensor, token_embeds: torch.Tensor, positions: torch.Tensor,
                        attend) -> torch.Tensor:
         """The layer with ``attend(q, k, v)`` -> [B, heads, n, head_dim] as its attention (training

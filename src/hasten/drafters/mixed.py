@@ -20,7 +20,7 @@ masses), so the verifier's recursive rejection over the tree keeps sampling exac
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator
 
@@ -87,15 +87,27 @@ class Mixed(Drafter):
         return PREDICTOR_ONLY if grade == 0 else grade + 1
 
     def propose(self, ctx: DraftContext) -> Draft:
-        state = ctx.state
-        with acting(ctx, state.retrieval):
-            grade = self.retrieval.evidence(ctx)  # remembered by the retrieval for these tokens: cheap
-            copy = self.retrieval.propose(ctx)
-        if grade is not None and grade >= self.settings.guess_below and len(copy):
-            return copy
-        with acting(ctx, state.predictor):
-            guess = self.predictor.propose(ctx)
-        return copy.union(guess)
+        return self.propose_rows([ctx])[0]
+
+    def propose_rows(self, ctxs: list[DraftContext]) -> list[Draft]:
+        """Each row's copy; the predictor guesses for the rows whose copy is not sure enough alone,
+        all of them together (its :meth:`~Drafter.propose_rows`)."""
+        copies: list[Draft] = []
+        guessing: list[int] = []
+        for index, ctx in enumerate(ctxs):
+            with acting(ctx, ctx.state.retrieval):
+                grade = self.retrieval.evidence(ctx)  # remembered by the retrieval for these tokens: cheap
+                copies.append(self.retrieval.propose(ctx))
+            if grade is None or grade < self.settings.guess_below or not len(copies[-1]):
+                guessing.append(index)
+        if guessing:
+            with ExitStack() as stack:
+                for index in guessing:
+                    stack.enter_context(acting(ctxs[index], ctxs[index].state.predictor))
+                guesses = self.predictor.propose_rows([ctxs[index] for index in guessing])
+            for index, guess in zip(guessing, guesses):
+                copies[index] = copies[index].union(guess)
+        return copies
 
     def observe(self, ctx: DraftContext, result: StepResult) -> None:
         state = ctx.state

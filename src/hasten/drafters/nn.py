@@ -135,18 +135,28 @@ class CommittedRun:
         over the positions [start, end) of the first ``count`` that it has not seen (their
         keys and values go into the cache from entry ``entry``; ``positions`` are the layer's
         own, entry indices), and return the output at position count - 1 (None while there is none)."""
+        start = self.pending(count)
+        if start is not None:
+            entry = self.cache.length
+            positions = torch.arange(entry, count - self.shift, device=device)[None]  # [1, new]
+            out = layer(start, count, positions, causal(count - start, entry, device), self.cache, entry)  # [1, new, size]
+            self.ran(count, out[0, -1])
+        return self.newest
+
+    def pending(self, count: int) -> int | None:
+        """Where the first ``count`` committed positions the layer has not run start (their cache
+        entries from ``cache.length``), after forgetting what the loop cut; None: it ran them all."""
         cache = self.cache
         if cache.length + self.shift > count:  # the loop cut inside the accepted path: redo the newest position
             cache.truncate(max(count - 1 - self.shift, 0))
             self.newest = None
-        entry = cache.length
-        start = entry + self.shift
-        if count > start:
-            positions = torch.arange(entry, count - self.shift, device=device)[None]  # [1, new]
-            out = layer(start, count, positions, causal(count - start, entry, device), cache, entry)  # [1, new, size]
-            cache.commit(count - self.shift)
-            self.newest = out[0, -1]
-        return self.newest
+        start = cache.length + self.shift
+        return start if count > start else None
+
+    def ran(self, count: int, newest: torch.Tensor) -> None:
+        """The layer ran the :meth:`pending` positions up to ``count``; ``newest``: [size] its output at the last."""
+        self.cache.commit(count - self.shift)
+        self.newest = newest
 
 
 class Block(nn.Module):

@@ -182,8 +182,15 @@ class TrainedDrafter(Drafter):
         return self.start(ctx)
 
     def propose(self, ctx: DraftContext) -> Draft:
+        return self.propose_rows([ctx])[0]
+
+    def propose_rows(self, ctxs: list[DraftContext]) -> list[Draft]:
         with torch.no_grad(), forwards.active():  # the module's and the lent LM head's products on hasten's kernels
-            return self.draft(ctx)
+            return self.draft_rows(ctxs)
+
+    def draft_rows(self, ctxs: list[DraftContext]) -> list[Draft]:
+        """Each row's :meth:`draft` (one by one here; a module that runs rows together overrides it)."""
+        return [self.draft(ctx) for ctx in ctxs]
 
     def _prepare(self, model: PreTrainedModel) -> None:
         if not self.settings.weights:  # weights live beside each target

@@ -80,6 +80,7 @@ class PlannedRow(Protocol):
     cache: RowCache
     clock: Callable[[], float]
     draft_began: float  # set by the planner: the step's drafting time starts with the drafter's grade
+    evidence_seconds: float  # set by the planner: what grading the row's draft took
 
     @property
     def depth_limit(self) -> int: ...
@@ -122,6 +123,7 @@ class DraftPlanner:
             if plan is not None:
                 asks = plan.rule.uses_evidence and limits[id(row)] > 0
                 plan.evidence = row.drafter.evidence(row.ctx) if asks else None
+            row.evidence_seconds = row.clock() - row.draft_began
         for row in sized:
             row.plan.rule.share(row.plan.state, len(rows))  # cost-aware sizing prices the shared forward
         if len(rows) > 1:

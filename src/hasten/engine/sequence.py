@@ -95,7 +95,9 @@ class Sequence:
         # the constraint's one hook: it fits each draft to the grammar, masks the verified logits, follows commits
         self.constraint = None if request.constraint is None else RowConstraint(
             request.constraint, self.eos_token_ids, tokens[len(tokens) - resumed:])
-        self.draft_began = self.draft_ended = 0.0
+        self.draft_began = self.draft_ended = 0.0  # the step's drafting phase (for the scheduler's split of a step)
+        self.evidence_seconds = 0.0  # this step's grading of its draft (set by the planner)
+        self.draft_seconds = 0.0  # this row's part of the step's drafting: its grading and its share of the proposals
         self._start = 0
 
     @property
@@ -111,36 +113,40 @@ class Sequence:
         """The deepest draft token this step could use (the bonus token needs the last slot)."""
         return max(self.max_new_tokens - len(self.generated) - 1, 0)
 
-    def propose(self) -> Draft:
-        """This step's draft, as deep as the planner said (empty without a drafter, on a plain
-        step, or when only the bonus token fits); on a plain step the planner may ask for a chain
-        to watch instead, drafted but not verified (see :mod:`hasten.engine.planner`)."""
-        draft = EMPTY_DRAFT
+    def ask(self) -> int:
+        """How deep this step's proposal goes (0: none): the planner's depth, or on a plain step the
+        depth of a chain to watch, drafted but not verified (see :mod:`hasten.engine.planner`).
+        Sets ``ctx.max_depth``, which the drafter reads."""
         self.watching = ((), 0, 0.0)
         plan = self.plan
-        if plan is not None and plan.depth > 0:
-            self.ctx.max_depth = plan.depth
-            draft = self.fit(self.drafter.propose(self.ctx), plan.depth)
-        elif plan is not None and plan.watch > 0:
-            self.watch(plan.watch)
-        elif plan is not None and self.depth_limit > 0:
+        if plan is None:
+            return 0
+        if plan.depth > 0 or plan.watch > 0:
+            self.ctx.max_depth = plan.depth or plan.watch
+            return self.ctx.max_depth
+        if self.depth_limit > 0:
+            self.ctx.max_depth = 0
+        return 0
+
+    def take(self, proposal: Draft | None, seconds: float = 0.0) -> Draft:
+        """This step's draft from the drafter's ``proposal`` for :meth:`ask`'s depth (None where it
+        asked for none), proposed in ``seconds``: cut to the planner's depth, or on a plain step
+        kept as the chain the tokens committed next are compared with (the planner's hindsight),
+        and the step's draft is empty; then fitted to the row's grammar."""
+        draft, plan = EMPTY_DRAFT, self.plan
+        if proposal is not None and plan.depth > 0:
+            draft = self.fit(proposal, plan.depth)
+        elif proposal is not None:
+            chain = proposal if proposal.tree.is_chain else proposal.main_chain(plan.watch)
+            self.watching = (tuple(chain.tokens[: plan.watch]), len(self.tokens), seconds)
             self.ctx.max_depth = 0
         if self.constraint is not None:  # forced text only where a method drafts: plain decoding stays plain
             draft = self.constraint.fit(draft, self.depth_limit if self.drafter is not None else 0, self.tokens,
                                         self.cache.trees_ok)
+        self.draft_seconds = self.evidence_seconds + seconds
         self.draft_ended = self.clock()
         self._start = self.cache.cache_length  # == len(tokens) - 1, before the forward caches the block
         return draft
-
-    def watch(self, depth: int) -> None:
-        """Draft a chain ``depth`` deep without verifying it: the tokens committed from now on say,
-        depth by depth, what verification would have accepted (the planner's hindsight)."""
-        began = self.clock()
-        self.ctx.max_depth = depth
-        draft = self.drafter.propose(self.ctx)
-        chain = tuple((draft if draft.tree.is_chain else draft.main_chain(depth)).tokens[:depth])
-        self.watching = (chain, len(self.tokens), self.clock() - began)
-        self.ctx.max_depth = 0
 
     def _scoring_rows(self, raw: torch.Tensor, ruled: torch.Tensor, blocks: list[int]) -> torch.Tensor:
         """[len(blocks), vocab] what a committed token's log-probability is read from: the raw
@@ -214,7 +220,7 @@ class Sequence:
             if ctx.feature_buffer is not None:
                 ctx.feature_buffer.truncate(len(self.tokens) - 1)
         verified_at = self.clock()
-        stats.draft_seconds += self.draft_ended - self.draft_began
+        stats.draft_seconds += self.draft_seconds
         stats.verify_seconds += verified_at - self.draft_ended
         max_depth = max(draft.tree.depths, default=0)
         stats.record(max_depth, len(draft), len(verdict.accepted), len(new))
@@ -223,7 +229,7 @@ class Sequence:
             riders = None if out.riders is None else out.riders[kept_blocks[-1]]
             self.drafter.observe(ctx, StepResult(len(draft), len(verdict.accepted), max_depth, riders))
         watched, watched_at, watch_seconds = self.watching
-        return StepOutcome(draft.tree, len(verdict.accepted), self.draft_ended - self.draft_began,
+        return StepOutcome(draft.tree, len(verdict.accepted), self.draft_seconds,
                            verified_at - self.draft_ended, counts, new, watched, watched_at, watch_seconds, start,
                            len(draft) + 1)
 
@@ -286,7 +292,7 @@ def step(target: Target, sequences: list[Sequence], planner: DraftPlanner) -> li
     (:func:`~hasten.engine.verify.verify_all`), every sequence settles, the planner learns.
     Returns each sequence's newly committed tokens."""
     planner.plan(sequences)
-    drafts = [sequence.propose() for sequence in sequences]
+    drafts = propose(sequences)
     riders = [draft.riders for draft in drafts]
     outs = target.forward_rows(
         [sequence.cache for sequence in sequences],
@@ -301,3 +307,24 @@ def step(target: Target, sequences: list[Sequence], planner: DraftPlanner) -> li
                 for sequence, draft, out, check, verdict in zip(sequences, drafts, outs, checks, verdicts)]
     planner.learn(sequences, outcomes)
     return [outcome.committed for outcome in outcomes]
+
+
+def propose(sequences: list[Sequence]) -> list[Draft]:
+    """Every sequence's draft for this step (:meth:`Sequence.ask`, :meth:`Sequence.take`). The rows
+    one drafter proposes for are proposed together (:meth:`Drafter.propose_rows`: a trained drafter
+    runs its layer once for all of them), each charged an equal share of the call's seconds."""
+    depths = [sequence.ask() for sequence in sequences]
+    proposals: list[tuple[Draft, float] | None] = [None] * len(sequences)
+    groups: dict[int, list[int]] = {}
+    for index, (sequence, depth) in enumerate(zip(sequences, depths)):
+        if depth:
+            groups.setdefault(id(sequence.drafter), []).append(index)
+    for members in groups.values():
+        first = sequences[members[0]]
+        began = first.clock()
+        drafts = first.drafter.propose_rows([sequences[index].ctx for index in members])
+        share = (first.clock() - began) / len(members)
+        for index, draft in zip(members, drafts):
+            proposals[index] = (draft, share)
+    return [sequence.take(*proposal) if proposal is not None else sequence.take(None)
+            for sequence, proposal in zip(sequences, proposals)]
