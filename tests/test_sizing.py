@@ -242,6 +242,24 @@ def test_probes_and_explorations_back_off_across_generations():
     assert drafted_steps(later) < first
 
 
+def test_a_new_generation_waits_for_its_probe_where_the_ones_before_backed_off():
+    """A generation's first draft may run a trained drafter over the whole prompt (1-2k tokens on
+    Spec-Bench's summaries): where the generations before found no depth that pays and backed
+    their probes off, a new one starts plain and probes only after as many plain steps."""
+    rule = CostAwareSize(FLAT, probe_gap=2, explore_scale=0.0)
+    assert rule.depth(rule.begin(None), 10) > 0  # no history: the first step probes at once
+    for _ in range(6):  # generations whose drafts never get a token accepted
+        observe_steps(rule, rule.begin(None), 40, depth=10, accepted=0, seconds_per_depth=0.2)
+    later = rule.begin(None)
+    gap, depths = later.probe_gap, []
+    assert gap > 2  # the back-off the generations before reached
+    for _ in range(gap + 1):
+        depth = rule.depth(later, 10)
+        depths.append(depth)
+        rule.observe(later, TokenTree.chain(depth), 0, 0.2 * depth, 1.0)
+    assert depths == [0] * gap + [1]  # plain steps, then a probe one deep
+
+
 def test_cost_curve_interpolates_and_extrapolates():
     curve = CostCurve((1, 2, 4), (1.0, 2.0, 3.0))
     assert curve(3) == pytest.approx(2.5)

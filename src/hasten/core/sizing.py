@@ -14,7 +14,8 @@ size *on this machine*, a packed batch's cost, the drafter's measured drafting s
 generation takes over from the ones before it). ``k = 0`` (a plain step, no proposal at all) is
 allowed when drafting does not pay; a small probe now and then re-measures acceptance, less often
 after each one that fails, and a new generation keeps the back-off the latest one reached (a drafter
-whose drafts did not pay is not tried afresh on every new request).
+whose drafts did not pay is not tried afresh on every new request): where the generations before found
+no depth that pays, a new one starts plain and waits for its probe as they did.
 
 Exploring: a single early failure must not silence a drafter for a whole generation. So among the
 depths whose failure costs at most one plain step more than a plain step (on a flat or nearly flat
@@ -406,7 +407,14 @@ class CostAwareSize(SizingRule):
             first = min(limit, FIRST_DEPTHS)
             rates = self.rates(state, first)
             best = max(range(len(rates)), key=lambda k: (rates[k], -k))
-            state.chosen = best if watches(state) else max(best, self.probe_depth(state, first))
+            if watches(state):
+                state.chosen = best
+            elif best or higher or state.probe_gap <= self.first_probe_gap:
+                state.chosen = max(best, self.probe_depth(state, first))
+            else:  # the generations before found no draft that pays and backed their probes off: so does this one
+                state.skipped += 1
+                probe = self.probe_depth(state, first) if state.skipped > state.probe_gap else 0
+                state.chosen, state.probing = probe, bool(probe)
             return state.chosen
         top = self.top(state, limit)
         tokens, nodes = self.estimator.expected(state.counts, top)
