@@ -328,6 +328,22 @@ def test_save_load_and_shape_checks(tmp_path):
         hasten.generate(model, repetitive_prompt(8), drafter=HiddenTransfer(layer=5))
 
 
+def test_weights_are_read_once_while_their_files_stay_and_each_load_is_its_own_copy(tmp_path):
+    model = tiny_model("llama")
+    first = opinionated(EagleLayer.for_target(model), seed=1)
+    first.save(tmp_path / "eagle")
+    a, b = EagleLayer.load(tmp_path / "eagle"), EagleLayer.load(tmp_path / "eagle")
+    assert a is not b and a.fc.weight.data_ptr() != b.fc.weight.data_ptr()  # a drafter may cast or change its own
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    a.fc.weight.data.zero_()
+    assert not torch.equal(EagleLayer.load(tmp_path / "eagle").fc.weight, a.fc.weight)
+    second = opinionated(EagleLayer.for_target(model), seed=2)
+    second.save(tmp_path / "eagle")  # new files (retrained): read again
+    again = EagleLayer.load(tmp_path / "eagle")
+    assert torch.equal(again.fc.weight, second.fc.weight.half().float())
+    assert not torch.equal(again.fc.weight, b.fc.weight)
+
+
 ZOO = Path(hasten.__file__).parent / "zoo" / "weights" / "code-tiny"
 TRAINED = {**{name: entry[0] for name, entry in DRAFTERS.items()}, "medusa": Medusa}
 

@@ -95,7 +95,8 @@ def test_rows_of_a_packed_batch_equal_each_row_alone(target, weights):
         assert prompts[i] + results[row_id].tokens == alone[i], f"row {i}"
 
 
-def test_a_batch_drafts_its_rows_together_and_each_row_what_it_drafts_alone(target, weights, monkeypatch):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_batch_drafts_its_rows_together_and_each_row_what_it_drafts_alone(target, weights, dtype, monkeypatch):
     """The step asks the drafter for all of its rows at once (Drafter.propose_rows): EAGLE-3 runs its
     layer once for every row's catch-up and once per depth for every row's chain, and on hasten's
     row-invariant kernels each row's chain is the one it drafts alone, after the same tokens."""
@@ -124,10 +125,14 @@ def test_a_batch_drafts_its_rows_together_and_each_row_what_it_drafts_alone(targ
         scheduler.run()
         return dict(chains)
 
-    alone = served(1)
-    assert set(calls) == {1}
-    calls.clear()
-    together = served(3)
+    target.to(dtype)
+    try:
+        alone = served(1)
+        assert set(calls) == {1}
+        calls.clear()
+        together = served(3)
+    finally:
+        target.float()
     assert max(calls) == 3 and sum(calls) > 3 * NEW // 4  # the rows drafted together, step after step
     assert any(chain for drafted in together.values() for chain in drafted)
     assert all(alone.get(tokens) == drafted for tokens, drafted in together.items())

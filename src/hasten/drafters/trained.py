@@ -18,6 +18,7 @@ committed tokens ``x_0 .. x_r`` (``x_r`` the root), ``ctx.features`` holds
 """
 from __future__ import annotations
 
+import copy
 import json
 import warnings
 from dataclasses import asdict, dataclass, fields
@@ -39,6 +40,8 @@ from .base import EMPTY_DRAFT, Draft, DraftContext, Drafter, TargetView
 from .candidates import CombinationTree
 
 WEIGHTS_FILE = "weights.safetensors"
+LOADED_KEPT = 4  # trained modules kept as read (float32), for the next drafter of the same weights
+_LOADED: dict[tuple[type, str], tuple[tuple, "TrainedModule"]] = {}  # (class, directory) -> (files' stamp, module)
 
 
 @dataclass(frozen=True)
@@ -89,18 +92,27 @@ class TrainedModule(nn.Module):
 
     @classmethod
     def load(cls, directory: str | Path) -> "TrainedModule":
-        """The module saved in ``directory``, in float32 (FileNotFoundError if either file is missing)."""
+        """The module saved in ``directory``, in float32 (FileNotFoundError if either file is missing).
+        Each call gets its own copy; the files are read once while they do not change (a drafter
+        made per request, as the bench makes one per run, took 7-37 ms to read and build them)."""
         directory = Path(directory)
         config_file, weights_file = directory / f"{cls.name}.json", directory / WEIGHTS_FILE
         if not config_file.is_file() or not weights_file.is_file():
             raise FileNotFoundError(
                 f"no {cls.name} weights in {directory} (expected {config_file.name} and {WEIGHTS_FILE})"
             )
-        known = {f.name for f in fields(cls.Config)}
-        config = cls.Config(**{k: v for k, v in json.loads(config_file.read_text()).items() if k in known})
-        module = cls(config)
-        module.load_state_dict({k: t.float() for k, t in load_file(weights_file).items()})
-        return module.eval()
+        stamp = tuple((f.stat().st_mtime_ns, f.stat().st_size) for f in (config_file, weights_file))
+        key = (cls, str(directory.resolve()))
+        cached = _LOADED.get(key)
+        if cached is None or cached[0] != stamp:
+            known = {f.name for f in fields(cls.Config)}
+            config = cls.Config(**{k: v for k, v in json.loads(config_file.read_text()).items() if k in known})
+            module = cls(config)
+            module.load_state_dict({k: t.float() for k, t in load_file(weights_file).items()})
+            cached = _LOADED[key] = (stamp, module.eval())
+            while len(_LOADED) > LOADED_KEPT:
+                _LOADED.pop(next(iter(_LOADED)))
+        return copy.deepcopy(cached[1])
 
     def check_fits(self, model: PreTrainedModel) -> None:
         vocab, hidden = model.get_output_embeddings().weight.shape
