@@ -217,7 +217,7 @@ def test_a_new_generation_prices_drafting_at_what_it_cost_in_the_ones_before():
         rule.drafted(earlier, None, [1] * depth, seconds)
     later = rule.begin(None)
     assert later.price.draft_cost() == pytest.approx((0.3, 0.1))  # the same fit, before any proposal of its own
-    assert later.price.draft_sums[0] == pytest.approx(1.0)  # worth one proposal: its own soon outweigh it
+    assert later.price.drafting.sums[0] == pytest.approx(1.0)  # worth one proposal: its own soon outweigh it
     assert CostAwareSize(FLAT).begin(None).price.draft_cost() == (0.0, 0.0)  # a rule with no history: nothing known
 
 

@@ -53,12 +53,7 @@ class StepPrice:
 
     curve: CostCurve
     decay: float = 0.9
-    # drafting seconds ~ fixed + per_depth * depth, fitted by decayed least squares over
-    # (depth drafted, seconds) of the steps that proposed: [weight, sum k, sum k^2, sum t, sum k t]
-    draft_sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-    # the same sums for each grade of evidence alone (a mixed drafter copies at some grades, in well under a
-    # millisecond, and runs a trained predictor at others); a grade not seen yet is priced by the pooled sums
-    graded_sums: dict[int | None, list[float]] = field(default_factory=dict)
+    drafting: "DraftingCost | None" = None  # what its proposals cost (None: a fresh one, decaying at ``decay``)
     scale: float | None = None  # observed verify seconds / calibrated forward seconds
     rows: int = 1  # sequences sharing the target's forward (a batch): its cost is split among them
     timed: bool = False  # a step's verify time has been seen (the first is not used: see observe_forward)
@@ -140,26 +135,55 @@ class StepPrice:
             self.scale = ratio if self.scale is None else 0.8 * self.scale + 0.2 * ratio
         self.timed = True
 
+    def __post_init__(self) -> None:
+        if self.drafting is None:
+            self.drafting = DraftingCost(self.decay)
+
     def add_drafting(self, depth: int, seconds: float, grade: int | None = None) -> None:
         """A proposal ``depth`` deep, graded ``grade``, took ``seconds``."""
-        for sums in (self.draft_sums, self.graded_sums.setdefault(grade, [0.0] * 5)):
-            _accumulate(sums, depth, seconds, self.decay)
+        self.drafting.add(depth, seconds, grade)
 
-    def start_from(self, pool: "DraftingPool") -> None:
+    def start_from(self, pool: "DraftingCost") -> None:
         """Begin with what drafting cost in earlier generations (``pool``), worth one proposal per
         grade: the first proposals of a generation are then priced at what they cost before, not
         at nothing (its very first, which may catch up with the whole prompt, is not timed:
         core/sizing.py), and its own proposals soon outweigh the pool's."""
-        self.draft_sums = _one_proposal(pool.sums)
-        self.graded_sums = {grade: _one_proposal(sums) for grade, sums in pool.graded.items()}
+        self.drafting = pool.as_one_proposal(self.decay)
 
     def draft_cost(self, grade: int | None = None) -> tuple[float, float]:
+        return self.drafting.cost(grade)
+
+    def drafting_seconds(self, depth: int, grade: int | None = None) -> float:
+        fixed, per_depth = self.draft_cost(grade)
+        return fixed + per_depth * depth if depth else 0.0
+
+
+
+@dataclass
+class DraftingCost:
+    """Drafting seconds ~ fixed + per_depth * depth, fitted by decayed least squares over (depth
+    drafted, seconds) of the proposals seen: one generation's (:class:`StepPrice`), or a sizing
+    rule's over all its generations (the same drafter on the same model). ``sums``: [weight, sum k,
+    sum k^2, sum t, sum k t]; ``graded``: the same for each grade of evidence alone (a mixed drafter
+    copies at some grades, in well under a millisecond, and runs a trained predictor at others)."""
+
+    decay: float = 0.9
+    sums: list[float] = field(default_factory=lambda: [0.0] * 5)
+    graded: dict[int | None, list[float]] = field(default_factory=dict)
+
+    def add(self, depth: int, seconds: float, grade: int | None = None) -> None:
+        """A proposal ``depth`` deep, graded ``grade``, took ``seconds``."""
+        for sums in (self.sums, self.graded.setdefault(grade, [0.0] * 5)):
+            for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
+                sums[i] = sums[i] * self.decay + value
+
+    def cost(self, grade: int | None = None) -> tuple[float, float]:
         """(fixed seconds, seconds per depth) of one proposal graded ``grade`` (its own
         proposals' fit once it has one, else every grade's). Until depths have varied, all of
         it is charged per depth (a guess that errs towards shallower drafts, which then vary
         the depth and reveal the fixed part)."""
-        sums = self.graded_sums.get(grade)
-        weight, k, kk, t, kt = sums if sums is not None and sums[0] > 0 else self.draft_sums
+        sums = self.graded.get(grade)
+        weight, k, kk, t, kt = sums if sums is not None and sums[0] > 0 else self.sums
         if weight <= 0:
             return 0.0, 0.0
         spread = weight * kk - k * k
@@ -169,31 +193,9 @@ class StepPrice:
             return fixed, slope
         return 0.0, t / k
 
-    def drafting_seconds(self, depth: int, grade: int | None = None) -> float:
-        fixed, per_depth = self.draft_cost(grade)
-        return fixed + per_depth * depth if depth else 0.0
+    def as_one_proposal(self, decay: float) -> "DraftingCost":
+        """The same fits, each as sure as one proposal (weight one), decaying at ``decay``."""
+        def one(sums: list[float]) -> list[float]:
+            return [value / sums[0] for value in sums] if sums[0] > 0 else [0.0] * 5
 
-
-@dataclass
-class DraftingPool:
-    """Drafting seconds by depth, pooled over a sizing rule's generations (the same drafter on the
-    same model): the decayed least-squares sums of :class:`StepPrice`, overall and per grade."""
-
-    decay: float = 0.9
-    sums: list[float] = field(default_factory=lambda: [0.0] * 5)
-    graded: dict[int | None, list[float]] = field(default_factory=dict)
-
-    def add(self, depth: int, seconds: float, grade: int | None = None) -> None:
-        for sums in (self.sums, self.graded.setdefault(grade, [0.0] * 5)):
-            _accumulate(sums, depth, seconds, self.decay)
-
-
-def _accumulate(sums: list[float], depth: int, seconds: float, decay: float) -> None:
-    """Fold one proposal into decayed least-squares sums [weight, sum k, sum k^2, sum t, sum k t]."""
-    for i, value in enumerate((1.0, depth, depth * depth, seconds, depth * seconds)):
-        sums[i] = sums[i] * decay + value
-
-
-def _one_proposal(sums: list[float]) -> list[float]:
-    """Sums rescaled to a weight of one (the same fit, as sure as one proposal); zeros stay."""
-    return [value / sums[0] for value in sums] if sums[0] > 0 else [0.0] * 5
+        return DraftingCost(decay, one(self.sums), {grade: one(sums) for grade, sums in self.graded.items()})

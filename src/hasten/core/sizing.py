@@ -55,7 +55,7 @@ import numpy as np
 
 from .cost import CostCurve
 from .estimate import AcceptanceCounts, AcceptanceEstimator
-from .pricing import DraftingPool, KnownCosts, StepCosts, StepPrice
+from .pricing import DraftingCost, KnownCosts, StepCosts, StepPrice
 from .tree import TokenTree
 
 # depths priced before a drafter has drafted (a drafter with no match proposes nothing, so this
@@ -181,7 +181,7 @@ class CostAwareSize(SizingRule):
         # server's rows are short, and the ones before them saw the same drafter on the same model)
         self.estimator = AcceptanceEstimator(prior, prior_weight, decay, pool_decay)
         # what drafting cost in those generations: a new one starts from it (StepPrice.start_from)
-        self.drafting = DraftingPool(decay)
+        self.drafting = DraftingCost(decay)
         self.decay = decay  # how fast a generation's measured drafting seconds fade
         self.explore_scale = explore_scale  # standard deviation of the exploration draw (0: none)
         self.probe_share = probe_share

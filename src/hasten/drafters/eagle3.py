@@ -369,8 +369,7 @@ class Eagle3(TrainedDrafter):
         depths = [min(self.settings.depth, ctx.max_depth) if ctx.state.newest is not None else 0 for ctx in ctxs]
         live = [r for r, depth in enumerate(depths) if depth > 0]  # rows still drafting
         chains: list[list[int]] = [[] for _ in ctxs]
-        if live:
-            hidden = torch.stack([ctxs[r].state.newest for r in live])[None]  # [1, R, H] pre-norm
+        hidden = torch.stack([ctxs[r].state.newest for r in live])[None] if live else None  # [1, R, H] pre-norm
         d = 0
         while live:
             if d:  # feed (pre-norm output, guessed token) back at position r + d - 1, after each chain so far

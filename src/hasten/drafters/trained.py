@@ -101,7 +101,7 @@ class TrainedModule(nn.Module):
             raise FileNotFoundError(
                 f"no {cls.name} weights in {directory} (expected {config_file.name} and {WEIGHTS_FILE})"
             )
-        stamp = tuple((f.stat().st_mtime_ns, f.stat().st_size) for f in (config_file, weights_file))
+        stamp = tuple((status.st_mtime_ns, status.st_size) for status in (config_file.stat(), weights_file.stat()))
         key = (cls, str(directory.resolve()))
         cached = _LOADED.get(key)
         if cached is None or cached[0] != stamp:

@@ -314,7 +314,7 @@ def propose(sequences: list[Sequence]) -> list[Draft]:
     one drafter proposes for are proposed together (:meth:`Drafter.propose_rows`: a trained drafter
     runs its layer once for all of them), each charged an equal share of the call's seconds."""
     depths = [sequence.ask() for sequence in sequences]
-    proposals: list[tuple[Draft, float] | None] = [None] * len(sequences)
+    proposals: list[tuple[Draft | None, float]] = [(None, 0.0)] * len(sequences)  # (proposal, its seconds)
     groups: dict[int, list[int]] = {}
     for index, (sequence, depth) in enumerate(zip(sequences, depths)):
         if depth:
@@ -326,5 +326,4 @@ def propose(sequences: list[Sequence]) -> list[Draft]:
         share = (first.clock() - began) / len(members)
         for index, draft in zip(members, drafts):
             proposals[index] = (draft, share)
-    return [sequence.take(*proposal) if proposal is not None else sequence.take(None)
-            for sequence, proposal in zip(sequences, proposals)]
+    return [sequence.take(*proposal) for sequence, proposal in zip(sequences, proposals)]
