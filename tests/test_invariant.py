@@ -340,3 +340,26 @@ def test_sampling_with_a_tree_3_deep_follows_the_bfloat16_target(monkeypatch):
     monkeypatch.setattr(law, "TARGET", target)
     tv, limit = law.deep_tv(law.RankedTreeDrafter(target, law.TREE_SAMPLING), law.TREE_SAMPLING)
     assert tv < limit, f"TV {tv:.3f} >= bound {limit:.3f}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_instruction_path_gives_the_same_norm_and_rotary(dtype):
+    """The norm's and the rotary embedding's AVX-512 and AVX2 builds are the portable code
+    compiled for wider registers: the same bits on every path, tails (widths not a multiple of
+    16) and the residual add included."""
+    torch.manual_seed(3)
+    norms = [((torch.randn(5, width) * 4).to(dtype), (torch.randn(width) + 1).to(dtype), torch.randn(5, width).to(dtype))
+             for width in (576, 100)]
+    angles = torch.randn(6, 64) * 30
+    qk, cos, sin = torch.randn(6, 12, 64).to(dtype), angles.cos().to(dtype), angles.sin().to(dtype)
+    outputs = {}
+    for path in (0, 1, 2):
+        try:
+            with kernels.forced_path(path):
+                got = [part for x, weight, delta in norms for part in ops.rms_norm(x, weight, 1e-5, delta)]
+                outputs[path] = got + [ops.rotary(qk, cos, sin)]
+        except ValueError:  # a CPU without that path
+            continue
+    assert 0 in outputs
+    for path, got in outputs.items():
+        assert all(torch.equal(a, b) for a, b in zip(got, outputs[0])), f"path {path}"

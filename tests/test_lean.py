@@ -8,7 +8,8 @@ import hasten
 from hasten.core.tree import TokenTree
 from hasten.drafters import PromptLookup
 from hasten.models import cache as kv
-from hasten.models import invariant, lean
+from hasten.kernels import ops
+from hasten.models import forwards, invariant, lean
 from hasten.models.adapter import ModelAdapter
 from hasten.models.layers import last_queries
 from helpers import DEVICE, ScriptedDrafter, generate_exactly, hf_greedy, repetitive_prompt, tiny_model
@@ -78,24 +79,46 @@ def test_greedy_output_is_generates_through_the_lean_forward(arch, mode, monkeyp
     assert counter.calls > 0
 
 
-@pytest.mark.parametrize("hidden", [32, 576, 896, 960, 2048, 4096])
-def test_fused_rms_norm_and_the_formula_transformers_writes_agree_bit_for_bit(hidden):
-    """The lean forward's norms use torch's fused rms_norm; transformers' Llama and Qwen2
-    write it out as weight * (x * rsqrt(mean(x^2) + eps)). Checked at the widths of common
-    models and several row counts."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("hidden", [32, 576, 896, 2048])
+def test_the_norm_kernel_is_transformers_formula_each_row_alone_with_the_residual_add_exact(hidden, dtype):
+    """The CPU norm (ops.rms_norm: the lean forward's and the prepared model's own) is
+    transformers' weight * (x * rsqrt(mean(x^2) + eps)) up to the order of its sum of squares:
+    within a rounding of the formula, each row's bits the same alone or among others, and the
+    residual add it carries is PyTorch's add bit for bit."""
     torch.manual_seed(hidden)
-    norm = nn.Module()
-    norm.weight, norm.variance_epsilon = torch.randn(hidden), 1e-6
-    for rows in (1, 7, 300):
-        x = torch.randn(1, rows, hidden) * 3
-        written = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
-        assert torch.equal(lean._rms_norm(norm, x), written)
-        for half in (torch.bfloat16, torch.float16):  # computed in float32, then rounded and weighted
-            norm.weight = norm.weight.to(half)
-            h = x.to(half).float()
-            written = norm.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)).to(half)
-            assert torch.equal(lean._rms_norm(norm, x.to(half)), written)
-            norm.weight = norm.weight.float()
+    weight = (torch.randn(hidden) * 0.2 + 1).to(dtype)
+    x, delta = (torch.randn(300, hidden) * 3).to(dtype), torch.randn(300, hidden).to(dtype)
+    out, stream = ops.rms_norm(x, weight, 1e-6, delta)
+    assert out.dtype == dtype and torch.equal(stream, x + delta)
+    h = stream.float()
+    written = weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    step = 1e-6 if dtype == torch.float32 else 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10  # a rounding, relative
+    assert torch.allclose(out.float(), written.float(), rtol=2 * step, atol=1e-6)
+    for rows in ((0, 1), (5, 12), (299, 300)):
+        alone, alone_stream = ops.rms_norm(x[rows[0]:rows[1]], weight, 1e-6, delta[rows[0]:rows[1]])
+        assert torch.equal(alone, out[rows[0]:rows[1]]) and torch.equal(alone_stream, stream[rows[0]:rows[1]])
+    plain, same = ops.rms_norm(stream, weight, 1e-6)
+    assert torch.equal(plain, out) and same is stream
+    norm = prepared("llama").model.norm  # the model's own norm module runs the kernel inside hasten's forwards
+    norm.weight.data = weight.float()
+    with forwards.active():
+        assert torch.equal(norm(stream.float()[None])[0], ops.rms_norm(stream.float(), norm.weight, norm.variance_epsilon)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_rotary_kernel_gives_pytorchs_bits(dtype):
+    """ops.rotary is transformers' x * cos + rotate_half(x) * sin operation for operation, each
+    rounded as PyTorch's CPU operators round it: the same bits, on strided views too."""
+    torch.manual_seed(1)
+    qkv = torch.randn(37, 15, 64).to(dtype)  # [rows, heads, D]
+    angles = torch.randn(37, 64) * 40
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    qk = qkv[:, :11]  # a view: the row stride is the packed product's
+    half = torch.cat((-qk[..., 32:], qk[..., :32]), dim=-1)
+    assert torch.equal(ops.rotary(qk, cos, sin), qk * cos[:, None] + half * sin[:, None])
+    with pytest.raises(ValueError, match="cos/sin"):
+        ops.rotary(qk, cos[:, :32], sin[:, :32])
 
 
 def prepared(arch: str):

@@ -51,6 +51,10 @@ SIGNATURES = {
     # start, prefix, extra_offsets, extra, scale, softcap, threads
     "hasten_attention": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _int, _int, _i64, _i64, _i64, _i64,
                           _p, _p, _p, _p, _f32, _f32, _int], _int),
+    # x, sx, delta, sd, residual_out, sr, dtype, w, wt, out, so, ot, rows, n, eps
+    "hasten_rms_norm": ([_p, _i64, _p, _i64, _p, _i64, _int, _p, _int, _p, _i64, _int, _i64, _i64, _f32], _int),
+    # x, sx_row, sx_head, cos, sin, sc, out, so_row, so_head, dtype, rows, heads, D
+    "hasten_rotary": ([_p, _i64, _i64, _p, _p, _i64, _p, _i64, _i64, _int, _i64, _i64, _i64], _int),
 }
 
 

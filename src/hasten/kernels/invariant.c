@@ -1,4 +1,5 @@
-/* Row-invariant kernels for hasten's CPU forwards: a linear layer and attention.
+/* Row-invariant kernels for hasten's CPU forwards: a linear layer, attention, and the RMS norm and rotary
+ * embedding around them (at the end of this file).
  *
  * Every output element is computed by one fixed sequence of IEEE-754 operations that depends
  * only on that element's own inputs: never on how many rows a call carries, which other rows
@@ -953,4 +954,150 @@ int hasten_attention(const void *q, int64_t q_row, int64_t q_head, const void *k
     }
     free(runs);
     return failed ? -2 : 0;
+}
+
+/* ============================ norm and rotary (the step's glue) ============================== */
+/* One call each where PyTorch takes five to eight small operations. The rotary embedding is
+ * transformers' own arithmetic, operation for operation, each result rounded to the tensors'
+ * format as PyTorch's CPU operators round it (computed in float32, rounded to nearest even), so
+ * it gives PyTorch's bits. The norm is a contract of its own (PyTorch's sum of squares goes in
+ * an order that depends on the CPU's vector width):
+ *   rms norm:  h = float(x) (with a residual: x = round(residual + delta) first, stored)
+ *              ss = sum of h_i * h_i: 16 lanes by i mod 16, fma in i order, then summed pairwise
+ *              y_i = round(h_i * (1 / sqrt(ss / n + eps)));  out_i = round_out(weight_i * y_i)
+ * The AVX-512 and AVX2 builds of the norm are the portable code compiled for those instruction
+ * sets (the same operations; fmaf is correctly rounded wherever it runs), so the bits do not
+ * depend on the CPU. */
+
+static inline float round_to(float f, int dtype) {
+    if (dtype == BF16) return bf16_to_f32(f32_to_bf16(f));
+    if (dtype == FP16) return fp16_to_f32(f32_to_fp16(f));
+    return f;
+}
+
+/* v[0..n) rounded to the format and back (each loop one format, so it vectorizes) */
+static inline void round_row(float *v, int64_t n, int dtype) {
+    if (dtype == BF16) for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
+    else if (dtype == FP16) for (int64_t i = 0; i < n; i++) v[i] = fp16_to_f32(f32_to_fp16(v[i]));
+}
+static inline void store_row(void *p, int64_t offset, int64_t n, int dtype, const float *src) {
+    if (dtype == BF16) for (int64_t i = 0; i < n; i++) ((uint16_t *)p)[offset + i] = f32_to_bf16(src[i]);
+    else if (dtype == FP16) for (int64_t i = 0; i < n; i++) ((uint16_t *)p)[offset + i] = f32_to_fp16(src[i]);
+    else memcpy((float *)p + offset, src, sizeof(float) * (size_t)n);
+}
+
+/* the norm of one row, as the contract above writes it; h, t: scratch of n floats, weight: as float32 */
+static inline __attribute__((always_inline)) void rms_row(const void *x, int64_t xo, const void *delta, int64_t doff,
+                                                         void *residual_out, int64_t ro, int dtype, const float *weight,
+                                                         void *out, int64_t oo, int ot, int64_t n, float eps, float *h,
+                                                         float *t) {
+    load_row(x, xo, n, dtype, h);
+    if (delta) {
+        load_row(delta, doff, n, dtype, t);
+        for (int64_t i = 0; i < n; i++) h[i] = h[i] + t[i];
+        round_row(h, n, dtype);
+        store_row(residual_out, ro, n, dtype, h);
+    }
+    float lanes[LANES];
+    for (int l = 0; l < LANES; l++) lanes[l] = 0.0f;
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int l = 0; l < LANES; l++) lanes[l] = fmaf(h[i + l], h[i + l], lanes[l]);
+    for (int l = 0; i < n; i++, l++) lanes[l] = fmaf(h[i], h[i], lanes[l]);
+    const float inverse = 1.0f / sqrtf(lanes_sum(lanes) / (float)n + eps);
+    for (int64_t j = 0; j < n; j++) t[j] = h[j] * inverse;
+    round_row(t, n, dtype);
+    for (int64_t j = 0; j < n; j++) t[j] = weight[j] * t[j];
+    store_row(out, oo, n, ot, t);
+}
+
+#define RMS_ROWS_BODY                                                                                      \
+    for (int64_t r = 0; r < rows; r++)                                                                    \
+        rms_row(x, r * sx, delta, r * sd, residual_out, r * sr, dtype, weight, out, r * so, ot, n, eps, h, t);
+static void rms_rows_generic(const void *x, int64_t sx, const void *delta, int64_t sd, void *residual_out, int64_t sr,
+                             int dtype, const float *weight, void *out, int64_t so, int ot, int64_t rows, int64_t n,
+                             float eps, float *h, float *t) { RMS_ROWS_BODY }
+#ifdef HASTEN_X86
+/* the same operations, compiled for AVX-512 (fmaf one instruction, the loops 16 lanes wide) */
+__attribute__((target("avx512f,fma"))) static void rms_rows_avx512(const void *x, int64_t sx, const void *delta, int64_t sd,
+                                                                   void *residual_out, int64_t sr, int dtype,
+                                                                   const float *weight, void *out, int64_t so, int ot,
+                                                                   int64_t rows, int64_t n, float eps, float *h, float *t) {
+    RMS_ROWS_BODY
+}
+__attribute__((target("avx2,fma,f16c"))) static void rms_rows_avx2(const void *x, int64_t sx, const void *delta, int64_t sd,
+                                                                   void *residual_out, int64_t sr, int dtype,
+                                                                   const float *weight, void *out, int64_t so, int ot,
+                                                                   int64_t rows, int64_t n, float eps, float *h, float *t) {
+    RMS_ROWS_BODY
+}
+#endif
+
+/* rows of n values: x [rows] (row stride sx); delta/residual_out NULL, or x = round(x + delta)
+ * is stored in residual_out (stride sr) first; out (stride so, format ot) the normed rows.
+ * 0, or -2 out of memory */
+int hasten_rms_norm(const void *x, int64_t sx, const void *delta, int64_t sd, void *residual_out, int64_t sr,
+                    int dtype, const void *w, int wt, void *out, int64_t so, int ot, int64_t rows, int64_t n,
+                    float eps) {
+    const size_t bytes = sizeof(float) * (size_t)(n > 0 ? n : 1);
+    float *h = (float *)malloc(bytes), *weight = (float *)malloc(bytes), *t = (float *)malloc(bytes);
+    if (!h || !weight || !t) { free(h); free(weight); free(t); return -2; }
+    load_row(w, 0, n, wt, weight);
+    const int path = cpu_path();
+#ifdef HASTEN_X86
+    if (path == 2) rms_rows_avx512(x, sx, delta, sd, residual_out, sr, dtype, weight, out, so, ot, rows, n, eps, h, t);
+    else if (path == 1) rms_rows_avx2(x, sx, delta, sd, residual_out, sr, dtype, weight, out, so, ot, rows, n, eps, h, t);
+    else
+#endif
+        rms_rows_generic(x, sx, delta, sd, residual_out, sr, dtype, weight, out, so, ot, rows, n, eps, h, t);
+    (void)path;
+    free(h); free(weight); free(t);
+    return 0;
+}
+
+/* transformers' rotary embedding of one vector v [D] (float32 values of the format): out =
+ * round(round(v * cos) + round(rotate_half(v) * sin)), rotate_half(v)[d] = -v[d + D/2] for
+ * d < D/2, else v[d - D/2]; t, u: scratch of D floats */
+static inline __attribute__((always_inline)) void rotate_vector(const float *v, const float *c, const float *s, int64_t D,
+                                                               int dtype, float *t, float *u) {
+    const int64_t half = D / 2;
+    for (int64_t d = 0; d < D; d++) t[d] = c[d] * v[d];
+    for (int64_t d = 0; d < half; d++) u[d] = -v[d + half] * s[d];
+    for (int64_t d = half; d < D; d++) u[d] = v[d - half] * s[d];
+    round_row(t, D, dtype);
+    round_row(u, D, dtype);
+    for (int64_t d = 0; d < D; d++) t[d] = t[d] + u[d];
+}
+
+#define ROTARY_BODY                                                                                           \
+    float c[512], sn[512], v[512], t[512], u[512];                                                            \
+    for (int64_t r = 0; r < rows; r++) {                                                                      \
+        load_row(cos, r * sc, D, dtype, c);                                                                   \
+        load_row(sin, r * sc, D, dtype, sn);                                                                  \
+        for (int64_t hd = 0; hd < heads; hd++) {                                                              \
+            load_row(x, r * sx_row + hd * sx_head, D, dtype, v);                                              \
+            rotate_vector(v, c, sn, D, dtype, t, u);                                                          \
+            store_row(out, r * so_row + hd * so_head, D, dtype, t);                                           \
+        }                                                                                                     \
+    }
+static void rotary_generic(const void *x, int64_t sx_row, int64_t sx_head, const void *cos, const void *sin, int64_t sc,
+                           void *out, int64_t so_row, int64_t so_head, int dtype, int64_t rows, int64_t heads,
+                           int64_t D) { ROTARY_BODY }
+#ifdef HASTEN_X86
+__attribute__((target("avx512f"))) static void rotary_avx512(const void *x, int64_t sx_row, int64_t sx_head,
+                                                             const void *cos, const void *sin, int64_t sc, void *out,
+                                                             int64_t so_row, int64_t so_head, int dtype, int64_t rows,
+                                                             int64_t heads, int64_t D) { ROTARY_BODY }
+#endif
+
+/* the rotary embedding of rows x heads vectors of D (row and head strides of their own), cos and
+ * sin [rows][D] (row stride sc), all in one format. 0, or -1 for D odd or over 512 */
+int hasten_rotary(const void *x, int64_t sx_row, int64_t sx_head, const void *cos, const void *sin, int64_t sc,
+                  void *out, int64_t so_row, int64_t so_head, int dtype, int64_t rows, int64_t heads, int64_t D) {
+    if (D > 512 || D % 2) return -1;
+#ifdef HASTEN_X86
+    if (cpu_path() == 2) { rotary_avx512(x, sx_row, sx_head, cos, sin, sc, out, so_row, so_head, dtype, rows, heads, D); return 0; }
+#endif
+    rotary_generic(x, sx_row, sx_head, cos, sin, sc, out, so_row, so_head, dtype, rows, heads, D);
+    return 0;
 }

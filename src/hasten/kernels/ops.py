@@ -194,3 +194,52 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys:
         raise (MemoryError("attention kernel: out of memory") if status == -2 else
                ValueError(f"attention kernel: {heads} query heads do not group over {kv_heads} KV heads"))
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' Llama RMS norm of ``x`` [rows, n] with ``weight`` [n] in one call, its sum
+    of squares in the kernel's own order (invariant.c, "rms norm"): returns (the rows normed, in
+    the dtype ``weight * x`` has, and ``x``). With ``delta`` [rows, n], ``x + delta`` (rounded as
+    PyTorch rounds it) is normed and returned as the second tensor: the residual stream's add."""
+    rows, n = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    weight = weight.detach().contiguous()
+    out = torch.empty(rows, n, dtype=torch.promote_types(weight.dtype, x.dtype))
+    residual, delta_pointer, delta_stride = x, None, 0
+    if delta is not None:
+        if delta.dtype != x.dtype or delta.shape != x.shape:
+            raise ValueError(f"rms_norm: delta {tuple(delta.shape)} {delta.dtype} does not match x "
+                             f"{tuple(x.shape)} {x.dtype}")
+        if delta.stride(-1) != 1:
+            delta = delta.contiguous()
+        residual = torch.empty_like(x, memory_format=torch.contiguous_format)
+        delta_pointer, delta_stride = delta.data_ptr(), delta.stride(0)
+    status = library().hasten_rms_norm(
+        x.data_ptr(), x.stride(0), delta_pointer, delta_stride, residual.data_ptr(), residual.stride(0),
+        code(x.dtype), weight.data_ptr(), code(weight.dtype), out.data_ptr(), out.stride(0), code(out.dtype), rows, n,
+        float(eps))
+    if status != 0:
+        raise MemoryError("rms_norm kernel: out of memory")
+    return out, residual
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` for ``x`` [rows, heads, D] (any row and
+    head strides, D contiguous) and ``cos``/``sin`` [rows, D] in ``x``'s dtype: PyTorch's own bits
+    (each operation rounded as its CPU operators round it), in one call -> [rows, heads, D]."""
+    rows, heads, dim = x.shape
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if cos.dtype != x.dtype or sin.dtype != x.dtype or cos.shape != (rows, dim) or sin.stride() != cos.stride():
+        raise ValueError(f"rotary: cos/sin must be [{rows}, {dim}] {x.dtype} with the same strides")
+    if cos.stride(-1) != 1:
+        cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(rows, heads, dim, dtype=x.dtype)
+    status = library().hasten_rotary(x.data_ptr(), x.stride(0), x.stride(1), cos.data_ptr(), sin.data_ptr(),
+                                     cos.stride(0), out.data_ptr(), out.stride(0), out.stride(1), code(x.dtype), rows,
+                                     heads, dim)
+    if status != 0:
+        raise ValueError(f"rotary kernel: head size {dim} must be even and at most 512")
+    return out

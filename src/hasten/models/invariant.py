@@ -189,16 +189,15 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys: op
 
 def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """transformers' Llama RMS norm of ``x`` [..., hidden] with ``norm``'s weight and epsilon,
-    each row alone: its own formula on the CPU (PyTorch reduces each row there alone), the
-    Triton kernel on CUDA."""
+    each row alone: the CPU kernel (one call; its sum of squares in the kernel's own order,
+    invariant.c "rms norm"), the Triton kernel on CUDA."""
     if x.is_cuda:
         return cuda.rms_norm(x, norm.weight, norm.variance_epsilon)
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * h.to(x.dtype)
+    rows = x.reshape(-1, x.shape[-1])
+    return ops.rms_norm(rows, norm.weight, norm.variance_epsilon)[0].view(*x.shape[:-1], x.shape[-1])
 
 
-NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm")  # transformers' formula, which rms_norm writes out
+NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm")  # transformers' formula, which rms_norm computes
 _invariant_norms: dict[type, type] = {}
 
 
@@ -206,7 +205,7 @@ def _invariant_norm_class(original: type) -> type:
     """A subclass of a model's RMS norm whose forward inside hasten runs :func:`rms_norm`."""
     if original not in _invariant_norms:
         def forward(self, x):
-            if forwards.is_active() and x.is_cuda:
+            if forwards.is_active() and x.dtype in ops.DTYPES and (x.is_cuda or self.weight.device.type == "cpu"):
                 return rms_norm(self, x)
             return original.forward(self, x)
 
@@ -244,10 +243,9 @@ def prepare(model: PreTrainedModel) -> bool:
     if not eligible(model):
         return False
     use_kernels(model)
-    if model.device.type == "cuda":
-        for module in model.modules():
-            if type(module).__name__ in NORM_CLASSES:
-                module.__class__ = _invariant_norm_class(type(module))
+    for module in model.modules():  # the norms the lean forward computes by the kernel's contract (models/lean.py)
+        if type(module).__name__ in NORM_CLASSES:
+            module.__class__ = _invariant_norm_class(type(module))
     if not is_prepared(model) and getattr(type(model), "_supports_attention_backend", False):
         register()
         try:

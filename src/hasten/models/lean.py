@@ -4,12 +4,14 @@ Under Hugging Face's modules, a small model's decode step spends a large share o
 linear layers (norms, rotary embedding, cache, attention, and the module calls, keyword plumbing,
 mask building and output objects around them), and the same operations called directly cost
 much less (docs/cpu.md, "The measurements behind the code's choices"). vLLM's CPU step is fused kernels throughout;
-this is the part of that which keeps Hugging Face's numbers: :func:`forward` runs **the same
+this is the part of that which keeps the model's numbers: :func:`forward` runs **the same
 tensor operations, in the same order, on the same weights** as transformers' Llama and Qwen2
-decoder (its RMSNorm formula, ``rotate_half`` rotary embedding, the attention the model is
-prepared with (hasten's row-invariant kernel, models/invariant.py), SiLU-gated MLP), so its
-logits equal the model's own forward bit for bit (tests/test_lean.py checks them, one token,
-blocks, trees and prefills), only with less around them.
+decoder prepared for hasten's kernels (models/invariant.py: the row-invariant linear layers and
+attention, and the norm kernel, whose sum of squares goes in its own fixed order), with
+``rotate_half`` rotary embedding and SiLU-gated MLP, so its logits equal the prepared model's own
+forward bit for bit (tests/test_lean.py checks them, one token, blocks, trees and prefills),
+only with less around them: each norm is one kernel call that also adds the residual stream
+(PyTorch's add, bit for bit), and queries and keys rotate in one call (PyTorch's bits).
 
 Where it runs (:func:`usable`): a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (without sliding
 windows) prepared for hasten's kernels on the CPU (models/invariant.py: float32, bfloat16 or
@@ -34,6 +36,7 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
+from ..kernels import ops
 from . import invariant
 
 MODEL_CLASSES = ("LlamaForCausalLM", "Qwen2ForCausalLM")
@@ -117,24 +120,18 @@ def fused_linear(owner: nn.Module, layers: tuple[nn.Linear, ...], h: torch.Tenso
     return None if fused is None else invariant.apply_linear(h, fused[0], fused[1])
 
 
-def _rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """transformers' LlamaRMSNorm ([..., hidden]): ``weight * (x * rsqrt(mean(x^2) + eps))``
-    computed in float32, the product with the weight in the input's dtype, each row alone
-    (models/invariant.py). On float32 CPU input PyTorch's fused ``rms_norm`` computes it alike
-    (tests/test_lean.py compares both with the model's own forward bit for bit)."""
+def _rms_norm(norm: nn.Module, x: torch.Tensor,
+              delta: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm`` (transformers' LlamaRMSNorm) of ``x`` [N, hidden], or of ``x + delta`` (the
+    residual stream's add, rounded as transformers' ``residual + out`` rounds it): (the normed
+    rows, the stream). On the CPU one kernel call (ops.rms_norm: the model's own forward runs the
+    same norm, models/invariant.py), on CUDA the Triton kernel."""
+    if delta is not None and x.is_cuda:
+        x = x + delta
+        delta = None
     if x.is_cuda:
-        return invariant.rms_norm(norm, x)
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-    # half precision: the same fused product on the float32 values, then rounded and weighted as
-    # transformers does (tests/test_lean.py: bit for bit its formula)
-    return norm.weight * F.rms_norm(x.float(), norm.weight.shape, None, norm.variance_epsilon).to(x.dtype)
-
-
-def _add_linear(layer: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual + layer(h)``, as transformers adds them (the layer's output rounded to the
-    model's dtype first)."""
-    return residual + layer(h)
+        return invariant.rms_norm(norm, x), x
+    return ops.rms_norm(x, norm.weight, norm.variance_epsilon, delta)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -163,24 +160,28 @@ def run(model: PreTrainedModel, ids: torch.Tensor, positions: torch.Tensor, atte
     rope = inner.rotary_emb
     freqs = positions[:, None].float() * rope.inv_freq  # [N, head_dim / 2]
     angles = torch.cat((freqs, freqs), dim=-1)  # [N, head_dim]
-    cos = (angles.cos() * rope.attention_scaling).to(model.dtype)[:, None]  # [N, 1, head_dim]
-    sin = (angles.sin() * rope.attention_scaling).to(model.dtype)[:, None]
+    cos = (angles.cos() * rope.attention_scaling).to(model.dtype)  # [N, head_dim]
+    sin = (angles.sin() * rope.attention_scaling).to(model.dtype)
     x = inner.embed_tokens(ids)  # [N, hidden]
     taps = getattr(model, TAPS, ())
-    for index, layer in enumerate(inner.layers):
+    layers = inner.layers
+    h, x = _rms_norm(layers[0].input_layernorm, x)  # h: the layer's normed input, x: the residual stream
+    for index, layer in enumerate(layers):
         for tap in taps:
             if index in tap.layers:
                 tap.layer_input(index, x)
         attention = layer.self_attn
-        h = _rms_norm(layer.input_layernorm, x)
         q, k, v = _attention_inputs(attention, h, heads, kv_heads, head_dim, cos, sin)
         out = attend(index, attention.scaling, q, k, v)  # [N, H, D]
-        x = _add_linear(attention.o_proj, out.reshape(count, heads * head_dim), x)
-        h = _rms_norm(layer.post_attention_layernorm, x)
-        x = _mlp(layer.mlp, h, x)
+        h, x = _rms_norm(layer.post_attention_layernorm, x, attention.o_proj(out.reshape(count, heads * head_dim)))
+        delta = _mlp(layer.mlp, h)  # [N, hidden]
+        if index + 1 < len(layers):
+            h, x = _rms_norm(layers[index + 1].input_layernorm, x, delta)
+        else:
+            x = x + delta
     if keep is not None:
         x = x.index_select(0, keep)  # [K, hidden]
-    states = _rms_norm(inner.norm, x)
+    states, _ = _rms_norm(inner.norm, x)
     for tap in taps:
         tap.close(states, keep)
     return states
@@ -209,8 +210,9 @@ def forward(model: PreTrainedModel, ids: torch.Tensor, cache: Cache, positions: 
 def _attention_inputs(attention: nn.Module, h: torch.Tensor, heads: int, kv_heads: int, head_dim: int,
                       cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotated queries [N, H, D] and keys [N, H_kv, D], and values [N, H_kv, D], of the normed
-    input ``h`` [N, hidden]: one packed product and one rotation for queries and keys together
-    where the weights allow (elementwise, so the same bits), else as transformers does it."""
+    input ``h`` [N, hidden] (``cos``/``sin`` [N, D]): one packed product and one rotation for
+    queries and keys together where the weights allow (elementwise, so the same bits), else as
+    transformers does it."""
     count = h.shape[0]
     layers = (attention.q_proj, attention.k_proj, attention.v_proj)
     qkv = fused_linear(attention, layers, h)
@@ -218,18 +220,25 @@ def _attention_inputs(attention: nn.Module, h: torch.Tensor, heads: int, kv_head
         q = attention.q_proj(h).view(count, heads, head_dim)
         k = attention.k_proj(h).view(count, kv_heads, head_dim)
         v = attention.v_proj(h).view(count, kv_heads, head_dim)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
     qkv = qkv.view(count, heads + 2 * kv_heads, head_dim)
-    qk = qkv[:, : heads + kv_heads]  # [N, H + H_kv, D]
-    qk = qk * cos + _rotate_half(qk) * sin
+    qk = _rotate(qkv[:, : heads + kv_heads], cos, sin)  # [N, H + H_kv, D]
     return qk[:, :heads], qk[:, heads:], qkv[:, heads + kv_heads:]
 
 
-def _mlp(mlp: nn.Module, h: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-    """``residual`` plus transformers' SiLU-gated MLP of ``h`` [N, hidden]; gate and up in
-    one packed product where the weights allow."""
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin`` for ``x`` [N, heads, D]: one kernel call
+    with PyTorch's bits on the CPU (ops.rotary), PyTorch's operations elsewhere."""
+    if x.is_cuda:
+        return x * cos[:, None] + _rotate_half(x) * sin[:, None]
+    return ops.rotary(x, cos, sin)
+
+
+def _mlp(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """transformers' SiLU-gated MLP of ``h`` [N, hidden] (the residual is added by the next
+    norm); gate and up in one packed product where the weights allow."""
     fused = fused_linear(mlp, (mlp.gate_proj, mlp.up_proj), h)
     if fused is None:
-        return _add_linear(mlp.down_proj, F.silu(mlp.gate_proj(h)) * mlp.up_proj(h), residual)
+        return mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
     gate, up = fused.chunk(2, dim=-1)
-    return _add_linear(mlp.down_proj, F.silu(gate) * up, residual)
+    return mlp.down_proj(F.silu(gate) * up)
