@@ -161,3 +161,35 @@ def test_the_bfloat16_paths_round_as_the_contract_rounds(layout):
     nan = (u & 0x7FFFFFFF) > 0x7F800000
     want = torch.where(nan, (u >> 16) | 0x40, ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFFFFFF) >> 16) & 0xFFFF
     assert nan.any() and torch.equal(got, want.expand_as(got))
+
+
+@needs_amx
+def test_attention_on_amx_gives_every_row_its_own_bits_close_to_the_float32_contract(monkeypatch):
+    """Attention over bfloat16 keys takes AMX's tiles where bfloat16 layers do: a prefill's run of
+    rows, decode rows over separate lists and tree rows (extra keys) each get the bits they get
+    alone, and the result is the float32 contract's within bfloat16 rounding. With HASTEN_AMX=0 the
+    float32 path runs (and gives other bits)."""
+    torch.manual_seed(0)
+    k, v = torch.randn(3, 300, 64).to(torch.bfloat16), torch.randn(3, 300, 64).to(torch.bfloat16)
+    q = (torch.randn(70, 9, 64) * 2).to(torch.bfloat16)
+    starts, ends = torch.tensor([0, 40, 100]), torch.tensor([33, 130, 250])
+    mask = torch.zeros(4, 300, dtype=torch.bool)
+    mask[:, :120] = True
+    for r in range(4):
+        mask[r, 120 + torch.arange(r + 1) * 2] = True
+    cases = [(q, ops.KeyLists.causal(70, 250)), (q[:3], ops.KeyLists(starts, ends)),
+             (q[:4], ops.KeyLists.from_mask(mask))]
+    assert ops.attention_on_amx(q, k)
+    for query, lists in cases:
+        together = ops.attention(query, k, v, lists, 0.125)
+        for r in range(query.shape[0]):
+            alone = ops.KeyLists(lists.start[r:r + 1], lists.prefix[r:r + 1],
+                                 None if lists.offsets is None else lists.offsets[r:r + 2] - lists.offsets[r],
+                                 None if lists.extra is None else lists.extra[lists.offsets[r]:lists.offsets[r + 1]])
+            assert torch.equal(ops.attention(query[r:r + 1], k, v, alone, 0.125), together[r:r + 1]), r
+        monkeypatch.setenv("HASTEN_AMX", "0")
+        assert not ops.attention_on_amx(query, k)
+        contract = ops.attention(query, k, v, lists, 0.125)
+        monkeypatch.delenv("HASTEN_AMX")
+        assert not torch.equal(contract, together)
+        assert torch.allclose(together.float(), contract.float(), atol=2e-2, rtol=2e-2)

@@ -48,9 +48,9 @@ SIGNATURES = {
     # x, sx, xt, w, wt, bias, bt, y, sy, yt, M, K, N, threads
     "hasten_linear": ([_p, _i64, _int, _p, _int, _p, _int, _p, _i64, _int, _i64, _i64, _i64, _int], None),
     # q, q_row, q_head, k, v, kv_head, kv_pos, out, o_row, o_head, dtype, kv_dtype, rows, heads, kv_heads, dim,
-    # start, prefix, extra_offsets, extra, scale, softcap, threads
+    # start, prefix, extra_offsets, extra, scale, softcap, threads, amx
     "hasten_attention": ([_p, _i64, _i64, _p, _p, _i64, _i64, _p, _i64, _i64, _int, _int, _i64, _i64, _i64, _i64,
-                          _p, _p, _p, _p, _f32, _f32, _int], _int),
+                          _p, _p, _p, _p, _f32, _f32, _int, _int], _int),
     # x, sx, delta, sd, residual_out, sr, dtype, w, wt, out, so, ot, rows, n, eps
     "hasten_rms_norm": ([_p, _i64, _p, _i64, _p, _i64, _int, _p, _int, _p, _i64, _int, _i64, _i64, _f32], _int),
     # x, sx_row, sx_head, cos, sin, sc, out, so_row, so_head, dtype, rows, heads, D

@@ -914,13 +914,196 @@ static void attend_kv_head(const attention_args *a, int64_t kvh, int64_t r0, int
     }
 }
 
+#ifdef HASTEN_AMX
+/* ---- attention on AMX tiles (bfloat16 queries and keys/values, where bfloat16 layers take AMX) --
+ * A contract of its own, like the AMX linear layer's, in the same process-wide switch:
+ *   score s_i = tdpbf16ps over the head's dimensions in chunks of 32 (in order) of q and k_{j_i},
+ *              then * scale (softcap as above): each score from its own query and key alone;
+ *   p_i, l    = as the contract above (exp, 16 lanes, in float32);
+ *   o[d]      = round((tdpbf16ps over list positions in chunks of 32 from the list's start, in
+ *              order, of bf16(p_i) and v_{j_i}[d]) / l)   (bf16: VCVTNEPS2BF16, to nearest even)
+ * Row invariant by construction for the reasons the linear layer's is (each tile element from its
+ * own A row, B column and accumulator; tiles always 16 x 64 bytes): a query row shares its A tile
+ * with other rows or zeros, and list positions past a row's own list weigh exactly zero (p = 0,
+ * values zero past the keys), so a row gets the bits it gets alone. */
+#define AMX_KEYS 32 /* list positions per chunk: an A tile row of bfloat16 weights; keys per K block */
+
+typedef struct { /* one thread's AMX scratch, next to the float32 path's */
+    uint16_t *qb;   /* [queries, padded to 16][D] */
+    uint16_t *kb;   /* [AMX_KEYS][D] a key block's rows */
+    uint32_t *kt;   /* [D / 2][AMX_KEYS] the block as B tiles: dimension pairs x keys */
+    float *sb;      /* [16][AMX_KEYS] one tile of scores */
+    uint32_t *vb;   /* [positions / 2][D] the values as B tiles: position pairs x dimensions */
+    uint16_t *pb;   /* [16][positions] one query tile's weights */
+    int64_t *seq;   /* [most] the keys, in list order */
+} amx_scratch;
+
+/* scores of 16 queries (qb rows, D bf16 each) against 32 keys (kt) -> sb [16][32] */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_scores(const uint16_t *qb, int64_t D, const uint32_t *kt,
+                                                                    float *sb) {
+    __asm__ __volatile__("" ::: "memory");
+    _tile_zero(4); _tile_zero(5);
+    for (int64_t c = 0; c < D / 32; c++) { /* 32 dimensions (16 pairs) a chunk, in order */
+        _tile_loadd(0, qb + 32 * c, D * 2);
+        _tile_loadd(1, kt + 16 * c * AMX_KEYS, AMX_KEYS * 4);      _tile_dpbf16ps(4, 0, 1);
+        _tile_loadd(2, kt + 16 * c * AMX_KEYS + 16, AMX_KEYS * 4); _tile_dpbf16ps(5, 0, 2);
+    }
+    _tile_stored(4, sb, AMX_KEYS * 4); _tile_stored(5, sb + 16, AMX_KEYS * 4);
+    __asm__ __volatile__("" ::: "memory");
+}
+
+/* 16 queries' weights (pb [16][stride] bf16, positions 0..m_pad) against the values (vb) for
+ * dimensions [d0, d0 + 16 * groups), groups <= 4 -> acc [16][D] at those dimensions */
+__attribute__((target("amx-tile,amx-bf16"))) static void amx_mix(const uint16_t *pb, int64_t stride, int64_t m_pad,
+                                                                 const uint32_t *vb, int64_t D, int64_t d0, int groups,
+                                                                 float *acc) {
+    __asm__ __volatile__("" ::: "memory");
+    _tile_zero(4); _tile_zero(5); _tile_zero(6); _tile_zero(7);
+    for (int64_t i0 = 0; i0 < m_pad; i0 += AMX_KEYS) {
+        _tile_loadd(0, pb + i0, stride * 2);
+        const uint32_t *b = vb + (i0 / 2) * D + d0;
+        _tile_loadd(1, b, D * 4); _tile_dpbf16ps(4, 0, 1);
+        if (groups > 1) { _tile_loadd(2, b + 16, D * 4); _tile_dpbf16ps(5, 0, 2); }
+        if (groups > 2) { _tile_loadd(3, b + 32, D * 4); _tile_dpbf16ps(6, 0, 3); }
+        if (groups > 3) { _tile_loadd(1, b + 48, D * 4); _tile_dpbf16ps(7, 0, 1); }
+    }
+    _tile_stored(4, acc + d0, D * 4);
+    if (groups > 1) _tile_stored(5, acc + d0 + 16, D * 4);
+    if (groups > 2) _tile_stored(6, acc + d0 + 32, D * 4);
+    if (groups > 3) _tile_stored(7, acc + d0 + 48, D * 4);
+    __asm__ __volatile__("" ::: "memory");
+}
+
+/* two value rows (positions 2k, 2k + 1) interleaved as one B tile row: out[d] = a[d] | b[d] << 16 */
+__attribute__((target("avx512f,avx512bw"))) static void interleave_rows(const uint16_t *a, const uint16_t *b, int64_t D,
+                                                                        uint32_t *out) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6, 37, 5,
+                                        36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t d = 0; d < D; d += 32) {
+        const __m512i x = _mm512_loadu_si512((const void *)(a + d)), y = _mm512_loadu_si512((const void *)(b + d));
+        _mm512_storeu_si512((void *)(out + d), _mm512_permutex2var_epi16(x, lo, y));
+        _mm512_storeu_si512((void *)(out + d + 16), _mm512_permutex2var_epi16(x, hi, y));
+    }
+}
+
+/* dst [16][stride] bf16 = bf16(s[i]) for i < n, zero for n <= i < m_pad (VCVTNEPS2BF16) */
+__attribute__((target("avx512f,avx512bf16,avx512bw"))) static void weights_bf16(const float *s, int64_t n, int64_t m_pad,
+                                                                                uint16_t *dst) {
+    for (int64_t i = 0; i < m_pad; i += 16) {
+        const int64_t left = n - i;
+        const __mmask16 keep = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? (__mmask16)0 : (__mmask16)((1u << left) - 1);
+        const __m512 p = _mm512_maskz_loadu_ps(keep, s + i);
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+}
+
+/* the queries of rows [r0, r1) (each row's group heads) over one key sequence seq[0..m) that each
+ * row's list begins with (its first list_length positions) */
+static void amx_sequence(const attention_args *a, int64_t kvh, int64_t r0, int64_t r1, const int64_t *seq, int64_t m,
+                         scratch *w, amx_scratch *x) {
+    const int64_t group = a->heads / a->kv_heads, D = a->dim, nq = (r1 - r0) * group;
+    const int64_t tiles = (nq + 15) / 16, m_pad = (m + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS;
+    memset(x->qb, 0, sizeof(uint16_t) * (size_t)(tiles * 16 * D));
+    for (int64_t q = 0; q < nq; q++) {
+        const int64_t r = r0 + q / group, h = kvh * group + q % group;
+        memcpy(x->qb + q * D, (const uint16_t *)a->q + r * a->q_row + h * a->q_head, sizeof(uint16_t) * (size_t)D);
+    }
+    const uint16_t *keys = (const uint16_t *)a->k + kvh * a->kv_head, *values = (const uint16_t *)a->v + kvh * a->kv_head;
+    /* scores, 32 keys at a time */
+    for (int64_t i0 = 0; i0 < m; i0 += AMX_KEYS) {
+        const int count = (int)(m - i0 < AMX_KEYS ? m - i0 : AMX_KEYS);
+        for (int l = 0; l < AMX_KEYS; l++) {
+            if (l < count) memcpy(x->kb + l * D, keys + seq[i0 + l] * a->kv_pos, sizeof(uint16_t) * (size_t)D);
+            else memset(x->kb + l * D, 0, sizeof(uint16_t) * (size_t)D);
+        }
+        for (int h = 0; h < AMX_KEYS; h += 16) /* [keys][D / 2 pairs] -> [pairs][keys] */
+            for (int64_t p = 0; p < D / 2; p += 16)
+                transpose16_avx512((const float *)x->kb + h * (D / 2) + p, D / 2, (float *)x->kt + p * AMX_KEYS + h);
+        for (int64_t t = 0; t < tiles; t++) {
+            amx_scores(x->qb + t * 16 * D, D, x->kt, x->sb);
+            for (int64_t q = t * 16; q < nq && q < t * 16 + 16; q++) {
+                const int64_t n = list_length(a, r0 + q / group);
+                if (i0 < n) finish_scores(a, x->sb + (q - t * 16) * AMX_KEYS, (int)(n - i0 < count ? n - i0 : count),
+                                          w->scores + q * a->most + i0);
+            }
+        }
+    }
+    /* weights: exp(s - max), summed by lanes of list position (the float32 path's) */
+    for (int64_t q = 0; q < nq; q++) {
+        float *s = w->scores + q * a->most;
+        const int64_t n = list_length(a, r0 + q / group);
+        float lanes[LANES];
+        for (int l = 0; l < LANES; l++) lanes[l] = 0.0f;
+        exp_sum(s, n, scores_max(s, n), lanes);
+        w->total[q] = lanes_sum(lanes);
+    }
+    /* values as B tiles, zero past the sequence */
+    for (int64_t k = 0; k < m_pad / 2; k++) {
+        const int64_t i = 2 * k;
+        if (i + 1 < m) interleave_rows(values + seq[i] * a->kv_pos, values + seq[i + 1] * a->kv_pos, D, x->vb + k * D);
+        else if (i < m) { /* the last key alone: its partner zero */
+            const uint16_t *v = values + seq[i] * a->kv_pos;
+            for (int64_t d = 0; d < D; d++) x->vb[k * D + d] = v[d];
+        } else memset(x->vb + k * D, 0, sizeof(uint32_t) * (size_t)D);
+    }
+    float acc[16 * 512];
+    for (int64_t t = 0; t < tiles; t++) {
+        for (int64_t row = 0; row < 16; row++) {
+            const int64_t q = t * 16 + row;
+            const int64_t n = q < nq ? list_length(a, r0 + q / group) : 0;
+            weights_bf16(w->scores + (q < nq ? q : 0) * a->most, n, m_pad, x->pb + row * m_pad);
+        }
+        for (int64_t d0 = 0; d0 < D; d0 += 64)
+            amx_mix(x->pb, m_pad, m_pad, x->vb, D, d0, (int)((D - d0) / 16 < 4 ? (D - d0) / 16 : 4), acc);
+        for (int64_t q = t * 16; q < nq && q < t * 16 + 16; q++) {
+            const int64_t r = r0 + q / group, h = kvh * group + q % group, n = list_length(a, r);
+            const int64_t obase = r * a->o_row + h * a->o_head;
+            const float *o = acc + (q - t * 16) * D;
+            for (int64_t d = 0; d < D; d++) store1(a->out, obase + d, n > 0 ? o[d] / w->total[q] : 0.0f, a->dtype);
+        }
+    }
+}
+
+/* a work item on AMX: one sequence for rows whose lists are one run from the same start (a
+ * prefill, a chain block), else each row over its own list */
+static void attend_kv_head_amx(const attention_args *a, int64_t kvh, int64_t r0, int64_t r1, scratch *w,
+                               amx_scratch *x) {
+    int contiguous = 1;
+    int64_t upto = a->start[r0];
+    for (int64_t r = r0; r < r1; r++) {
+        if (a->extra_offsets && a->extra_offsets[r + 1] != a->extra_offsets[r]) contiguous = 0;
+        if (a->prefix[r] > upto) upto = a->prefix[r];
+    }
+    if (contiguous) {
+        const int64_t m = upto - a->start[r0];
+        for (int64_t i = 0; i < m; i++) x->seq[i] = a->start[r0] + i;
+        amx_sequence(a, kvh, r0, r1, x->seq, m, w, x);
+        return;
+    }
+    for (int64_t r = r0; r < r1; r++) {
+        const int64_t m = list_length(a, r);
+        for (int64_t i = 0; i < m; i++) x->seq[i] = list_key(a, r, i);
+        amx_sequence(a, kvh, r, r + 1, x->seq, m, w, x);
+    }
+}
+#endif
+
 #define ROW_CHUNK 32 /* query rows per work item: bounds the scratch and spreads a prefill over threads */
 
 int hasten_attention(const void *q, int64_t q_row, int64_t q_head, const void *k, const void *v, int64_t kv_head,
                      int64_t kv_pos, void *out, int64_t o_row, int64_t o_head, int dtype, int kv_dtype, int64_t rows,
                      int64_t heads, int64_t kv_heads, int64_t dim, const int64_t *start, const int64_t *prefix,
-                     const int64_t *extra_offsets, const int64_t *extra, float scale, float softcap, int threads) {
+                     const int64_t *extra_offsets, const int64_t *extra, float scale, float softcap, int threads,
+                     int amx) {
     if (kv_heads < 1 || heads % kv_heads != 0) return -1;
+#ifdef HASTEN_AMX
+    if (amx && (!hasten_amx_available() || !hasten_bf16_dot_available() || dtype != BF16 || kv_dtype != BF16 ||
+                dim % 32 || dim > 512))
+        return -3;
+#else
+    if (amx) return -3;
+#endif
     attention_args a = {q, q_row, q_head, k, v, kv_head, kv_pos, out, o_row, o_head, dtype, kv_dtype, rows, heads,
                         kv_heads, dim, 1, start, prefix, extra_offsets, extra, scale, softcap};
     for (int64_t r = 0; r < rows; r++) { const int64_t n = list_length(&a, r); if (n > a.most) a.most = n; }
@@ -947,9 +1130,38 @@ int hasten_attention(const void *q, int64_t q_row, int64_t q_head, const void *k
 #pragma omp atomic write
             failed = 1;
         }
+#ifdef HASTEN_AMX
+        amx_scratch x = {0};
+        if (amx) {
+            const size_t padded = (size_t)((a.most + AMX_KEYS - 1) / AMX_KEYS * AMX_KEYS), tile_rows = (slots + 15) / 16 * 16;
+            x.qb = (uint16_t *)malloc(sizeof(uint16_t) * tile_rows * (size_t)dim);
+            x.kb = (uint16_t *)malloc(sizeof(uint16_t) * AMX_KEYS * (size_t)dim);
+            x.kt = (uint32_t *)malloc(sizeof(uint32_t) * AMX_KEYS * (size_t)(dim / 2));
+            x.sb = (float *)malloc(sizeof(float) * 16 * AMX_KEYS);
+            x.vb = (uint32_t *)malloc(sizeof(uint32_t) * (padded / 2) * (size_t)dim);
+            x.pb = (uint16_t *)malloc(sizeof(uint16_t) * 16 * padded);
+            x.seq = (int64_t *)malloc(sizeof(int64_t) * (size_t)a.most);
+            if (!x.qb || !x.kb || !x.kt || !x.sb || !x.vb || !x.pb || !x.seq) {
+#pragma omp atomic write
+                failed = 1;
+            }
+            amx_configure();
+        }
+#endif
 #pragma omp for schedule(static)
-        for (int64_t item = 0; item < work; item++)
-            if (!failed) attend_kv_head(&a, item % kv_heads, runs[item / kv_heads], runs[item / kv_heads + 1], &w);
+        for (int64_t item = 0; item < work; item++) {
+            if (failed) continue;
+#ifdef HASTEN_AMX
+            if (amx) { attend_kv_head_amx(&a, item % kv_heads, runs[item / kv_heads], runs[item / kv_heads + 1], &w, &x); continue; }
+#endif
+            attend_kv_head(&a, item % kv_heads, runs[item / kv_heads], runs[item / kv_heads + 1], &w);
+        }
+#ifdef HASTEN_AMX
+        if (amx) {
+            amx_release();
+            free(x.qb); free(x.kb); free(x.kt); free(x.sb); free(x.vb); free(x.pb); free(x.seq);
+        }
+#endif
         free(w.qf); free(w.scores); free(w.acc); free(w.kt); free(w.vf); free(w.block); free(w.total);
     }
     free(runs);

@@ -189,11 +189,20 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, keys:
         key.stride(1), out.data_ptr(), out.stride(0), out.stride(1), code(query.dtype), code(key.dtype), rows, heads,
         kv_heads, dim, keys.start.data_ptr(), keys.prefix.data_ptr(),
         None if keys.offsets is None else keys.offsets.data_ptr(), None if extra is None else extra.data_ptr(),
-        float(scale), float(softcap or 0.0), torch.get_num_threads())
+        float(scale), float(softcap or 0.0), torch.get_num_threads(), attention_on_amx(query, key))
     if status != 0:
         raise (MemoryError("attention kernel: out of memory") if status == -2 else
+               RuntimeError("attention kernel: this CPU cannot run AMX's tiles") if status == -3 else
                ValueError(f"attention kernel: {heads} query heads do not group over {kv_heads} KV heads"))
     return out
+
+
+def attention_on_amx(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether this attention takes AMX's tiles (invariant.c, "attention on AMX tiles"): bfloat16
+    queries and keys, a head size that is a multiple of 32, on a CPU where bfloat16 layers take
+    AMX (:func:`bf16_layout`), so one switch decides for every layer and attention of the process."""
+    return (query.dtype == torch.bfloat16 and key.dtype == torch.bfloat16 and query.shape[-1] % 32 == 0
+            and query.shape[-1] <= 512 and bf16_layout() == "amx")
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
