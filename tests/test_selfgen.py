@@ -159,3 +159,32 @@ def test_the_command_refuses_a_model_without_a_chat_template(cli, tmp_path):
     status, _, err = cli("train", "data", "--model", "zoo:code-tiny", "--out", str(tmp_path / "d"),
                          "--samples", "2", "--dtype", "float32")
     assert status != 0 and "chat template" in err
+
+
+# ---- the data kept in the repository ---------------------------------------------------------------
+ARCHIVE = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "selfgen-smollm2-135m.tar.xz"
+
+
+@pytest.mark.skipif(not ARCHIVE.is_file(), reason="this tree keeps no self-generated data")
+def test_the_kept_data_resumes_under_the_documented_command_and_holds_no_bench_prompt(tmp_path):
+    """docs/training.md: unpacked into the cache, the archive is a directory that `hasten train
+    data --model zoo:smollm2-135m --out ...` (its default settings) resumes; its records are all
+    there, in index order, and none of its user turns is a benchmark prompt."""
+    import tarfile
+
+    from hasten.training.selfgen import open_progress
+
+    with tarfile.open(ARCHIVE) as archive:
+        archive.extractall(tmp_path, filter="data")
+    out = tmp_path / "smollm2-135m"
+    progress = open_progress(out, SelfGenSettings(hours=1).key("zoo:smollm2-135m"))
+    records = lines(out)
+    assert len(records) == progress.records > 0
+    indices = [r["index"] for r in records]
+    assert indices == sorted(set(indices)) and indices[-1] < progress.next_index
+    bench = NgramIndex(5)
+    for prompt in every_bench_prompt():
+        bench.add(prompt)
+    users = [m["content"] for r in records for m in r["messages"] if m["role"] == "user"]
+    assert len(users) >= len(records)
+    assert not [u for u in users if bench.overlap(u) >= BENCH_OVERLAP]
