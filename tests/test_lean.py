@@ -100,10 +100,20 @@ def test_the_norm_kernel_is_transformers_formula_each_row_alone_with_the_residua
         assert torch.equal(alone, out[rows[0]:rows[1]]) and torch.equal(alone_stream, stream[rows[0]:rows[1]])
     plain, same = ops.rms_norm(stream, weight, 1e-6)
     assert torch.equal(plain, out) and same is stream
-    norm = prepared("llama").model.norm  # the model's own norm module runs the kernel inside hasten's forwards
-    norm.weight.data = weight.float()
+
+
+def test_a_prepared_models_own_norm_runs_the_kernel_inside_hasten_and_transformers_formula_outside():
+    """The model's own forward (taken where drafters hook the model) must norm as the lean one
+    does: inside hasten's forwards its norm modules run the kernel; outside, transformers' code."""
+    norm = prepared("llama").model.norm
+    torch.manual_seed(5)
+    x = torch.randn(1, 64, norm.weight.shape[0]) * 3  # [1, rows, hidden]
+    kernel = ops.rms_norm(x[0], norm.weight, norm.variance_epsilon)[0]
+    formula = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
+    assert not torch.equal(kernel, formula[0])  # the two orders of the sum differ somewhere here
     with forwards.active():
-        assert torch.equal(norm(stream.float()[None])[0], ops.rms_norm(stream.float(), norm.weight, norm.variance_epsilon)[0])
+        assert torch.equal(norm(x)[0], kernel)
+    assert torch.equal(norm(x), formula)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

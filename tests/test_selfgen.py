@@ -3,12 +3,14 @@ answers; nothing of the benchmark gets in; a stopped run resumes to the data one
 from __future__ import annotations
 
 import json
+import tarfile
+from pathlib import Path
 
 import pytest
 import torch
 
 from helpers import CHAT_EOS as EOS, chat_model, tiny_tokenizer
-from hasten.training.selfgen import SelfGenSettings, generate_data, read_records, training_pairs
+from hasten.training.selfgen import SelfGenSettings, generate_data, open_progress, read_records, training_pairs
 from hasten.training.textcheck import NgramIndex, bench_overlap, bench_texts, degenerate
 from hasten.training.selfgen import BENCH_OVERLAP
 
@@ -162,7 +164,7 @@ def test_the_command_refuses_a_model_without_a_chat_template(cli, tmp_path):
 
 
 # ---- the data kept in the repository ---------------------------------------------------------------
-ARCHIVE = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "selfgen-smollm2-135m.tar.xz"
+ARCHIVE = Path(__file__).resolve().parents[1] / "data" / "selfgen-smollm2-135m.tar.xz"
 
 
 @pytest.mark.skipif(not ARCHIVE.is_file(), reason="this tree keeps no self-generated data")
@@ -170,10 +172,6 @@ def test_the_kept_data_resumes_under_the_documented_command_and_holds_no_bench_p
     """docs/training.md: unpacked into the cache, the archive is a directory that `hasten train
     data --model zoo:smollm2-135m --out ...` (its default settings) resumes; its records are all
     there, in index order, and none of its user turns is a benchmark prompt."""
-    import tarfile
-
-    from hasten.training.selfgen import open_progress
-
     with tarfile.open(ARCHIVE) as archive:
         archive.extractall(tmp_path, filter="data")
     out = tmp_path / "smollm2-135m"

@@ -1181,12 +1181,6 @@ int hasten_attention(const void *q, int64_t q_row, int64_t q_head, const void *k
  * sets (the same operations; fmaf is correctly rounded wherever it runs), so the bits do not
  * depend on the CPU. */
 
-static inline float round_to(float f, int dtype) {
-    if (dtype == BF16) return bf16_to_f32(f32_to_bf16(f));
-    if (dtype == FP16) return fp16_to_f32(f32_to_fp16(f));
-    return f;
-}
-
 /* v[0..n) rounded to the format and back (each loop one format, so it vectorizes) */
 static inline void round_row(float *v, int64_t n, int dtype) {
     if (dtype == BF16) for (int64_t i = 0; i < n; i++) v[i] = bf16_to_f32(f32_to_bf16(v[i]));
@@ -1255,14 +1249,12 @@ int hasten_rms_norm(const void *x, int64_t sx, const void *delta, int64_t sd, vo
     float *h = (float *)malloc(bytes), *weight = (float *)malloc(bytes), *t = (float *)malloc(bytes);
     if (!h || !weight || !t) { free(h); free(weight); free(t); return -2; }
     load_row(w, 0, n, wt, weight);
-    const int path = cpu_path();
 #ifdef HASTEN_X86
-    if (path == 2) rms_rows_avx512(x, sx, delta, sd, residual_out, sr, dtype, weight, out, so, ot, rows, n, eps, h, t);
-    else if (path == 1) rms_rows_avx2(x, sx, delta, sd, residual_out, sr, dtype, weight, out, so, ot, rows, n, eps, h, t);
+    if (cpu_path() == 2) rms_rows_avx512(x, sx, delta, sd, residual_out, sr, dtype, weight, out, so, ot, rows, n, eps, h, t);
+    else if (cpu_path() == 1) rms_rows_avx2(x, sx, delta, sd, residual_out, sr, dtype, weight, out, so, ot, rows, n, eps, h, t);
     else
 #endif
         rms_rows_generic(x, sx, delta, sd, residual_out, sr, dtype, weight, out, so, ot, rows, n, eps, h, t);
-    (void)path;
     free(h); free(weight); free(t);
     return 0;
 }

@@ -214,7 +214,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rows, n = x.shape
     if x.stride(-1) != 1:
         x = x.contiguous()
-    weight = weight.detach().contiguous()
+    weight = weight.contiguous()  # [n]: only its pointer is read
     out = torch.empty(rows, n, dtype=torch.promote_types(weight.dtype, x.dtype))
     residual, delta_pointer, delta_stride = x, None, 0
     if delta is not None:

@@ -205,7 +205,7 @@ def _invariant_norm_class(original: type) -> type:
     """A subclass of a model's RMS norm whose forward inside hasten runs :func:`rms_norm`."""
     if original not in _invariant_norms:
         def forward(self, x):
-            if forwards.is_active() and x.dtype in ops.DTYPES and (x.is_cuda or self.weight.device.type == "cpu"):
+            if forwards.is_active() and x.dtype in ops.DTYPES and x.device.type in ("cpu", "cuda"):
                 return rms_norm(self, x)
             return original.forward(self, x)
 
